@@ -1,0 +1,189 @@
+"""Workloads: the memory-intensive subgraphs and models the project is measured on.
+
+Each factory returns a ``Workload``: a function or ``nn.Module``, example inputs and whether it is
+captured for training. The defaults are small CPU sizes for tests; the keyword arguments give the
+real sizes (``REAL_SIZES``) used by benchmarks. Models run with dropout probability 0 so that they
+can be compared with eager PyTorch bit for bit up to rounding; ``dropout`` exists to test masks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass
+class Workload:
+    name: str
+    fn: Callable[..., Any]  # a function or an nn.Module
+    inputs: tuple[Any, ...]
+    train: bool = False
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, requires_grad: bool = False) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)
+
+
+def layernorm(batch: int = 16, hidden: int = 64, train: bool = False, dtype: torch.dtype = torch.float32) -> Workload:
+    torch.manual_seed(0)
+    module = nn.LayerNorm(hidden).to(dtype)
+    with torch.no_grad():
+        module.weight.normal_()
+        module.bias.normal_()
+    x = _rand(batch, hidden, dtype=dtype, requires_grad=train)
+    return Workload("layernorm_train" if train else "layernorm", module, (x,), train)
+
+
+def softmax_scale_mask(batch: int = 4, heads: int = 2, seq: int = 16, scale: float = 0.125,
+                       dtype: torch.dtype = torch.float32) -> Workload:
+    def fn(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x * scale + mask, dim=-1)
+
+    x = _rand(batch, heads, seq, seq, dtype=dtype)
+    mask = torch.where(_rand(batch, 1, 1, seq, seed=1) > 0, 0.0, -10000.0).to(dtype)
+    return Workload("softmax_scale_mask", fn, (x, mask))
+
+
+def bias_gelu(tokens: int = 32, hidden: int = 64, dtype: torch.dtype = torch.float32) -> Workload:
+    def fn(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x + bias, approximate="tanh")
+
+    return Workload("bias_gelu", fn, (_rand(tokens, hidden, dtype=dtype), _rand(hidden, dtype=dtype, seed=1)))
+
+
+ADAM_SHAPES = ((64, 32), (32,), (32, 32), (32,), (16, 32), (16,), (8, 4, 3, 3), (8,), (100,), (7, 5), (3, 3, 3))
+
+
+def adam_step(shapes: tuple[tuple[int, ...], ...] = ADAM_SHAPES, lr: float = 1e-3, betas=(0.9, 0.999),
+              eps: float = 1e-8, weight_decay: float = 0.01, step: int = 3) -> Workload:
+    """One AdamW update per parameter tensor, in place (params, first and second moments)."""
+    beta1, beta2 = betas
+    bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+
+    def fn(*tensors: torch.Tensor) -> None:
+        n = len(tensors) // 4
+        params, grads, exp_avgs, exp_avg_sqs = (tensors[i * n : (i + 1) * n] for i in range(4))
+        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+            p.mul_(1 - lr * weight_decay)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
+            p.addcdiv_(m, denom, value=-lr / bias1)
+
+    tensors = []
+    for group, seed in (("p", 0), ("g", 100), ("m", 200), ("v", 300)):
+        for i, shape in enumerate(shapes):
+            t = _rand(*shape, seed=seed + i)
+            tensors.append(t.abs() if group == "v" else t)
+    return Workload("adam_step", fn, tuple(tensors), notes=f"{len(shapes)} parameter tensors")
+
+
+class MLP(nn.Module):
+    def __init__(self, features: int, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(features, hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc2(torch.relu(self.fc1(x))), target)
+
+
+def mlp_train(batch: int = 16, features: int = 32, hidden: int = 64, classes: int = 10) -> Workload:
+    torch.manual_seed(0)
+    module = MLP(features, hidden, classes)
+    target = torch.randint(0, classes, (batch,), generator=torch.Generator().manual_seed(1))
+    return Workload("mlp_train", module, (_rand(batch, features), target), train=True)
+
+
+class DINAttention(nn.Module):
+    """DIN-style target attention: a small bmm, a masked softmax over the history, a bmm."""
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = torch.bmm(query, keys.transpose(1, 2)) / math.sqrt(keys.shape[-1])
+        scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+        return torch.bmm(torch.softmax(scores, dim=-1), keys)
+
+
+def din_attention(batch: int = 8, history: int = 20, dim: int = 16) -> Workload:
+    lengths = torch.randint(1, history + 1, (batch,), generator=torch.Generator().manual_seed(2))
+    mask = torch.arange(history)[None, :] < lengths[:, None]
+    inputs = (_rand(batch, 1, dim), _rand(batch, history, dim, seed=1), mask)
+    return Workload("din_attention", DINAttention(), inputs)
+
+
+def bert(batch: int = 2, seq: int = 16, train: bool = False, hidden: int = 128, layers: int = 2,
+         heads: int = 2, vocab: int = 1000, dropout: float = 0.0) -> Workload:
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=4 * hidden, max_position_embeddings=max(64, seq),
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = BertModel(config)
+    model.train(train)
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, seq // 2 :] = 0
+
+    class BertOutputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
+            return out.last_hidden_state, out.pooler_output
+
+    return Workload("bert_train" if train else "bert", BertOutputs(), (ids, mask), train)
+
+
+def dropout(numel: int = 4096, p: float = 0.3) -> Workload:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, p=p, training=True)
+
+    return Workload("dropout", fn, (torch.ones(numel),), extra={"p": p})
+
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "layernorm": layernorm,
+    "layernorm_train": lambda **kw: layernorm(train=True, **kw),
+    "softmax_scale_mask": softmax_scale_mask,
+    "bias_gelu": bias_gelu,
+    "adam_step": adam_step,
+    "mlp_train": mlp_train,
+    "din_attention": din_attention,
+    "bert": bert,
+    "bert_train": lambda **kw: bert(train=True, **kw),
+}
+
+REAL_SIZES: dict[str, dict[str, Any]] = {
+    "layernorm": {"batch": 16384, "hidden": 768},
+    "layernorm_train": {"batch": 16384, "hidden": 768},
+    "softmax_scale_mask": {"batch": 32, "heads": 12, "seq": 128},
+    "bias_gelu": {"tokens": 16384, "hidden": 3072},
+    "adam_step": {"shapes": tuple([(768, 768), (768,), (3072, 768), (3072,), (768, 3072)] * 4)},
+    "mlp_train": {"batch": 4096, "features": 512, "hidden": 1024, "classes": 1000},
+    "din_attention": {"batch": 2048, "history": 50, "dim": 64},
+    "bert": {"batch": 8, "seq": 128, "vocab": 30522},
+    "bert_train": {"batch": 8, "seq": 128, "vocab": 30522},
+}
+
+
+def make(name: str, real: bool = False, **sizes: Any) -> Workload:
+    """The workload called ``name``; ``real=True`` uses the benchmark sizes."""
+    if name not in WORKLOADS:
+        raise KeyError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    if real:
+        sizes = {**REAL_SIZES.get(name, {}), **sizes}
+    return WORKLOADS[name](**sizes)

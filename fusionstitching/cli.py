@@ -1,0 +1,126 @@
+"""The ``fusionstitching`` command.
+
+``fusionstitching graph WORKLOAD [--train] [--real] [--json FILE] [--text]`` captures a workload
+and prints its node count by category, the fusable fraction and the library ops by name.
+``fusionstitching demo`` captures every workload, checks the captured graphs against eager PyTorch
+with ``graph/reference.py`` and prints the summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from fusionstitching.graph.analysis import GraphSummary, summarize
+
+
+@dataclass
+class Row:
+    workload: str
+    graph: str
+    summary: GraphSummary
+
+
+def capture_workload(name: str, train: bool = False, real: bool = False):
+    """The workload and its capture; ``train`` picks the ``_train`` variant or makes inputs require grad."""
+    import torch
+
+    from fusionstitching.bench.workloads import WORKLOADS, make
+    from fusionstitching.frontend.torch_fx import capture
+
+    if train and not name.endswith("_train") and f"{name}_train" in WORKLOADS:
+        name = f"{name}_train"
+    workload = make(name, real=real)
+    if train and not workload.train:
+        workload.train = True
+        workload.inputs = tuple(x.detach().requires_grad_(True) if isinstance(x, torch.Tensor)
+                                and x.is_floating_point() else x for x in workload.inputs)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        captured = capture(workload.fn, *workload.inputs, train=workload.train, name=workload.name)
+    return workload, captured
+
+
+def rows_for(name: str, captured) -> list[Row]:
+    rows = [Row(name, "forward", summarize(captured.forward))]
+    if captured.backward is not None:
+        rows.append(Row(name, "backward", summarize(captured.backward)))
+    return rows
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    lines = ["| workload | graph | nodes | fusable fraction | library ops |", "|---|---|---|---|---|"]
+    for row in rows:
+        library = ", ".join(f"{op} x{n}" for op, n in sorted(row.summary.library_ops.items())) or "none"
+        lines.append(f"| {row.workload} | {row.graph} | {row.summary.nodes} | "
+                     f"{row.summary.fusable_fraction:.2f} | {library} |")
+    return "\n".join(lines)
+
+
+def _graph_command(args: argparse.Namespace) -> int:
+    workload, captured = capture_workload(args.workload, train=args.train, real=args.real)
+    for row in rows_for(workload.name, captured):
+        s = row.summary
+        print(f"{workload.name} {row.graph}: {s.nodes} nodes, fusable fraction {s.fusable_fraction:.2f}")
+        for category, count in sorted(s.by_category.items(), key=lambda kv: -kv[1]):
+            print(f"  {category:22s} {count}")
+        library = ", ".join(f"{op} x{n}" for op, n in sorted(s.library_ops.items())) or "none"
+        print(f"  library ops: {library}")
+    if args.text:
+        print(captured.forward)
+        if captured.backward is not None:
+            print(captured.backward)
+    if args.json:
+        path = Path(args.json)
+        path.write_text(captured.forward.to_json())
+        print(f"forward graph written to {path}")
+        if captured.backward is not None:
+            back = path.with_name(path.stem + ".backward" + path.suffix)
+            back.write_text(captured.backward.to_json())
+            print(f"backward graph written to {back}")
+    return 0
+
+
+def _demo_command(args: argparse.Namespace) -> int:
+    from fusionstitching.bench.check import check_against_eager
+    from fusionstitching.bench.workloads import WORKLOADS
+
+    rows, worst = [], 0.0
+    for name in WORKLOADS:
+        workload, captured = capture_workload(name)
+        errors = check_against_eager(captured, workload.fn, workload.inputs, workload.train)
+        worst = max(worst, errors.worst)
+        print(f"{name:20s} reference vs eager: max relative error {errors.worst:.2e}")
+        rows += rows_for(name, captured)
+    print()
+    print(format_table(rows))
+    print("\nNo fusion plan or kernels yet: this release captures and checks graphs only.")
+    return 0 if worst < 1e-5 else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fusionstitching", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    graph = sub.add_parser("graph", help="capture a workload and summarize its graphs")
+    graph.add_argument("workload")
+    graph.add_argument("--train", action="store_true", help="capture forward and backward")
+    graph.add_argument("--real", action="store_true", help="benchmark sizes instead of small test sizes")
+    graph.add_argument("--json", metavar="FILE", help="write the forward graph (and FILE.backward) as JSON")
+    graph.add_argument("--text", action="store_true", help="print the graphs as text")
+    graph.set_defaults(run=_graph_command)
+    demo = sub.add_parser("demo", help="capture every workload and check it against eager PyTorch")
+    demo.set_defaults(run=_demo_command)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except KeyError as err:
+        print(f"fusionstitching: {err.args[0]}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

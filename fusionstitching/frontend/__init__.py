@@ -1,0 +1,1 @@
+"""Frontends: PyTorch capture (``torch_fx``)."""

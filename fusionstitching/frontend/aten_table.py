@@ -1,0 +1,533 @@
+"""The ATen → IR table: one entry per ATen overload (docs/ops.md lists them with their IR form).
+
+Capture runs AOTAutograd with the core-ATen decompositions plus torch's own decompositions of the
+composite ops it would otherwise leave whole (``COMPOSITE_DECOMPOSITIONS``: layer norm, softmax,
+log-softmax, GELU, dropout, embedding, addmm), so what reaches this table is a small set of
+primitive ATen ops. Each lowering receives converted arguments (see ``context.py``) and returns an
+IR node, or a tuple of them for multi-result ops. A lowering raises ``Unsupported`` for a case it
+does not cover; the converter then keeps the op as a ``library`` node.
+
+Ops whose natural form would be a scatter are expressed without one: ``scatter`` with one index per
+row (the cross-entropy gradient) becomes ``select(iota == index, src, self)``; ``index_put`` with
+``accumulate=True`` (the embedding gradient) becomes a one-hot ``dot_general``, which planning may
+later hand to a library GEMM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fusionstitching.frontend.context import LoweringContext, Unsupported, to_dtype
+from fusionstitching.graph.graph import Node
+from fusionstitching.graph.ops import DType
+
+Lowering = Callable[..., Any]
+TABLE: dict[str, Lowering] = {}
+
+# Composite ops that AOTAutograd leaves whole and that capture expands with torch's decompositions.
+COMPOSITE_DECOMPOSITIONS = (
+    "native_layer_norm", "_softmax", "_log_softmax", "gelu", "native_dropout", "embedding", "addmm",
+)
+
+
+def lowers(*names: str) -> Callable[[Lowering], Lowering]:
+    def register(fn: Lowering) -> Lowering:
+        for name in names:
+            assert name not in TABLE, name
+            TABLE[name] = fn
+        return fn
+
+    return register
+
+
+# ----------------------------------------------------------------------------------------------
+# Elementwise
+# ----------------------------------------------------------------------------------------------
+
+
+def _elementwise(op: str) -> Lowering:
+    def lower(cx: LoweringContext, *args: Any) -> Node:
+        return cx.elementwise(op, *args)
+
+    return lower
+
+
+for _name, _op in {
+    "mul.Tensor": "mul", "mul.Scalar": "mul", "maximum.default": "max", "minimum.default": "min",
+    "neg.default": "neg", "abs.default": "abs", "exp.default": "exp", "log.default": "log",
+    "log1p.default": "log1p", "expm1.default": "expm1", "tanh.default": "tanh", "erf.default": "erf",
+    "sigmoid.default": "sigmoid", "sqrt.default": "sqrt", "rsqrt.default": "rsqrt", "sin.default": "sin",
+    "cos.default": "cos", "sign.default": "sign", "floor.default": "floor", "ceil.default": "ceil",
+    "bitwise_and.Tensor": "and", "bitwise_and.Scalar": "and", "bitwise_or.Tensor": "or",
+    "bitwise_or.Scalar": "or", "bitwise_xor.Tensor": "xor", "logical_and.default": "and",
+    "logical_or.default": "or", "logical_xor.default": "xor", "bitwise_not.default": "not",
+    "pow.Tensor_Tensor": "pow", "pow.Tensor_Scalar": "pow", "pow.Scalar": "pow",
+    "fmod.Tensor": "rem", "fmod.Scalar": "rem",
+}.items():
+    lowers(f"aten.{_name}")(_elementwise(_op))
+
+
+@lowers("aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Scalar",
+        "aten.rsub.Tensor")
+def _add_sub(cx: LoweringContext, a: Any, b: Any, alpha: Any = 1) -> Node:
+    name = cx.fx_node.target.__name__
+    if name.startswith("rsub"):
+        a, b = b, a
+    if alpha != 1:
+        b = cx.elementwise("mul", b, alpha)
+    return cx.elementwise("sub" if "sub" in name else "add", a, b)
+
+
+@lowers("aten.div.Tensor", "aten.div.Scalar")
+def _div(cx: LoweringContext, a: Any, b: Any) -> Node:
+    return cx.elementwise("div", a, b)
+
+
+@lowers("aten.div.Tensor_mode", "aten.div.Scalar_mode")
+def _div_mode(cx: LoweringContext, a: Any, b: Any, rounding_mode: str | None = None) -> Node:
+    if rounding_mode is None:
+        return cx.elementwise("div", a, b)
+    q = cx.elementwise("div", a, b)
+    if rounding_mode == "trunc":
+        if not cx.dtype.is_float:
+            return q
+        negative = cx.b.compare("LT", q, cx.lift(0, cx.dtype))
+        return cx.b.select(negative, cx.b.unary("ceil", q), cx.b.unary("floor", q))
+    if cx.dtype.is_float:
+        return cx.b.unary("floor", q)
+    # Integer floor division: truncation, minus one where the remainder is nonzero and signs differ.
+    r = cx.elementwise("rem", a, b)
+    zero = cx.lift(0, cx.dtype)
+    fix = cx.b.binary("and", cx.b.compare("NE", r, zero),
+                      cx.b.compare("NE", cx.b.compare("LT", r, zero), cx.b.compare("LT", cx.lift(b, cx.dtype), zero)))
+    return cx.b.select(fix, cx.b.binary("sub", q, cx.lift(1, cx.dtype)), q)
+
+
+@lowers("aten.remainder.Tensor", "aten.remainder.Scalar")
+def _remainder(cx: LoweringContext, a: Any, b: Any) -> Node:
+    """Python-style modulo: fmod, plus the divisor where the signs of remainder and divisor differ."""
+    r = cx.elementwise("rem", a, b)
+    bb, zero = cx.lift(b, cx.dtype), cx.lift(0, cx.dtype)
+    differ = cx.b.binary("and", cx.b.compare("NE", r, zero),
+                         cx.b.compare("NE", cx.b.compare("LT", r, zero), cx.b.compare("LT", bb, zero)))
+    return cx.b.select(differ, cx.b.binary("add", r, bb), r)
+
+
+@lowers("aten.reciprocal.default")
+def _reciprocal(cx: LoweringContext, x: Node) -> Node:
+    return cx.elementwise("div", 1, x)
+
+
+@lowers("aten.relu.default")
+def _relu(cx: LoweringContext, x: Node) -> Node:
+    return cx.elementwise("max", x, 0)
+
+
+@lowers("aten.clamp.default", "aten.clamp.Tensor", "aten.clamp_min.default", "aten.clamp_max.default",
+        "aten.hardtanh.default")
+def _clamp(cx: LoweringContext, x: Node, lo: Any = None, hi: Any = None) -> Node:
+    name = cx.fx_node.target.__name__
+    if name.startswith("clamp_max"):
+        lo, hi = None, lo
+    if name.startswith("hardtanh"):
+        lo = -1.0 if lo is None else lo
+        hi = 1.0 if hi is None else hi
+    out = cx.lift(x, cx.dtype)
+    if lo is not None:
+        out = cx.elementwise("max", out, lo)
+    if hi is not None:
+        out = cx.elementwise("min", out, hi)
+    return out
+
+
+@lowers("prims.fma.default")
+def _fma(cx: LoweringContext, a: Any, b: Any, c: Any) -> Node:
+    return cx.elementwise("add", cx.elementwise("mul", a, b), c)
+
+
+def _compare(direction: str) -> Lowering:
+    def lower(cx: LoweringContext, a: Any, b: Any) -> Node:
+        return cx.b.compare(direction, *(cx.lift(x, cx.common_dtype(a, b)) for x in (a, b)))
+
+    return lower
+
+
+for _short, _direction in {"eq": "EQ", "ne": "NE", "lt": "LT", "le": "LE", "gt": "GT", "ge": "GE"}.items():
+    lowers(f"aten.{_short}.Tensor", f"aten.{_short}.Scalar")(_compare(_direction))
+
+
+@lowers("aten.logical_not.default")
+def _logical_not(cx: LoweringContext, x: Node) -> Node:
+    return cx.b.unary("not", cx.lift(x, DType.BOOL))
+
+
+@lowers("aten.isnan.default")
+def _isnan(cx: LoweringContext, x: Node) -> Node:
+    return cx.b.compare("NE", x, x)
+
+
+@lowers("aten.where.self", "aten.where.ScalarSelf", "aten.where.ScalarOther", "aten.where.Scalar")
+def _where(cx: LoweringContext, cond: Node, a: Any, b: Any) -> Node:
+    return cx.b.select(cx.lift(cond, DType.BOOL), cx.lift(a, cx.dtype), cx.lift(b, cx.dtype))
+
+
+@lowers("aten._to_copy.default", "prims.convert_element_type.default", "aten.to.dtype")
+def _to_copy(cx: LoweringContext, x: Node, *args: Any, **kwargs: Any) -> Node:
+    return cx.lift(x, cx.dtype)
+
+
+@lowers("aten.clone.default", "aten.alias.default", "aten.lift_fresh_copy.default", "aten.detach.default",
+        "aten.contiguous.default")
+def _identity(cx: LoweringContext, x: Node, *args: Any, **kwargs: Any) -> Node:
+    """Value copies and aliases: the IR is functional, so the value itself."""
+    return x
+
+
+@lowers("aten.copy.default")
+def _copy(cx: LoweringContext, dst: Node, src: Any, non_blocking: bool = False) -> Node:
+    return cx.lift(src, dst.dtype, dst.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Creation and randomness
+# ----------------------------------------------------------------------------------------------
+
+
+@lowers("aten.full.default", "aten.full_like.default", "aten.scalar_tensor.default", "aten.zeros.default",
+        "aten.ones.default", "aten.zeros_like.default", "aten.ones_like.default", "aten.new_zeros.default",
+        "aten.new_ones.default", "aten.new_full.default", "aten.empty.memory_format",
+        "aten.empty_like.default", "aten.new_empty.default", "aten.empty_strided.default")
+def _full(cx: LoweringContext, *args: Any, **kwargs: Any) -> Node:
+    name = cx.fx_node.target.__name__
+    if name.startswith(("full", "new_full")):
+        value = args[-1] if name.startswith("full.") else args[2] if name.startswith("new_full") else args[1]
+    elif name.startswith("scalar_tensor"):
+        value = args[0]
+    else:
+        value = 1 if "ones" in name else 0  # empty: any value is correct, zero is deterministic
+    if isinstance(value, Node):
+        raise Unsupported("fill value given as a tensor")
+    return cx.constant(value, cx.dtype, cx.shape)
+
+
+@lowers("aten.arange.start_step", "aten.arange.start", "aten.arange.default")
+def _arange(cx: LoweringContext, *args: Any, **kwargs: Any) -> Node:
+    numbers = [a for a in args if isinstance(a, (int, float))]
+    start, step = (0, 1) if len(numbers) == 1 else (numbers[0], numbers[2] if len(numbers) > 2 else 1)
+    index = cx.b.iota(cx.shape, 0, DType.I64 if not cx.dtype.is_float else cx.dtype)
+    if step != 1:
+        index = cx.elementwise("mul", index, step, dtype=index.dtype)
+    if start != 0:
+        index = cx.elementwise("add", index, start, dtype=index.dtype)
+    return cx.lift(index, cx.dtype)
+
+
+@lowers("aten.rand.default", "aten.rand_like.default")
+def _rand(cx: LoweringContext, *args: Any, **kwargs: Any) -> Node:
+    return cx.lift(cx.rng.uniform(cx.shape, DType.F32), cx.dtype)
+
+
+@lowers("aten.bernoulli.p", "aten.bernoulli.default")
+def _bernoulli(cx: LoweringContext, x: Node, p: Any = None, generator: Any = None) -> Node:
+    probability = x if p is None else p
+    u = cx.rng.uniform(cx.shape, DType.F32)
+    return cx.lift(cx.b.compare("LT", u, cx.lift(probability, DType.F32)), cx.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reductions
+# ----------------------------------------------------------------------------------------------
+
+
+def _reduce(cx: LoweringContext, x: Node, dims: Any, keepdim: bool, kind: str, dtype: DType) -> Node:
+    dims = cx.normalize_dims(dims, len(x.shape))
+    out = cx.b.reduce(cx.lift(x, dtype, x.shape), dims, kind) if dims else cx.lift(x, dtype, x.shape)
+    if keepdim:
+        out = cx.reshape(out, [1 if i in dims else s for i, s in enumerate(x.shape)])
+    return out
+
+
+@lowers("aten.sum.dim_IntList", "aten.sum.default")
+def _sum(cx: LoweringContext, x: Node, dims: Any = None, keepdim: bool = False, dtype: Any = None) -> Node:
+    return _reduce(cx, x, dims, keepdim, "sum", cx.dtype)
+
+
+@lowers("aten.prod.dim_int", "aten.prod.default")
+def _prod(cx: LoweringContext, x: Node, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> Node:
+    return _reduce(cx, x, dim, keepdim, "prod", cx.dtype)
+
+
+@lowers("aten.amax.default", "aten.max.default")
+def _amax(cx: LoweringContext, x: Node, dims: Any = None, keepdim: bool = False) -> Node:
+    return _reduce(cx, x, dims, keepdim, "max", cx.dtype)
+
+
+@lowers("aten.amin.default", "aten.min.default")
+def _amin(cx: LoweringContext, x: Node, dims: Any = None, keepdim: bool = False) -> Node:
+    return _reduce(cx, x, dims, keepdim, "min", cx.dtype)
+
+
+@lowers("aten.any.dim", "aten.any.dims", "aten.any.default")
+def _any(cx: LoweringContext, x: Node, dims: Any = None, keepdim: bool = False) -> Node:
+    return cx.lift(_reduce(cx, _nonzero(cx, x), dims, keepdim, "max", DType.BOOL), cx.dtype)
+
+
+@lowers("aten.all.dim", "aten.all.dims", "aten.all.default")
+def _all(cx: LoweringContext, x: Node, dims: Any = None, keepdim: bool = False) -> Node:
+    return cx.lift(_reduce(cx, _nonzero(cx, x), dims, keepdim, "min", DType.BOOL), cx.dtype)
+
+
+def _nonzero(cx: LoweringContext, x: Node) -> Node:
+    if x.dtype == DType.BOOL:
+        return x
+    return cx.b.compare("NE", x, cx.lift(0, x.dtype, x.shape))
+
+
+def _mean(cx: LoweringContext, x: Node, dims: tuple[int, ...], keepdim: bool, dtype: DType) -> Node:
+    total = _reduce(cx, x, dims, keepdim, "sum", dtype)
+    count = math.prod(x.shape[d] for d in dims)
+    return cx.b.binary("div", total, cx.lift(count, dtype, total.shape))
+
+
+@lowers("aten.mean.dim", "aten.mean.default")
+def _mean_op(cx: LoweringContext, x: Node, dims: Any = None, keepdim: bool = False, dtype: Any = None) -> Node:
+    compute = cx.dtype.compute
+    return cx.lift(_mean(cx, x, cx.normalize_dims(dims, len(x.shape)), keepdim, compute), cx.dtype)
+
+
+@lowers("aten.var_mean.correction", "aten.var.correction")
+def _var_mean(cx: LoweringContext, x: Node, dims: Any = None, *, correction: Any = None,
+              keepdim: bool = False) -> Any:
+    """Two-pass variance in the compute type: mean, then the mean of squared deviations."""
+    dims = cx.normalize_dims(dims, len(x.shape))
+    correction = 1 if correction is None else correction
+    out_dtype = to_dtype((cx.meta_of(0) if isinstance(cx.meta, (tuple, list)) else cx.meta).dtype)
+    compute = out_dtype.compute
+    mean_kept = _mean(cx, x, dims, True, compute)
+    deviation = cx.b.binary("sub", cx.lift(x, compute, x.shape), cx.broadcast_to(mean_kept, x.shape))
+    squares = _reduce(cx, cx.b.binary("mul", deviation, deviation), dims, keepdim, "sum", compute)
+    count = max(math.prod(x.shape[d] for d in dims) - correction, 0)
+    var = cx.lift(cx.b.binary("div", squares, cx.lift(count, compute, squares.shape)), out_dtype, squares.shape)
+    if "var_mean" not in cx.fx_node.target.__name__:
+        return var
+    mean = mean_kept if keepdim else cx.reshape(mean_kept, var.shape)
+    return var, cx.lift(mean, out_dtype, mean.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shape ops: layout metadata in the IR, index arithmetic in kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@lowers("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.view_copy.default",
+        "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default",
+        "aten.flatten.using_ints", "aten.unflatten.int")
+def _reshape(cx: LoweringContext, x: Node, *args: Any) -> Node:
+    return cx.reshape(x, cx.shape)
+
+
+@lowers("aten.permute.default", "aten.permute_copy.default")
+def _permute(cx: LoweringContext, x: Node, dims: Sequence[int]) -> Node:
+    return cx.b.transpose(x, [cx.normalize_dim(d, len(x.shape)) for d in dims])
+
+
+@lowers("aten.transpose.int", "aten.t.default")
+def _transpose(cx: LoweringContext, x: Node, dim0: int = 0, dim1: int = 1) -> Node:
+    perm = list(range(len(x.shape)))
+    if len(perm) < 2:
+        return x
+    a, b = cx.normalize_dim(dim0, len(perm)), cx.normalize_dim(dim1, len(perm))
+    perm[a], perm[b] = perm[b], perm[a]
+    return cx.b.transpose(x, perm)
+
+
+@lowers("aten.expand.default", "aten.expand_copy.default")
+def _expand(cx: LoweringContext, x: Node, size: Sequence[int], implicit: bool = False) -> Node:
+    return cx.broadcast_to(x, cx.shape)
+
+
+def _slice_dim(cx: LoweringContext, x: Node, dim: int, start: int, stop: int, step: int) -> Node:
+    start_, limit, stride = [0] * len(x.shape), list(x.shape), [1] * len(x.shape)
+    start_[dim], limit[dim], stride[dim] = start, stop, step
+    if (start, stop, step) == (0, x.shape[dim], 1):
+        return x
+    return cx.node("slice", x, start=tuple(start_), limit=tuple(limit), stride=tuple(stride))
+
+
+@lowers("aten.slice.Tensor", "aten.slice_copy.Tensor")
+def _slice(cx: LoweringContext, x: Node, dim: int = 0, start: Any = None, end: Any = None, step: int = 1) -> Node:
+    dim = cx.normalize_dim(dim, len(x.shape))
+    r = range(x.shape[dim])[slice(start, end, step)]
+    stop = r.start + (len(r) - 1) * step + 1 if len(r) else r.start
+    return _slice_dim(cx, x, dim, r.start if len(r) else 0, stop if len(r) else 0, step)
+
+
+@lowers("aten.select.int", "aten.select_copy.int")
+def _select(cx: LoweringContext, x: Node, dim: int, index: int) -> Node:
+    dim = cx.normalize_dim(dim, len(x.shape))
+    index = index % x.shape[dim]
+    return cx.reshape(_slice_dim(cx, x, dim, index, index + 1, 1), cx.shape)
+
+
+@lowers("aten.split_with_sizes.default", "aten.split.Tensor", "aten.unbind.int")
+def _split(cx: LoweringContext, x: Node, sizes: Any = None, dim: int = 0) -> tuple[Node, ...]:
+    name = cx.fx_node.target.__name__
+    if name.startswith("unbind"):
+        dim = cx.normalize_dim(sizes or 0, len(x.shape))
+        return tuple(cx.reshape(_slice_dim(cx, x, dim, i, i + 1, 1), cx.meta_of(i).shape)
+                     for i in range(x.shape[dim]))
+    dim = cx.normalize_dim(dim, len(x.shape))
+    parts, start = [], 0
+    for i in range(len(cx.meta)):
+        size = int(cx.meta_of(i).shape[dim])
+        parts.append(_slice_dim(cx, x, dim, start, start + size, 1))
+        start += size
+    return tuple(parts)
+
+
+@lowers("aten.cat.default")
+def _cat(cx: LoweringContext, tensors: Sequence[Node], dim: int = 0) -> Node:
+    tensors = [t for t in tensors if not (t.shape == (0,) and len(cx.shape) != 1)]  # torch's legacy empties
+    dim = cx.normalize_dim(dim, len(cx.shape))
+    parts = [cx.lift(t, cx.dtype, t.shape) for t in tensors if t.shape[dim] > 0]
+    if len(parts) == 1:
+        return parts[0]
+    return cx.b.node("concatenate", parts, dimension=dim)
+
+
+@lowers("aten.constant_pad_nd.default")
+def _pad(cx: LoweringContext, x: Node, pad: Sequence[int], value: Any = 0) -> Node:
+    low, high = [0] * len(x.shape), [0] * len(x.shape)
+    for i in range(len(pad) // 2):
+        low[len(x.shape) - 1 - i], high[len(x.shape) - 1 - i] = pad[2 * i], pad[2 * i + 1]
+    return cx.node("pad", x, low=tuple(low), high=tuple(high), interior=(0,) * len(x.shape), value=float(value))
+
+
+# ----------------------------------------------------------------------------------------------
+# Indexing
+# ----------------------------------------------------------------------------------------------
+
+
+def _wrap_negative(cx: LoweringContext, index: Node, size: int) -> Node:
+    """torch indexing accepts -size <= i < 0; map those to i + size."""
+    zero, n = cx.lift(0, index.dtype, index.shape), cx.lift(size, index.dtype, index.shape)
+    return cx.b.select(cx.b.compare("LT", index, zero), cx.b.binary("add", index, n), index)
+
+
+@lowers("aten.index_select.default")
+def _index_select(cx: LoweringContext, x: Node, dim: int, index: Node) -> Node:
+    dim = cx.normalize_dim(dim, len(x.shape))
+    return cx.node("gather", x, index, axis=dim, batch_dims=0)
+
+
+@lowers("aten.index.Tensor")
+def _index(cx: LoweringContext, x: Node, indices: Sequence[Node | None]) -> Node:
+    """Advanced indexing by adjacent integer index tensors: one gather on the merged dims."""
+    positions = [i for i, t in enumerate(indices) if t is not None]
+    if not positions or positions != list(range(positions[0], positions[-1] + 1)):
+        raise Unsupported("index tensors that are not adjacent")
+    if any(indices[i].dtype not in (DType.I32, DType.I64) for i in positions):
+        raise Unsupported("boolean-mask indexing (data-dependent shape)")
+    first, last = positions[0], positions[-1]
+    index_shape = _broadcast_shapes([indices[i].shape for i in positions])
+    linear = None
+    for i in positions:
+        idx = cx.broadcast_to(cx.lift(indices[i], DType.I64, indices[i].shape), index_shape)
+        idx = _wrap_negative(cx, idx, x.shape[i])
+        linear = idx if linear is None else cx.b.binary(
+            "add", cx.b.binary("mul", linear, cx.lift(x.shape[i], DType.I64, index_shape)), idx)
+    merged = x.shape[:first] + (math.prod(x.shape[first : last + 1]),) + x.shape[last + 1 :]
+    return cx.reshape(cx.node("gather", cx.reshape(x, merged), linear, axis=first, batch_dims=0), cx.shape)
+
+
+def _broadcast_shapes(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    rank = max(len(s) for s in shapes)
+    out = [1] * rank
+    for s in shapes:
+        for i, size in enumerate(s):
+            j = rank - len(s) + i
+            out[j] = size if out[j] == 1 else out[j]
+    return tuple(out)
+
+
+def _move_dim_last(cx: LoweringContext, x: Node, dim: int) -> Node:
+    perm = [d for d in range(len(x.shape)) if d != dim] + [dim]
+    return cx.b.transpose(x, perm)
+
+
+def _move_last_to(cx: LoweringContext, x: Node, dim: int) -> Node:
+    rank = len(x.shape)
+    perm = list(range(rank - 1))
+    perm.insert(dim, rank - 1)
+    return cx.b.transpose(x, perm)
+
+
+@lowers("aten.gather.default")
+def _gather(cx: LoweringContext, x: Node, dim: int, index: Node, sparse_grad: bool = False) -> Node:
+    """torch.gather: ``out[i][j] = x[i][index[i][j]]`` along ``dim``, as a batched IR gather."""
+    rank = len(x.shape)
+    if rank == 0:
+        return x
+    dim = cx.normalize_dim(dim, rank)
+    # torch allows an index smaller than x in the other dims: read only that corner of x.
+    corner = tuple(index.shape[d] if d != dim else x.shape[d] for d in range(rank))
+    if corner != x.shape:
+        x = cx.node("slice", x, start=(0,) * rank, limit=corner, stride=(1,) * rank)
+    gathered = cx.node("gather", _move_dim_last(cx, x, dim), _move_dim_last(cx, index, dim),
+                       axis=rank - 1, batch_dims=rank - 1)
+    return _move_last_to(cx, gathered, dim)
+
+
+@lowers("aten.scatter.value", "aten.scatter.src")
+def _scatter(cx: LoweringContext, x: Node, dim: int, index: Node, src: Any) -> Node:
+    """Scatter with one index per row along ``dim``: ``select(iota == index, src, x)``."""
+    dim = cx.normalize_dim(dim, len(x.shape))
+    expected = tuple(1 if d == dim else s for d, s in enumerate(x.shape))
+    if index.shape != expected:
+        raise Unsupported(f"scatter with index shape {list(index.shape)}; only {list(expected)} is lowered")
+    if isinstance(src, Node) and src.shape != expected:
+        src = cx.node("slice", src, start=(0,) * len(src.shape), limit=expected, stride=(1,) * len(src.shape))
+    hit = cx.b.compare("EQ", cx.b.iota(x.shape, dim, DType.I64), cx.lift(index, DType.I64, x.shape))
+    return cx.b.select(hit, cx.lift(src, cx.dtype), cx.lift(x, cx.dtype))
+
+
+@lowers("aten.index_put.default")
+def _index_put(cx: LoweringContext, x: Node, indices: Sequence[Node | None], values: Node,
+               accumulate: bool = False) -> Node:
+    """Accumulating put along dim 0 (an embedding gradient): ``x + onehot(index)^T @ values``."""
+    if not accumulate or len(indices) != 1 or indices[0] is None or indices[0].dtype == DType.BOOL:
+        raise Unsupported("index_put other than accumulate=True with one integer index on dim 0")
+    index = indices[0]
+    rows, rest = x.shape[0], x.shape[1:]
+    n = math.prod(index.shape)
+    flat_index = _wrap_negative(cx, cx.reshape(cx.lift(index, DType.I64, index.shape), (n,)), rows)
+    flat_values = cx.reshape(cx.lift(values, cx.dtype, index.shape + rest), (n, math.prod(rest)))
+    hit = cx.b.compare("EQ", cx.b.broadcast(flat_index, (n, rows), (0,)), cx.b.iota((n, rows), 1, DType.I64))
+    onehot = cx.b.convert(hit, cx.dtype)
+    summed = cx.node("dot_general", onehot, flat_values, lhs_batch=(), rhs_batch=(), lhs_contract=(0,),
+                     rhs_contract=(0,))
+    return cx.b.binary("add", cx.lift(x, cx.dtype), cx.reshape(summed, x.shape))
+
+
+# ----------------------------------------------------------------------------------------------
+# Matrix products
+# ----------------------------------------------------------------------------------------------
+
+
+@lowers("aten.mm.default")
+def _mm(cx: LoweringContext, a: Node, b: Node) -> Node:
+    a, b = cx.lift(a, cx.dtype, a.shape), cx.lift(b, cx.dtype, b.shape)
+    return cx.node("dot_general", a, b, lhs_batch=(), rhs_batch=(), lhs_contract=(1,), rhs_contract=(0,))
+
+
+@lowers("aten.bmm.default")
+def _bmm(cx: LoweringContext, a: Node, b: Node) -> Node:
+    a, b = cx.lift(a, cx.dtype, a.shape), cx.lift(b, cx.dtype, b.shape)
+    return cx.node("dot_general", a, b, lhs_batch=(0,), rhs_batch=(0,), lhs_contract=(2,), rhs_contract=(1,))
+
+
+@lowers("aten.dot.default")
+def _dot(cx: LoweringContext, a: Node, b: Node) -> Node:
+    return cx.node("dot_general", a, b, lhs_batch=(), rhs_batch=(), lhs_contract=(0,), rhs_contract=(0,))

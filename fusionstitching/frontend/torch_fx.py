@@ -1,0 +1,395 @@
+"""PyTorch capture: a function or ``nn.Module`` → forward (and backward) ``Graph``.
+
+How a graph is obtained (DESIGN.md "Training graphs"):
+1. TorchDynamo traces the Python code (``fullgraph=True``, static shapes) — it resolves the
+   data-dependent Python that models contain (Hugging Face mask checks, ``.all()`` guards) against
+   the example inputs. Module parameters and buffers are passed as explicit inputs through
+   ``torch.func.functional_call`` on detached clones, so capture never writes into the user's
+   tensors.
+2. AOTAutograd functionalizes the graph and applies the core-ATen decompositions plus torch's
+   decompositions of the composite ops it would leave whole (``aten_table.COMPOSITE_DECOMPOSITIONS``).
+   Input mutations stay in the inference graph as ``copy_`` (``keep_inference_input_mutations``).
+   For training the joint graph is split by the min-cut rematerialization partitioner — the same
+   one Inductor uses — and the split is recorded when it happens, so no forward or backward runs:
+   the compiled stand-ins return empty tensors of the recorded shapes.
+3. ``convert`` walks each ATen FX graph and lowers every node through ``aten_table.TABLE``. An op
+   without an entry becomes a ``library`` node that keeps the torch callable, so the graph stays
+   complete and runnable, and a ``LibraryFallbackWarning`` names it once per capture.
+
+Calling convention of the result: forward parameters = [module parameters and buffers, tensor
+user inputs, rng seed and offset (only when the graph draws random numbers)]; forward outputs =
+[user outputs, saved tensors, then new values of mutated inputs (``graph.mutations``)]; backward
+parameters = [saved tensors, tangents]; backward outputs = one gradient per forward parameter
+other than the rng ones, ``None`` where there is none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import types
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from fusionstitching.frontend import aten_table
+from fusionstitching.frontend.context import (
+    DTYPE_TO_TORCH,
+    CaptureError,
+    LoweringContext,
+    RngState,
+    Unsupported,
+    layout_of,
+    to_dtype,
+)
+from fusionstitching.graph.graph import Graph, GraphBuilder, Layout, Node, VerifyError, verify
+from fusionstitching.graph.ops import DType
+
+
+class LibraryFallbackWarning(UserWarning):
+    """An ATen op with no IR lowering was kept as a library call."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: DType
+    layout: Layout
+
+
+@dataclass
+class Captured:
+    """The graphs of one capture and how their inputs and outputs line up."""
+
+    forward: Graph
+    backward: Graph | None
+    parameter_names: list[str]
+    num_user_outputs: int
+    num_saved: int = 0
+    library_ops: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------
+# FX graph → Graph
+# ----------------------------------------------------------------------------------------------
+
+_IGNORED_KWARGS = ("device", "pin_memory", "layout", "memory_format", "non_blocking", "generator")
+
+
+def convert(
+    gm: fx.GraphModule,
+    params: Sequence[ParamSpec],
+    placeholder_slots: Sequence[int | torch.Tensor],
+    *,
+    name: str = "graph",
+    output_order: Sequence[int] | None = None,
+    output_mutations: dict[int, int] | None = None,
+    warned: set[str] | None = None,
+) -> Graph:
+    """Lower an ATen FX graph to a verified ``Graph``.
+
+    ``placeholder_slots[i]`` is the parameter index the i-th placeholder becomes, or a tensor to be
+    embedded as a constant. ``output_order`` picks and orders the FX outputs; ``output_mutations``
+    maps an FX output index to the parameter it overwrites (such outputs go last).
+    """
+    builder = GraphBuilder(name)
+    for spec in params:
+        builder.parameter(spec.shape, spec.dtype, name=spec.name, layout=spec.layout)
+    rng = RngState(builder)
+    warned = set() if warned is None else warned
+    values: dict[fx.Node, Any] = {}
+    mutated: dict[int, Node] = {}  # parameter index → its new value (from in-graph copy_)
+    placeholder_index = 0
+    fx_outputs: list[Any] = []
+    for fx_node in gm.graph.nodes:
+        if fx_node.op == "placeholder":
+            slot = placeholder_slots[placeholder_index]
+            placeholder_index += 1
+            values[fx_node] = builder.parameters[slot] if isinstance(slot, int) else _constant(builder, slot)
+        elif fx_node.op == "get_attr":
+            values[fx_node] = _constant(builder, getattr(gm, fx_node.target))
+        elif fx_node.op == "call_function":
+            values[fx_node] = _call(builder, rng, fx_node, values, mutated, warned)
+        elif fx_node.op == "output":
+            fx_outputs = list(fx_node.args[0])
+    out_values = [values[o] if isinstance(o, fx.Node) else None for o in fx_outputs]
+    out_metas = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in fx_outputs]
+    order = list(range(len(fx_outputs))) if output_order is None else list(output_order)
+    outputs = [out_values[i] for i in order]
+    layouts = [layout_of(out_metas[i]) if isinstance(out_metas[i], torch.Tensor) else None for i in order]
+    mutations = {}
+    for fx_index, param in (output_mutations or {}).items():
+        mutated[param] = out_values[fx_index]
+    for param, value in sorted(mutated.items()):
+        mutations[len(outputs)] = param
+        outputs.append(value)
+        layouts.append(builder.parameters[param].layout)
+    try:
+        return builder.build(outputs, mutations=mutations, output_layouts=layouts)
+    except VerifyError as err:
+        raise CaptureError(f"graph {name}: {err}") from None
+
+
+def _constant(builder: GraphBuilder, tensor: torch.Tensor) -> Node:
+    dtype = to_dtype(tensor.dtype, " (embedded tensor)")
+    array = tensor.detach().cpu().to(DTYPE_TO_TORCH[dtype])
+    if dtype == DType.BF16:
+        value = array.float().numpy().astype(dtype.numpy)
+    else:
+        value = array.numpy()
+    return builder.node("constant", shape=value.shape, dtype=dtype, name="const", value=value.copy())
+
+
+def _call(builder, rng, fx_node: fx.Node, values, mutated, warned) -> Any:
+    target = fx_node.target
+    args = fx.node.map_arg(fx_node.args, lambda a: values[a])
+    kwargs = {k: v for k, v in fx.node.map_arg(fx_node.kwargs, lambda a: values[a]).items()
+              if k not in _IGNORED_KWARGS}
+    if target is operator.getitem:
+        return args[0][args[1]]
+    op_name = str(target)
+    if target is torch.ops.aten.copy_.default:
+        dst, src = args[0], args[1]
+        if not (isinstance(dst, Node) and dst.op == "parameter"):
+            raise CaptureError(f"FX node {fx_node.name} ({op_name}): copy_ into a non-input")
+        cx = LoweringContext(builder, fx_node, rng)
+        value = cx.lift(src, dst.dtype, dst.shape)
+        mutated[dst.attrs["index"]] = value
+        return value
+    lowering = aten_table.TABLE.get(op_name)
+    if lowering is not None:
+        try:
+            return lowering(LoweringContext(builder, fx_node, rng), *args, **kwargs)
+        except Unsupported as why:
+            reason = str(why)
+        except Exception as err:
+            raise CaptureError(f"FX node {fx_node.name} ({op_name}): {type(err).__name__}: {err}") from err
+    else:
+        reason = "no lowering"
+    if op_name not in warned:
+        warned.add(op_name)
+        warnings.warn(f"{op_name} is kept as a library call ({reason})", LibraryFallbackWarning, stacklevel=3)
+    return _library(builder, fx_node, op_name, fx_node.args, fx_node.kwargs, values)
+
+
+def _library(builder: GraphBuilder, fx_node: fx.Node, op_name: str, raw_args, raw_kwargs, values) -> Any:
+    operands: list[Node] = []
+
+    def encode(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            operands.append(values[a])
+            return {"operand": len(operands) - 1}
+        if isinstance(a, torch.dtype):
+            return {"dtype": to_dtype(a).value}
+        if isinstance(a, (list, tuple)):
+            return [encode(x) for x in a]
+        if a is None or isinstance(a, (bool, int, float, str)):
+            return a
+        raise CaptureError(f"FX node {fx_node.name} ({op_name}): argument {a!r} cannot be kept for a library call")
+
+    call = {"args": [encode(a) for a in raw_args],
+            "kwargs": {k: encode(v) for k, v in raw_kwargs.items() if k not in _IGNORED_KWARGS}}
+    meta = fx_node.meta.get("val")
+
+    def result(value: torch.Tensor, index: int) -> Node:
+        dtype = to_dtype(value.dtype, f" (result of library op {op_name})")
+        return builder.node("library", operands, shape=tuple(value.shape), dtype=dtype, name=fx_node.name,
+                            layout=layout_of(value), target=op_name, call=call, out_index=index)
+
+    if isinstance(meta, torch.Tensor):
+        return result(meta, -1)
+    if isinstance(meta, (tuple, list)):
+        return tuple(result(v, i) if isinstance(v, torch.Tensor) else None for i, v in enumerate(meta))
+    raise CaptureError(f"FX node {fx_node.name} ({op_name}): no tensor result to keep")
+
+
+def decompositions() -> dict:
+    from torch._decomp import core_aten_decompositions, get_decompositions
+
+    table = dict(core_aten_decompositions())
+    composites = [getattr(torch.ops.aten, name) for name in aten_table.COMPOSITE_DECOMPOSITIONS]
+    table.update(get_decompositions(composites))
+    return table
+
+
+# ----------------------------------------------------------------------------------------------
+# Capture
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Recording:
+    dynamo_inputs: list[Any] = field(default_factory=list)
+    inference: fx.GraphModule | None = None
+    forward: fx.GraphModule | None = None
+    backward: fx.GraphModule | None = None
+    num_fwd_outputs: int = 0
+    metadata: Any = None
+    calls: int = 0
+
+
+def _stand_in(gm: fx.GraphModule) -> Callable[..., Any]:
+    """A compiled function that returns empty tensors shaped like ``gm``'s outputs."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    metas = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in gm.graph.output_node().args[0]]
+
+    def run(*args: Any) -> list[Any]:
+        return [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device)
+                if isinstance(m, torch.Tensor) else None for m in metas]
+
+    return make_boxed_func(run)
+
+
+def _metadata() -> Any:
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    return None if context is None else context.fw_metadata
+
+
+def _backend(recording: _Recording) -> Callable[..., Any]:
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        recording.forward, recording.backward = fw, bw
+        recording.num_fwd_outputs = kwargs["num_fwd_outputs"]
+        recording.metadata = _metadata()
+        return fw, bw
+
+    def inference(gm: fx.GraphModule, example_inputs: Any):
+        recording.inference = gm
+        recording.metadata = _metadata()
+        return _stand_in(gm)
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]):
+        recording.calls += 1
+        recording.dynamo_inputs = list(example_inputs)
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=lambda g, _: _stand_in(g), bw_compiler=lambda g, _: _stand_in(g),
+            inference_compiler=inference, partition_fn=partition, decompositions=decompositions(),
+            keep_inference_input_mutations=True,
+        )
+
+    return backend
+
+
+def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``fn`` with its own code object, so TorchDynamo's per-code cache never hits."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{id(fn):x}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _spec(name: str, t: torch.Tensor) -> ParamSpec:
+    return ParamSpec(name, tuple(t.shape), to_dtype(t.dtype, f" (input {name})"), layout_of(t))
+
+
+def capture(fn_or_module: Callable[..., Any], *example_inputs: Any, train: bool = False,
+            name: str | None = None) -> Captured:
+    """Capture ``fn_or_module(*example_inputs)`` as IR graphs (forward, and backward when ``train``)."""
+    module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
+    if name is None:
+        name = type(module).__name__ if module is not None else getattr(fn_or_module, "__name__", "graph")
+    state = list(module.named_parameters()) + list(module.named_buffers()) if module is not None else []
+    state_names = [n for n, _ in state]
+
+    def clone(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        copy.copy_(t.detach())
+        return copy.requires_grad_(train and t.requires_grad)
+
+    state_clones = [clone(t) for _, t in state]
+    input_clones = [clone(x) for x in example_inputs]
+    slots: dict[int, int] = {}
+    specs: list[ParamSpec] = []
+    for label, t in list(zip(state_names, state_clones)) + [(f"input{i}", x) for i, x in enumerate(input_clones)]:
+        if isinstance(t, torch.Tensor):
+            slots[id(t)] = len(specs)
+            specs.append(_spec(label.replace(".", "_"), t))
+
+    if module is not None:
+        def run(*flat: Any) -> Any:
+            return torch.func.functional_call(module, dict(zip(state_names, flat[: len(state_names)])),
+                                              tuple(flat[len(state_names):]))
+    else:
+        def run(*flat: Any) -> Any:
+            return fn_or_module(*flat)
+
+    recording = _Recording()
+    compiled = torch.compile(_fresh(run), backend=_backend(recording), fullgraph=True, dynamic=False)
+    with torch.no_grad() if not train else contextlib.nullcontext():
+        compiled(*state_clones, *input_clones)
+    if recording.calls != 1:
+        raise CaptureError(f"capture of {name}: TorchDynamo produced {recording.calls} graphs, expected 1")
+    placeholder_slots = [slots.get(id(t), t) for t in recording.dynamo_inputs]
+    return _convert_recording(recording, specs, placeholder_slots, name)
+
+
+def _mutation_outputs(metadata: Any, placeholder_slots: Sequence[int | torch.Tensor]) -> dict[int, int]:
+    """AOTAutograd returns mutated inputs it did not keep in-graph as the first outputs."""
+    if metadata is None:
+        return {}
+    if getattr(metadata, "num_intermediate_bases", 0):
+        raise CaptureError("outputs that alias graph intermediates are not supported")
+    result = {}
+    for position, input_index in enumerate(metadata.mutated_inp_runtime_indices):
+        slot = placeholder_slots[input_index]
+        if not isinstance(slot, int):
+            raise CaptureError(f"graph mutates input {input_index}, which is not a parameter")
+        result[position] = slot
+    return result
+
+
+def _convert_recording(recording: _Recording, specs: list[ParamSpec],
+                       placeholder_slots: list[int | torch.Tensor], name: str) -> Captured:
+    warned: set[str] = set()
+    names = [s.name for s in specs]
+    if recording.backward is None:
+        gm = recording.inference or recording.forward
+        mutations = _mutation_outputs(recording.metadata, placeholder_slots)
+        n_out = len(gm.graph.output_node().args[0])
+        order = [i for i in range(n_out) if i not in mutations]
+        forward = convert(gm, specs, placeholder_slots, name=name, output_order=order,
+                          output_mutations=mutations, warned=warned)
+        return Captured(forward, None, names, len(order), 0, sorted(warned))
+
+    fw, bw = recording.forward, recording.backward
+    mutations = _mutation_outputs(recording.metadata, placeholder_slots)
+    fw_out = list(fw.graph.output_node().args[0])
+    n_user = recording.num_fwd_outputs - len(mutations)
+    saved = fw_out[recording.num_fwd_outputs:]
+    order = list(range(len(mutations), recording.num_fwd_outputs)) + list(
+        range(recording.num_fwd_outputs, len(fw_out)))
+    forward = convert(fw, specs, placeholder_slots, name=f"{name}_forward", output_order=order,
+                      output_mutations=mutations, warned=warned)
+
+    bw_placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    saved_names = [s.name for s in saved]
+    if [p.name for p in bw_placeholders[: len(saved)]] != saved_names:
+        raise CaptureError(f"backward of {name}: saved tensors {saved_names} do not lead its inputs")
+    bw_specs = [_spec(p.name, p.meta["val"]) for p in bw_placeholders]
+    # Gradients come in AOTAutograd's input order; put them in forward-parameter order.
+    grad_of = {slot: i for i, slot in enumerate(placeholder_slots) if isinstance(slot, int)}
+    bw_order = [grad_of.get(p, -1) for p in range(len(specs))]
+    backward = _convert_backward(bw, bw_specs, bw_order, f"{name}_backward", warned)
+    return Captured(forward, backward, names, n_user, len(saved), sorted(warned))
+
+
+def _convert_backward(bw: fx.GraphModule, specs: list[ParamSpec], order: list[int], name: str,
+                      warned: set[str]) -> Graph:
+    """The backward graph with one gradient per forward parameter (``order[p]`` = its FX output)."""
+    full = convert(bw, specs, list(range(len(specs))), name=name, warned=warned)
+    outputs = [full.outputs[i] if i >= 0 else None for i in order]
+    layouts = [full.output_layouts[i] if i >= 0 else None for i in order]
+    graph = Graph(full.parameters, outputs, name=name, output_layouts=layouts)
+    verify(graph)
+    return graph

@@ -1,0 +1,251 @@
+"""Structural analyses of a Graph: users, orders, work/span layers, dominators, cycle checks.
+
+Work/span layers follow [A §3.1]: a root (here: any node without users) has span 0, every other
+node has the maximum span of its users plus one. Nodes of one span form a layer with no data
+dependence among them, and the largest span is the length of the critical path. The paper splits
+graphs with while loops into frame contexts first; our graphs are acyclic, so no such step is needed.
+``work_depth`` is the mirror image, measured from the sources.
+
+Dominators serve the shared-memory planner's space sharing [B Alg. 4]. They are computed by
+``networkx.immediate_dominators`` on the data-flow graph with a virtual entry feeding every node
+without operands (post-dominators: the reversed graph with a virtual exit fed by every output and
+every sink); a node whose immediate dominator is the virtual node maps to ``None``.
+
+A fusion pattern is legal only if contracting it into one node keeps the graph acyclic, i.e. no
+path leaves the pattern and comes back to it (DESIGN.md "Fusion exploration"). ``CycleChecker``
+answers that by walking forward from the pattern's outside users and pruning every node whose
+topological position is past the pattern's last node, since such a node cannot reach the pattern.
+Exploration asks this question many times per graph, so the checker precomputes users and
+positions once.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import networkx as nx
+
+from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.ops import Category
+
+
+def users(graph: Graph) -> dict[Node, list[Node]]:
+    """Each node's distinct users, in graph order (a node using an operand twice is listed once)."""
+    result: dict[Node, list[Node]] = {node: [] for node in graph.nodes}
+    for node in graph.nodes:
+        seen: set[int] = set()
+        for operand in node.operands:
+            if id(operand) not in seen:
+                seen.add(id(operand))
+                result[operand].append(node)
+    return result
+
+
+def topological_order(graph: Graph) -> list[Node]:
+    """Kahn's algorithm over ``graph.nodes``; ties go to the node listed first. Raises on a cycle."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    missing = 0
+    pending: dict[Node, int] = {}
+    for node in graph.nodes:
+        distinct = {id(x): x for x in node.operands}
+        for operand in distinct.values():
+            if operand not in position:
+                raise ValueError(f"node {node.name}: operand {operand.name} is not in graph {graph.name}")
+        pending[node] = len(distinct)
+        missing += len(distinct)
+    user_map = users(graph)
+    ready = [position[node] for node in graph.nodes if pending[node] == 0]
+    heapq.heapify(ready)
+    order: list[Node] = []
+    while ready:
+        node = graph.nodes[heapq.heappop(ready)]
+        order.append(node)
+        for user in user_map[node]:
+            pending[user] -= 1
+            if pending[user] == 0:
+                heapq.heappush(ready, position[user])
+    if len(order) != len(graph.nodes):
+        stuck = [node.name for node in graph.nodes if pending[node] > 0]
+        raise ValueError(f"graph {graph.name} has a cycle through {', '.join(stuck[:8])}")
+    return order
+
+
+def to_networkx(graph: Graph) -> nx.DiGraph:
+    """The data-flow graph: one vertex per Node, an edge from each operand to its user."""
+    digraph = nx.DiGraph()
+    digraph.add_nodes_from(graph.nodes)
+    for node in graph.nodes:
+        for operand in node.operands:
+            digraph.add_edge(operand, node)
+    return digraph
+
+
+# ----------------------------------------------------------------------------------------------
+# Work / span [A §3.1]
+# ----------------------------------------------------------------------------------------------
+
+
+def span_layers(graph: Graph) -> dict[Node, int]:
+    """Span of every node: 0 for nodes without users, else the max span of its users plus one."""
+    user_map = users(graph)
+    span: dict[Node, int] = {}
+    for node in reversed(topological_order(graph)):
+        span[node] = max((span[u] + 1 for u in user_map[node]), default=0)
+    return span
+
+
+def layers(graph: Graph) -> list[list[Node]]:
+    """Nodes grouped by span: ``layers(g)[s]`` holds the nodes of span ``s``, in graph order."""
+    span = span_layers(graph)
+    result: list[list[Node]] = [[] for _ in range(max(span.values(), default=-1) + 1)]
+    for node in graph.nodes:
+        result[span[node]].append(node)
+    return result
+
+
+def work_depth(graph: Graph) -> dict[Node, int]:
+    """Longest path from a source: 0 for nodes without operands, else max operand depth plus one."""
+    depth: dict[Node, int] = {}
+    for node in topological_order(graph):
+        depth[node] = max((depth[x] + 1 for x in node.operands), default=0)
+    return depth
+
+
+# ----------------------------------------------------------------------------------------------
+# Dominators
+# ----------------------------------------------------------------------------------------------
+
+
+class _Virtual:
+    """The virtual entry or exit vertex added for the dominator computations."""
+
+    def __repr__(self) -> str:
+        return "<virtual>"
+
+
+def _immediate(digraph: nx.DiGraph, start: _Virtual, nodes: list[Node]) -> dict[Node, Node | None]:
+    idom = nx.immediate_dominators(digraph, start)
+    result: dict[Node, Node | None] = {}
+    for node in nodes:
+        parent = idom[node]
+        result[node] = None if parent is start else parent
+    return result
+
+
+def dominators(graph: Graph) -> dict[Node, Node | None]:
+    """Immediate dominator of every node; ``None`` when only the virtual entry dominates it."""
+    digraph = to_networkx(graph)
+    entry = _Virtual()
+    digraph.add_edges_from((entry, node) for node in graph.nodes if not node.operands)
+    return _immediate(digraph, entry, graph.nodes)
+
+
+def post_dominators(graph: Graph) -> dict[Node, Node | None]:
+    """Immediate post-dominator of every node; ``None`` when only the virtual exit post-dominates it.
+
+    Every output and every node without users feeds the virtual exit, so a value that leaves the
+    graph is post-dominated by nothing but the exit, even when it also has users inside.
+    """
+    reversed_graph = to_networkx(graph).reverse(copy=True)
+    exit_ = _Virtual()
+    user_map = users(graph)
+    sinks = [node for node in graph.nodes if not user_map[node]]
+    outputs = [node for node in graph.outputs if node is not None]
+    reversed_graph.add_edges_from((exit_, node) for node in outputs + sinks)
+    return _immediate(reversed_graph, exit_, graph.nodes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cycle checks for contracting a node set
+# ----------------------------------------------------------------------------------------------
+
+
+class CycleChecker:
+    """Answers "would contracting this node set into one node create a cycle?" for one graph."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.users = users(graph)
+        self.position = {node: i for i, node in enumerate(topological_order(graph))}
+
+    def creates_cycle(self, nodes: Iterable[Node]) -> bool:
+        return self.witness(nodes) is not None
+
+    def witness(self, nodes: Iterable[Node]) -> list[Node] | None:
+        """A path ``[inside, outside..., inside]`` that leaves the set and returns, or ``None``."""
+        members = self._members(nodes)
+        if not members:
+            return None
+        last = max(self.position[node] for node in members)
+        parent: dict[Node, Node] = {}
+        stack: list[Node] = []
+        for node in members:
+            for user in self.users[node]:
+                if user not in members and user not in parent and self.position[user] < last:
+                    parent[user] = node
+                    stack.append(user)
+        while stack:
+            node = stack.pop()
+            for user in self.users[node]:
+                if user in members:
+                    return self._path(parent, node, user)
+                if user not in parent and self.position[user] < last:
+                    parent[user] = node
+                    stack.append(user)
+        return None
+
+    def _members(self, nodes: Iterable[Node]) -> set[Node]:
+        members = set(nodes)
+        for node in members:
+            if node not in self.position:
+                raise ValueError(f"node {node.name} is not in graph {self.graph.name}")
+        return members
+
+    @staticmethod
+    def _path(parent: dict[Node, Node], outside: Node, target: Node) -> list[Node]:
+        path = [target, outside]
+        while path[-1] in parent:
+            path.append(parent[path[-1]])
+        return path[::-1]
+
+
+def creates_cycle(graph: Graph, nodes: Iterable[Node]) -> bool:
+    """Whether contracting ``nodes`` into one node makes the graph cyclic: some path leaves the set
+    and comes back to it through nodes outside. For many queries on one graph use ``CycleChecker``."""
+    return CycleChecker(graph).creates_cycle(nodes)
+
+
+def cycle_witness(graph: Graph, nodes: Iterable[Node]) -> list[Node] | None:
+    """The path ``[inside, outside..., inside]`` that contracting ``nodes`` would turn into a cycle."""
+    return CycleChecker(graph).witness(nodes)
+
+
+@dataclass(frozen=True)
+class GraphSummary:
+    """Node counts by category, the fusable fraction and the library ops of one graph.
+
+    The fusable fraction counts elementwise, reduction, shape and random nodes over all nodes that
+    compute (parameters and constants excluded); dots are counted apart, since planning decides
+    which of them stay library GEMMs.
+    """
+
+    nodes: int
+    by_category: dict[str, int]
+    fusable_fraction: float
+    library_ops: dict[str, int]
+
+
+def summarize(graph: Graph) -> GraphSummary:
+    by_category: dict[str, int] = {}
+    library: dict[str, int] = {}
+    for node in graph.nodes:
+        by_category[node.category.value] = by_category.get(node.category.value, 0) + 1
+        if node.category == Category.LIBRARY:
+            target = node.attrs["target"]
+            library[target] = library.get(target, 0) + 1
+    computing = [n for n in graph.nodes if n.category not in (Category.PARAMETER, Category.CONSTANT)]
+    fusable = [n for n in computing if n.category.fusable and n.category != Category.DOT]
+    fraction = len(fusable) / len(computing) if computing else 0.0
+    return GraphSummary(len(graph.nodes), by_category, fraction, library)
