@@ -1,4 +1,23 @@
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+_CAPTURE_ROWS = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def capture_table(request):
+    """Rows of the workload capture table, printed at the end of the test run."""
+    return request.config.stash.setdefault(_CAPTURE_ROWS, [])
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    rows = config.stash.get(_CAPTURE_ROWS, [])
+    if rows:
+        from fusionstitching.cli import format_table
+
+        terminalreporter.write_sep("-", "captured workloads")
+        terminalreporter.write_line(format_table(rows))

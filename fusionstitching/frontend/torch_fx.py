@@ -311,10 +311,12 @@ def capture(fn_or_module: Callable[..., Any], *example_inputs: Any, train: bool 
     input_clones = [clone(x) for x in example_inputs]
     slots: dict[int, int] = {}
     specs: list[ParamSpec] = []
-    for label, t in list(zip(state_names, state_clones)) + [(f"input{i}", x) for i, x in enumerate(input_clones)]:
-        if isinstance(t, torch.Tensor):
-            slots[id(t)] = len(specs)
-            specs.append(_spec(label.replace(".", "_"), t))
+    originals = [t for _, t in state] + list(example_inputs)
+    labels = state_names + [f"input{i}" for i in range(len(example_inputs))]
+    for label, original, copy in zip(labels, originals, state_clones + input_clones):
+        if isinstance(copy, torch.Tensor):
+            slots[id(copy)] = len(specs)
+            specs.append(_spec(label.replace(".", "_"), original))  # the caller's layout, offset included
 
     if module is not None:
         def run(*flat: Any) -> Any:

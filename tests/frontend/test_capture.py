@@ -1,0 +1,190 @@
+"""Capture of the workloads and of single ATen ops, checked with graph/reference.py against eager."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from fusionstitching import capture
+from fusionstitching.bench.check import check_against_eager, forward_arrays, to_numpy
+from fusionstitching.bench.workloads import WORKLOADS, dropout, make
+from fusionstitching.cli import rows_for
+from fusionstitching.frontend.torch_fx import LibraryFallbackWarning
+from fusionstitching.graph import reference
+from fusionstitching.graph.ops import Category, DType
+
+F32_TOLERANCE = 1e-5
+
+
+def _capture_quietly(fn, *inputs, train=False):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        captured = capture(fn, *inputs, train=train)
+    fallbacks = [w for w in caught if issubclass(w.category, LibraryFallbackWarning)]
+    return captured, fallbacks
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_workload_captures_without_library_nodes_and_matches_eager(name, capture_table):
+    workload = make(name)
+    captured, fallbacks = _capture_quietly(workload.fn, *workload.inputs, train=workload.train)
+    assert fallbacks == []
+    assert captured.library_ops == []
+    for graph in (captured.forward, captured.backward):
+        if graph is not None:
+            assert not [n for n in graph.nodes if n.category == Category.LIBRARY]
+    assert (captured.backward is not None) == workload.train
+    errors = check_against_eager(captured, workload.fn, workload.inputs, workload.train)
+    assert errors.forward or errors.mutations
+    assert errors.worst < F32_TOLERANCE, errors
+    if workload.train:
+        assert errors.backward and max(errors.backward) < F32_TOLERANCE
+    capture_table.extend(rows_for(name, captured))
+
+
+def test_parameter_order_follows_module_state_then_inputs():
+    workload = make("layernorm_train")
+    captured, _ = _capture_quietly(workload.fn, *workload.inputs, train=True)
+    assert captured.parameter_names == ["weight", "bias", "input0"]
+    assert [p.name for p in captured.forward.parameters] == ["weight", "bias", "input0"]
+    # Backward: saved tensors, then one tangent; one gradient per forward parameter.
+    assert len(captured.backward.parameters) == captured.num_saved + 1
+    assert len(captured.backward.outputs) == 3
+    assert captured.forward.outputs[0].shape == (16, 64)
+
+
+def test_gradient_of_integer_input_is_none():
+    workload = make("mlp_train")
+    captured, _ = _capture_quietly(workload.fn, *workload.inputs, train=True)
+    names = captured.parameter_names
+    grads = dict(zip(names, captured.backward.outputs))
+    assert grads["input1"] is None  # integer targets
+    assert grads["input0"] is None  # features do not require grad
+    assert grads["fc1.weight".replace(".", "_")] is not None
+
+
+def test_adam_step_in_place_updates_are_mutations():
+    workload = make("adam_step")
+    captured, _ = _capture_quietly(workload.fn, *workload.inputs)
+    graph = captured.forward
+    n = len(workload.inputs) // 4
+    params = set(range(n)) | set(range(2 * n, 4 * n))  # parameters, first and second moments
+    assert sorted(graph.mutations.values()) == sorted(params)
+    assert captured.num_user_outputs == 0
+    before = [x.clone() for x in workload.inputs]
+    errors = check_against_eager(captured, workload.fn, workload.inputs, False)
+    assert len(errors.mutations) == 3 * n and errors.worst < F32_TOLERANCE
+    assert all(torch.equal(a, b) for a, b in zip(before, workload.inputs)), "capture or check wrote into inputs"
+
+
+def test_transposed_input_is_read_in_place_without_copy():
+    base = torch.randn(6, 4)
+    x = base.t()  # (4, 6) with strides (1, 4)
+
+    def fn(x, bias):
+        return torch.tanh(x * 2.0 + bias)
+
+    bias = torch.randn(6)
+    captured, _ = _capture_quietly(fn, x, bias)
+    graph = captured.forward
+    param = graph.parameters[0]
+    assert param.shape == (4, 6) and param.layout.strides == (1, 4)
+    assert not [n for n in graph.nodes if n.op in ("copy", "transpose", "library")]
+    got = reference.evaluate(graph, [to_numpy(x), to_numpy(bias)])[0]
+    np.testing.assert_allclose(got, fn(x, bias).numpy(), rtol=1e-6)
+
+
+def test_offset_view_input_keeps_storage_offset():
+    base = torch.randn(10, 8)
+    x = base[2:6, 1:5]
+    captured, _ = _capture_quietly(lambda x: x.exp(), x)
+    layout = captured.forward.parameters[0].layout
+    assert layout.strides == (8, 1) and layout.offset == 17
+
+
+def test_output_layout_follows_torch():
+    captured, _ = _capture_quietly(lambda x: (x + 1).t(), torch.randn(3, 5))
+    assert captured.forward.outputs[0].shape == (5, 3)
+    assert captured.forward.output_layouts[0].strides == (1, 5)
+
+
+def test_type_promotion_inserts_converts_and_scalars_do_not_promote():
+    def fn(h, f, i):
+        return h + f, h * 2.5, i * 0.5, (i + 1)
+
+    h = torch.randn(8).half()
+    f = torch.randn(8)
+    i = torch.arange(8)
+    captured, _ = _capture_quietly(fn, h, f, i)
+    graph = captured.forward
+    outs = graph.outputs
+    assert [o.dtype for o in outs] == [DType.F32, DType.F16, DType.F32, DType.I64]
+    converts = [n for n in graph.nodes if n.op == "convert"]
+    assert {(c.operands[0].dtype, c.dtype) for c in converts} >= {(DType.F16, DType.F32), (DType.I64, DType.F32)}
+    got = reference.evaluate(graph, [to_numpy(h), to_numpy(f), to_numpy(i)])
+    for g, want in zip(got, fn(h, f, i)):
+        np.testing.assert_allclose(g.astype(np.float64), want.double().numpy(), rtol=1e-3)
+
+
+def test_unsupported_op_becomes_library_node_with_one_warning():
+    def fn(x):
+        return torch.cumsum(x, 0) + torch.cumsum(x * 2, 0)
+
+    x = torch.randn(5, 3)
+    captured, fallbacks = _capture_quietly(fn, x)
+    assert len(fallbacks) == 1 and "aten.cumsum.default" in str(fallbacks[0].message)
+    library = [n for n in captured.forward.nodes if n.op == "library"]
+    assert len(library) == 2 and captured.library_ops == ["aten.cumsum.default"]
+    got = reference.evaluate(captured.forward, [to_numpy(x)])[0]
+    np.testing.assert_allclose(got, fn(x).numpy(), rtol=1e-6)
+    # The library node survives the JSON round trip and still evaluates.
+    again = type(captured.forward).from_json(captured.forward.to_json())
+    np.testing.assert_allclose(reference.evaluate(again, [to_numpy(x)])[0], got)
+
+
+def test_dropout_mask_statistics_and_fresh_masks():
+    workload = dropout()
+    p = workload.extra["p"]
+    captured, _ = _capture_quietly(workload.fn, *workload.inputs)
+    graph = captured.forward
+    seed_param, offset_param = graph.parameters[-2:]
+    assert (seed_param.name, offset_param.name) == ("rng_seed", "rng_offset")
+    assert seed_param.dtype == DType.I64 and seed_param.shape == ()
+    n = workload.inputs[0].numel()
+    first = reference.evaluate(graph, forward_arrays(captured, workload.fn, workload.inputs, seed=7, offset=0))[0]
+    second = reference.evaluate(graph, forward_arrays(captured, workload.fn, workload.inputs, seed=7, offset=1))[0]
+    for out in (first, second):
+        kept = out != 0
+        assert np.allclose(out[kept], 1 / (1 - p))
+        sigma = math.sqrt(p * (1 - p) / n)
+        assert abs(kept.mean() - (1 - p)) < 3 * sigma
+    assert np.any((first != 0) != (second != 0)), "two calls gave the same mask"
+    repeat = reference.evaluate(graph, forward_arrays(captured, workload.fn, workload.inputs, seed=7, offset=0))[0]
+    np.testing.assert_array_equal(first, repeat)
+
+
+def test_dropout_in_training_saves_the_mask_for_backward():
+    def fn(x):
+        return torch.nn.functional.dropout(x, 0.5, training=True) * 3
+
+    x = torch.randn(64, requires_grad=True)
+    captured, _ = _capture_quietly(fn, x, train=True)
+    assert not [n for n in captured.backward.nodes if n.op == "rng_uniform"]
+    assert [n for n in captured.forward.nodes if n.op == "rng_uniform"]
+    out = reference.evaluate(captured.forward, [to_numpy(x.detach()), np.int64(1), np.int64(2)])
+    saved = out[1 : 1 + captured.num_saved]
+    tangent = np.ones(64, np.float32)
+    (grad,) = reference.evaluate(captured.backward, saved + [tangent])
+    np.testing.assert_allclose(grad, np.where(out[0] != 0, 6.0, 0.0), rtol=1e-6)
+
+
+def test_bert_capture_with_dropout_draws_random_numbers():
+    workload = make("bert", dropout=0.1, train=True)
+    captured, fallbacks = _capture_quietly(workload.fn, *workload.inputs, train=True)
+    assert not fallbacks
+    assert sum(n.op == "rng_uniform" for n in captured.forward.nodes) >= 5
+    assert captured.forward.parameters[-1].name == "rng_offset"
