@@ -188,3 +188,19 @@ def test_bert_capture_with_dropout_draws_random_numbers():
     assert not fallbacks
     assert sum(n.op == "rng_uniform" for n in captured.forward.nodes) >= 5
     assert captured.forward.parameters[-1].name == "rng_offset"
+
+
+@pytest.mark.parametrize("name", ["bert_train", "adam_step"])
+def test_captured_graphs_round_trip_through_json(name):
+    workload = make(name)
+    captured, _ = _capture_quietly(workload.fn, *workload.inputs, train=workload.train)
+    for graph in (captured.forward, captured.backward):
+        if graph is None:
+            continue
+        again = type(graph).from_json(graph.to_json())
+        assert str(again) == str(graph)
+        assert again.to_json() == graph.to_json()
+    arrays = forward_arrays(captured, workload.fn, workload.inputs)
+    for a, b in zip(reference.evaluate(captured.forward, arrays),
+                    reference.evaluate(type(captured.forward).from_json(captured.forward.to_json()), arrays)):
+        np.testing.assert_array_equal(a, b)
