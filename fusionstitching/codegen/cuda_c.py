@@ -1,0 +1,308 @@
+"""CUDA C printer for Kernel IR: one small function or table entry per IR construct.
+
+The source needs no headers: f16 and bf16 are stored as ``unsigned short`` and converted with
+PTX ``cvt`` instructions (round to nearest even), the math is the CUDA built-ins NVRTC knows.
+Semantics follow ``graph/reference.py`` and ``simulate.py``: max/min propagate NaN, integer
+division by zero gives -1 (remainder: the dividend), float → integer truncates and saturates
+(NaN → 0, the ``cvt.rzi`` rules). Index arithmetic with a positive constant divisor prints as a
+plain ``/`` and ``%``, since it never meets those corner cases.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+from fusionstitching.codegen import kernel_ir as K
+
+C_TYPES = {
+    "f32": "float", "f64": "double", "f16": "unsigned short", "bf16": "unsigned short",
+    "i32": "int", "i64": "long long", "u32": "unsigned int", "u64": "unsigned long long", "bool": "bool",
+}
+
+PRELUDE = r"""
+__device__ __forceinline__ float fs_h2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ unsigned short fs_f2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ float fs_b2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
+__device__ __forceinline__ unsigned short fs_f2b(float f) { unsigned short h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ float fs_maxf(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
+__device__ __forceinline__ float fs_minf(float a, float b) { return a != a ? a : (b != b ? b : fminf(a, b)); }
+__device__ __forceinline__ double fs_maxd(double a, double b) { return a != a ? a : (b != b ? b : fmax(a, b)); }
+__device__ __forceinline__ double fs_mind(double a, double b) { return a != a ? a : (b != b ? b : fmin(a, b)); }
+template <typename T> __device__ __forceinline__ T fs_idiv(T a, T b) { return b == 0 ? (T)-1 : (b == (T)-1 ? (T)(0 - a) : a / b); }
+template <typename T> __device__ __forceinline__ T fs_irem(T a, T b) { return b == 0 ? a : (b == (T)-1 ? (T)0 : a % b); }
+template <typename T> __device__ __forceinline__ T fs_ipow(T a, T b) {
+  if (b < 0) return a == 1 ? (T)1 : (a == -1 ? ((b & 1) ? (T)-1 : (T)1) : (T)0);
+  T r = 1; while (b > 0) { if (b & 1) r *= a; a *= a; b >>= 1; } return r;
+}
+struct fs_u4 { unsigned int x, y, z, w; };
+__device__ __forceinline__ fs_u4 fs_philox(unsigned int c0, unsigned int c1, unsigned int c2, unsigned int c3,
+                                           unsigned int k0, unsigned int k1) {
+  #pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    unsigned int hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    unsigned int hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    unsigned int n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+  }
+  fs_u4 r = {c0, c1, c2, c3};
+  return r;
+}
+"""
+
+_SPECIALS = {
+    "tid": "((int)threadIdx.x)", "bid": "((int)blockIdx.x)", "ntid": "((int)blockDim.x)",
+    "nbid": "((int)gridDim.x)", "lane": "((int)threadIdx.x & 31)", "warp": "((int)threadIdx.x >> 5)",
+    "nwarp": "((int)blockDim.x >> 5)",
+}
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "shl": "<<", "shr": ">>", "eq": "==", "ne": "!=", "lt": "<",
+          "le": "<=", "gt": ">", "ge": ">="}
+_F32_UNARY = {"exp": "expf", "log": "logf", "log1p": "log1pf", "expm1": "expm1f", "tanh": "tanhf", "erf": "erff",
+              "sqrt": "sqrtf", "rsqrt": "rsqrtf", "sin": "sinf", "cos": "cosf", "abs": "fabsf", "floor": "floorf",
+              "ceil": "ceilf"}
+_F64_UNARY = {"exp": "exp", "log": "log", "log1p": "log1p", "expm1": "expm1", "tanh": "tanh", "erf": "erf",
+              "sqrt": "sqrt", "rsqrt": "rsqrt", "sin": "sin", "cos": "cos", "abs": "fabs", "floor": "floor",
+              "ceil": "ceil"}
+_VECTOR_TYPES = {("f32", 4): "float4", ("f64", 2): "double2", ("i32", 4): "int4", ("i64", 2): "longlong2",
+                 ("u32", 4): "uint4", ("f16", 8): "uint4", ("bf16", 8): "uint4"}
+
+
+def render(kernel: K.Kernel) -> str:
+    """The CUDA C source of ``kernel``: prelude, signature, body."""
+    params = ",\n    ".join(_param(b) for b in kernel.params)
+    lines = [f"// {note}" for note in kernel.notes]
+    lines.append(PRELUDE.strip())
+    lines.append(f'extern "C" __global__ void __launch_bounds__({kernel.threads}) {kernel.name}(\n    {params}) {{')
+    for buf in kernel.shared:
+        lines.append(f"  __shared__ {C_TYPES[buf.dtype]} {buf.name}[{buf.extent}];")
+    for stmt in kernel.body:
+        lines.extend(_stmt(stmt, 1))
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _param(b: K.Buffer) -> str:
+    const = "const " if b.readonly else ""
+    restrict = " __restrict__" if b.noalias else ""
+    return f"{const}{C_TYPES[b.dtype]}*{restrict} {b.name}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Statements
+# ----------------------------------------------------------------------------------------------
+
+
+def _stmt(s: K.Stmt, depth: int) -> list[str]:
+    pad = "  " * depth
+    if isinstance(s, K.Let):
+        return [f"{pad}{C_TYPES[s.var.dtype]} {s.var.name} = {expr(s.value)};"]
+    if isinstance(s, K.Assign):
+        return [f"{pad}{s.var.name} = {expr(s.value)};"]
+    if isinstance(s, K.Store):
+        return [f"{pad}{s.buffer}[{expr(s.index)}] = {expr(s.value)};"]
+    if isinstance(s, K.For):
+        head = [f"{pad}#pragma unroll"] if s.kind == "unroll" else []
+        v = s.var
+        head.append(f"{pad}for ({C_TYPES[v.dtype]} {v.name} = {expr(s.start)}; {v.name} < {expr(s.stop)}; "
+                    f"{v.name} += {expr(s.step)}) {{")
+        return head + _body(s.body, depth + 1) + [f"{pad}}}"]
+    if isinstance(s, K.If):
+        out = [f"{pad}if ({expr(s.cond)}) {{"] + _body(s.then, depth + 1)
+        if s.orelse:
+            out += [f"{pad}}} else {{"] + _body(s.orelse, depth + 1)
+        return out + [f"{pad}}}"]
+    if isinstance(s, K.Barrier):
+        return [f"{pad}__syncthreads();"]
+    if isinstance(s, K.Comment):
+        return [f"{pad}// {s.text}"]
+    if isinstance(s, K.VecLoad):
+        return _vec_load(s, pad)
+    if isinstance(s, K.VecStore):
+        return _vec_store(s, pad)
+    raise TypeError(f"no CUDA C for statement {s!r}")
+
+
+def _body(stmts, depth: int) -> list[str]:
+    return [line for s in stmts for line in _stmt(s, depth)]
+
+
+def _vec_load(s: K.VecLoad, pad: str) -> list[str]:
+    dtype = s.vars[0].dtype
+    vtype = _VECTOR_TYPES[(dtype, len(s.vars))]
+    tmp = f"{s.vars[0].name}_vec"
+    lines = [f"{pad}{vtype} {tmp} = *reinterpret_cast<const {vtype}*>(&{s.buffer}[{expr(s.index)}]);"]
+    for k, var in enumerate(s.vars):
+        lines.append(f"{pad}{C_TYPES[dtype]} {var.name} = {_lane_of(tmp, dtype, k)};")
+    return lines
+
+
+def _vec_store(s: K.VecStore, pad: str) -> list[str]:
+    dtype = _storage_type(s.values[0])
+    vtype = _VECTOR_TYPES[(dtype, len(s.values))]
+    values = [expr(v) for v in s.values]
+    if dtype in ("f16", "bf16"):
+        words = [f"((unsigned int)({values[2 * k]}) | ((unsigned int)({values[2 * k + 1]}) << 16))" for k in range(4)]
+        init = ", ".join(words)
+    else:
+        init = ", ".join(values)
+    return [f"{pad}*reinterpret_cast<{vtype}*>(&{s.buffer}[{expr(s.index)}]) = make_{vtype}({init});"]
+
+
+def _lane_of(tmp: str, dtype: str, k: int) -> str:
+    fields = "xyzw"
+    if dtype in ("f16", "bf16"):
+        word = f"{tmp}.{fields[k // 2]}"
+        return f"(unsigned short)({word} >> 16)" if k % 2 else f"(unsigned short)({word} & 0xffffu)"
+    return f"{tmp}.{fields[k]}"
+
+
+def _storage_type(e: K.Expr) -> str:
+    return e.dtype
+
+
+# ----------------------------------------------------------------------------------------------
+# Expressions
+# ----------------------------------------------------------------------------------------------
+
+
+def expr(e: K.Expr) -> str:
+    return _EXPRS[type(e)](e)
+
+
+def _const(e: K.Const) -> str:
+    v, t = e.value, e.dtype
+    if t == "bool":
+        return "true" if v else "false"
+    if t in ("f32", "f64"):
+        v = float(v)
+        if math.isnan(v):
+            return "__int_as_float(0x7fc00000)" if t == "f32" else "__longlong_as_double(0x7ff8000000000000LL)"
+        if math.isinf(v):
+            if t == "f32":
+                return f"__int_as_float({'0xff800000' if v < 0 else '0x7f800000'})"
+            return f"__longlong_as_double({'0xfff0000000000000LL' if v < 0 else '0x7ff0000000000000LL'})"
+        if t == "f32":
+            v = struct.unpack("f", struct.pack("f", v))[0]
+        text = float.hex(v)
+        return f"({text}f)" if t == "f32" else f"({text})"
+    if t in ("f16", "bf16"):
+        raise TypeError("half constants exist only as f32 registers")
+    v = int(v)
+    if t == "i64":
+        return f"({v}LL)" if v != -(2**63) else "(-9223372036854775807LL - 1)"
+    if t == "i32":
+        return f"({v})" if v != -(2**31) else "(-2147483647 - 1)"
+    return f"{v}u" if t == "u32" else f"{v}ull"
+
+
+def _var(e: K.Var) -> str:
+    return e.name
+
+
+def _special(e: K.Special) -> str:
+    return _SPECIALS[e.name]
+
+
+def _unary(e: K.Unary) -> str:
+    x, t = expr(e.x), e.dtype
+    if e.op == "neg":
+        return f"(-{x})"
+    if e.op == "not":
+        return f"(!{x})" if t == "bool" else f"(~{x})"
+    if e.op == "isnan":
+        return f"({x} != {x})"
+    if e.op == "sign":
+        return f"(({C_TYPES[t]})(({x} > 0) - ({x} < 0)))" if t not in ("f32", "f64") else \
+            f"({x} != {x} ? {x} : ({C_TYPES[t]})(({x} > 0) - ({x} < 0)))"
+    if e.op == "sigmoid":
+        one = "1.0f" if t == "f32" else "1.0"
+        return f"({one} / ({one} + {'expf' if t == 'f32' else 'exp'}(-{x})))"
+    if t in ("f32", "f64"):
+        return f"{(_F32_UNARY if t == 'f32' else _F64_UNARY)[e.op]}({x})"
+    if e.op == "abs":
+        return f"({x} < 0 ? -{x} : {x})"
+    if e.op in ("floor", "ceil"):
+        return x
+    raise TypeError(f"no CUDA C for {e.op} on {t}")
+
+
+def _binary(e: K.Binary) -> str:
+    a, b, op = expr(e.a), expr(e.b), e.op
+    t = e.a.dtype
+    if op in _INFIX:
+        return f"({a} {_INFIX[op]} {b})"
+    if op in ("and", "or", "xor"):
+        if t == "bool":
+            return f"({a} {'&&' if op == 'and' else '||' if op == 'or' else '!='} {b})"
+        return f"({a} {'&' if op == 'and' else '|' if op == 'or' else '^'} {b})"
+    if op in ("max", "min"):
+        if t == "f32":
+            return f"fs_{op}f({a}, {b})"
+        if t == "f64":
+            return f"fs_{op}d({a}, {b})"
+        return f"({a} {'>' if op == 'max' else '<'} {b} ? {a} : {b})"
+    if op in ("div", "rem"):
+        if t == "f32":
+            return f"({a} / {b})" if op == "div" else f"fmodf({a}, {b})"
+        if t == "f64":
+            return f"({a} / {b})" if op == "div" else f"fmod({a}, {b})"
+        if isinstance(e.b, K.Const) and int(e.b.value) > 0:
+            return f"({a} {'/' if op == 'div' else '%'} {b})"
+        return f"fs_i{op}<{C_TYPES[t]}>({a}, {b})"
+    if op == "pow":
+        if t == "f32":
+            return f"powf({a}, {b})"
+        if t == "f64":
+            return f"pow({a}, {b})"
+        return f"fs_ipow<{C_TYPES[t]}>({a}, {b})"
+    if op == "mulhi":
+        return f"__umulhi({a}, {b})" if t == "u32" else f"__umul64hi({a}, {b})"
+    raise TypeError(f"no CUDA C for binary {op} on {t}")
+
+
+def _select(e: K.Select) -> str:
+    return f"({expr(e.cond)} ? {expr(e.a)} : {expr(e.b)})"
+
+
+_FLOAT_TO_INT = {("f32", "i32"): "__float2int_rz", ("f32", "i64"): "__float2ll_rz",
+                 ("f64", "i32"): "__double2int_rz", ("f64", "i64"): "__double2ll_rz",
+                 ("f32", "u32"): "__float2uint_rz", ("f32", "u64"): "__float2ull_rz",
+                 ("f64", "u32"): "__double2uint_rz", ("f64", "u64"): "__double2ull_rz"}
+
+
+def _cast(e: K.Cast) -> str:
+    src, dst, x = e.x.dtype, e.dtype, expr(e.x)
+    if src == dst:
+        return x
+    if src == "f16":
+        return _cast(K.Cast(K.Var(f"fs_h2f({x})", "f32"), dst))
+    if src == "bf16":
+        return _cast(K.Cast(K.Var(f"fs_b2f({x})", "f32"), dst))
+    if dst in ("f16", "bf16"):
+        as_float = x if src == "f32" else f"((float)({x}))"
+        return f"{'fs_f2h' if dst == 'f16' else 'fs_f2b'}({as_float})"
+    if (src, dst) in _FLOAT_TO_INT:
+        return f"{_FLOAT_TO_INT[(src, dst)]}({x})"
+    if dst == "bool":
+        return f"({x} != 0)"
+    return f"(({C_TYPES[dst]})({x}))"
+
+
+def _load(e: K.Load) -> str:
+    return f"{e.buffer}[{expr(e.index)}]"
+
+
+def _philox(e: K.Philox) -> str:
+    args = ", ".join(expr(x) for x in e.counter + e.key)
+    return f"fs_philox({args}).{'xyzw'[e.word]}"
+
+
+def _shuffle(e: K.Shuffle) -> str:
+    return f"__shfl_{e.kind}_sync(0xffffffffu, {expr(e.value)}, {expr(e.arg)}, {e.width})"
+
+
+_EXPRS = {
+    K.Const: _const, K.Var: _var, K.Special: _special, K.Unary: _unary, K.Binary: _binary, K.Select: _select,
+    K.Cast: _cast, K.Load: _load, K.Philox: _philox, K.Shuffle: _shuffle,
+}

@@ -1,0 +1,194 @@
+"""``generate``: pattern + template → a GeneratedKernel that can be printed, simulated, compiled, run.
+
+``default_template`` picks a valid template by a simple rule: the innermost dims go to the threads
+of a block (with a THREAD_v factor of 16-byte vectors when the last dim allows it), the rest to the
+grid; reduced dims are THREAD loops; packed sub-kernels get blocks in proportion to their size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fusionstitching.codegen import cuda_c
+from fusionstitching.codegen.lower import LoweredKernel, Pattern, iteration_space, lower, resolve_pattern
+from fusionstitching.codegen.simulate import simulate
+from fusionstitching.graph.graph import Graph, Layout, Node
+from fusionstitching.schedule.template import (
+    KernelSchedule,
+    Launch,
+    Level,
+    Schedule,
+    Tile,
+    level_extent,
+    parse_template,
+)
+
+DEFAULT_THREADS = 256
+MAX_BLOCKS = 65535
+
+
+@dataclass
+class GeneratedKernel:
+    lowered: LoweredKernel
+    template: KernelSchedule
+    cuda_source: str
+    _scalar_variant: GeneratedKernel | None = field(default=None, repr=False)
+    _launchers: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.lowered.kernel.name
+
+    @property
+    def inputs(self) -> list[str]:
+        return [n.name for n in self.lowered.pattern.inputs]
+
+    @property
+    def outputs(self) -> list[str]:
+        return [n.name for n in self.lowered.pattern.outputs]
+
+    @property
+    def kernel(self):
+        return self.lowered.kernel
+
+    def simulate(self, arrays: Sequence[np.ndarray], poison: bool = True) -> list[np.ndarray]:
+        """Run the kernel on NumPy: ``arrays`` in ``.inputs`` order (logical values, any strides)."""
+        pattern, kernel = self.lowered.pattern, self.lowered.kernel
+        if len(arrays) != len(pattern.inputs):
+            raise ValueError(f"{self.name} takes {len(pattern.inputs)} inputs, got {len(arrays)}")
+        buffers: dict[str, np.ndarray] = {}
+        for k, (node, array, layout) in enumerate(zip(pattern.inputs, arrays, self.lowered.input_layouts)):
+            array = np.asarray(array)
+            if array.shape != node.shape or array.dtype != node.dtype.numpy:
+                raise ValueError(f"input {node.name}: expected {node.dtype.value}{list(node.shape)}, "
+                                 f"got {array.dtype}{list(array.shape)}")
+            buffers[f"in{k}"] = _to_storage(array, layout, kernel.buffer(f"in{k}").extent)
+        for k, (node, layout) in enumerate(zip(pattern.outputs, self.lowered.output_layouts)):
+            if k in self.lowered.aliases:
+                buffers[f"out{k}"] = buffers[f"in{self.lowered.aliases[k]}"]
+                continue
+            storage = np.empty(kernel.buffer(f"out{k}").extent, node.dtype.numpy)
+            storage[...] = _poison(node.dtype.numpy) if poison else 0
+            buffers[f"out{k}"] = storage
+        simulate(kernel, buffers)
+        return [_from_storage(buffers[f"out{k}"], node.shape, layout)
+                for k, (node, layout) in enumerate(zip(pattern.outputs, self.lowered.output_layouts))]
+
+    def compile(self, arch: str = "sm_90", **kwargs: Any):
+        """CUDA C → CUBIN with NVRTC: a CompiledModule with ``.cubin`` and ``.resources``."""
+        from fusionstitching.runtime.nvrtc import compile_cuda
+
+        return compile_cuda(self.cuda_source, arch, name=f"{self.name}.cu", **kwargs)
+
+    def __call__(self, *tensors: Any) -> list[Any]:
+        """Launch on the current torch CUDA stream; returns the output tensors."""
+        from fusionstitching.runtime.kernel_call import call_generated
+
+        return call_generated(self, tensors)
+
+
+def _poison(dtype: np.dtype) -> Any:
+    if np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16":
+        return np.nan
+    if dtype == np.bool_:
+        return True
+    return np.iinfo(dtype).min + 7
+
+
+def _to_storage(array: np.ndarray, layout: Layout, extent: int) -> np.ndarray:
+    storage = np.zeros(max(extent, 1), array.dtype)
+    if array.size:
+        view = np.lib.stride_tricks.as_strided(storage, array.shape, [s * array.itemsize for s in layout.strides])
+        view[...] = array
+    return storage
+
+
+def _from_storage(storage: np.ndarray, shape, layout: Layout) -> np.ndarray:
+    if math.prod(shape) == 0:
+        return np.zeros(shape, storage.dtype)
+    view = np.lib.stride_tricks.as_strided(storage, shape, [s * storage.itemsize for s in layout.strides])
+    return np.array(view)
+
+
+def generate(graph: Graph, nodes: Iterable[Node | str], template: str | KernelSchedule, *,
+             name: str | None = None, vectorize: bool = True) -> GeneratedKernel:
+    schedule = parse_template(template) if isinstance(template, str) else template
+    nodes = list(nodes)
+    lowered = lower(graph, nodes, schedule, name=name or _kernel_name(graph, nodes), vectorize_access=vectorize)
+    kernel = GeneratedKernel(lowered, schedule, cuda_c.render(lowered.kernel))
+    if vectorize and _has_vector_access(lowered.kernel.body):
+        scalar = lower(graph, nodes, schedule, name=lowered.kernel.name, vectorize_access=False)
+        kernel._scalar_variant = GeneratedKernel(scalar, schedule, cuda_c.render(scalar.kernel))
+    return kernel
+
+
+def _has_vector_access(body) -> bool:
+    from fusionstitching.codegen import kernel_ir as K
+
+    for stmt in body:
+        if isinstance(stmt, (K.VecLoad, K.VecStore)):
+            return True
+        if isinstance(stmt, K.For) and _has_vector_access(stmt.body):
+            return True
+        if isinstance(stmt, K.If) and (_has_vector_access(stmt.then) or _has_vector_access(stmt.orelse)):
+            return True
+    return False
+
+
+def _kernel_name(graph: Graph, nodes: list) -> str:
+    first = nodes[0] if isinstance(nodes[0], str) else nodes[0].name
+    safe = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in first)
+    return f"fs_{graph.name}_{safe}"[:60].replace(".", "_")
+
+
+# ----------------------------------------------------------------------------------------------
+# Default template
+# ----------------------------------------------------------------------------------------------
+
+
+def default_template(graph: Graph, nodes: Iterable[Node | str]) -> KernelSchedule:
+    pattern = resolve_pattern(graph, nodes)
+    return template_for(pattern)
+
+
+def template_for(pattern: Pattern, threads: int = DEFAULT_THREADS) -> KernelSchedule:
+    schedules = [_root_schedule(root, threads) for root in pattern.outputs]
+    total = 0
+    seen: list[tuple] = []
+    for sched, root in zip(schedules, pattern.outputs):
+        key = (sched.dims, iteration_space(root))
+        if key in seen and root.op != "reduce":
+            continue
+        seen.append(key)
+        total += level_extent(sched, iteration_space(root), Level.GRID)
+    blocks = max(len(seen), min(total, MAX_BLOCKS))
+    return KernelSchedule(tuple(schedules), Launch(blocks, threads))
+
+
+def _root_schedule(root: Node, threads: int) -> Schedule:
+    space = iteration_space(root)
+    reduced = set(root.attrs["dims"]) if root.op == "reduce" else set()
+    kept = [d for d in range(len(space)) if d not in reduced]
+    dims: list[tuple[Tile, ...]] = [(Tile(Level.THREAD),) if d in reduced else (Tile(Level.GRID),)
+                                    for d in range(len(space))]
+    remaining = threads
+    vector = max(1, 16 // root.dtype.itemsize)
+    for position, d in enumerate(reversed(kept)):
+        size = space[d]
+        if position == 0 and root.op != "reduce" and size % vector == 0 and size >= vector * threads:
+            dims[d] = (Tile(Level.GRID), Tile(Level.CTA, threads), Tile(Level.THREAD, vector))
+            break
+        if size <= remaining:
+            dims[d] = (Tile(Level.CTA),)
+            remaining //= max(size, 1)
+            if remaining < 2:
+                break
+            continue
+        dims[d] = (Tile(Level.GRID), Tile(Level.CTA, remaining))
+        break
+    return Schedule(root.name, tuple(dims))

@@ -1,0 +1,442 @@
+"""Lowering: a pattern of graph nodes + a KernelSchedule → one Kernel IR kernel.
+
+The pattern's outputs (nodes used outside it, or graph outputs) are the roots; each has a schedule
+in the template. Every other node is recomputed inside the thread that needs it (thread
+composition, ``values.py``). A root's loop nest follows its schedule (see the tiling note in
+``schedule/template.py``): a grid-stride loop over the GRID space, a block-stride loop over the
+CTA space (or warp/lane loops when there are WARP tiles), serial loops over THREAD factors, dim
+indices rebuilt mixed-radix and tails predicated off.
+
+Kernel packing [C §4.1]: roots whose iteration spaces and tilings are identical share one loop
+nest (same-shape ops in one loop); groups with different shapes are sub-kernels that each get a
+range of blocks, proportional to their element counts, and dispatch on ``blockIdx.x``.
+
+Reductions as roots are lowered here only when every reduced dim is THREAD-tiled (each thread
+reduces sequentially, [B §5.2]); reductions across threads need warp or block composition.
+Index arithmetic is 32-bit unless a buffer or a loop extent needs 64 bits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from fusionstitching.codegen import kernel_ir as K
+from fusionstitching.codegen.values import (
+    CodegenError,
+    InputBuffer,
+    ValueEmitter,
+    combine,
+    reduce_identity,
+    register_type,
+)
+from fusionstitching.codegen.vectorize import vectorize
+from fusionstitching.graph.graph import Graph, Layout, Node, contiguous_strides
+from fusionstitching.graph.ops import Category
+from fusionstitching.schedule.template import KernelSchedule, Level, Schedule, tile_extents
+
+_NOT_COMPUTED = (Category.PARAMETER, Category.LIBRARY)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """The nodes a kernel computes, its external inputs and its outputs, in graph order."""
+
+    nodes: tuple[Node, ...]
+    inputs: tuple[Node, ...]
+    outputs: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class LoweredKernel:
+    kernel: K.Kernel
+    pattern: Pattern
+    input_layouts: tuple[Layout, ...]
+    output_layouts: tuple[Layout, ...]
+    aliases: dict[int, int]  # output position → input position whose storage it overwrites
+
+
+def resolve_pattern(graph: Graph, nodes: Iterable[Node | str]) -> Pattern:
+    by_name = {n.name: n for n in graph.nodes}
+    chosen: set[int] = set()
+    for item in nodes:
+        node = by_name.get(item) if isinstance(item, str) else item
+        if node is None or by_name.get(node.name) is not node:
+            raise CodegenError(f"{item!r} is not a node of graph {graph.name}")
+        if node.category in _NOT_COMPUTED:
+            raise CodegenError(f"node {node.name} ({node.op}) cannot be computed inside a kernel")
+        if node.op == "dot_general":
+            raise CodegenError(f"node {node.name}: dot_general is not lowered by thread composition")
+        chosen.add(id(node))
+    if not chosen:
+        raise CodegenError("empty pattern")
+    ordered = [n for n in graph.nodes if id(n) in chosen]
+    used_outside = {id(o) for n in graph.nodes if id(n) not in chosen for o in n.operands}
+    used_outside |= {id(o) for o in graph.outputs if o is not None}
+    inputs: list[Node] = []
+    for node in ordered:
+        for operand in node.operands:
+            if id(operand) in chosen or any(operand is i for i in inputs):
+                continue
+            if operand.op == "constant" and operand.attrs["value"].ndim == 0:
+                continue  # scalar constants are inlined
+            inputs.append(operand)
+    outputs = [n for n in ordered if id(n) in used_outside]
+    if not outputs:
+        raise CodegenError("the pattern has no output")
+    return Pattern(tuple(ordered), tuple(inputs), tuple(outputs))
+
+
+def iteration_space(node: Node) -> tuple[int, ...]:
+    """Output dims; input dims for a reduce (the dims a root's schedule tiles)."""
+    return node.operands[0].shape if node.op == "reduce" else node.shape
+
+
+@dataclass
+class _Factor:
+    dim: int
+    level: Level
+    extent: int
+    var: K.Expr | None = None
+
+
+def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *,
+          name: str = "fused", vectorize_access: bool = True) -> LoweredKernel:
+    pattern = resolve_pattern(graph, nodes)
+    launch = schedule.launch
+    roots = {s.root for s in schedule.schedules}
+    for out in pattern.outputs:
+        if out.name not in roots:
+            raise CodegenError(f"template has no schedule for output {out.name}")
+    extra = roots - {o.name for o in pattern.outputs}
+    if extra:
+        raise CodegenError(f"template schedules {sorted(extra)}, which are not outputs of the pattern "
+                           "(shared-memory sub-roots need block composition)")
+
+    input_layouts = tuple(_input_layout(n) for n in pattern.inputs)
+    aliases = _aliases(graph, pattern)
+    output_layouts = tuple(input_layouts[aliases[k]] if k in aliases else Layout.contiguous(o.shape)
+                           for k, o in enumerate(pattern.outputs))
+    extents = [_extent(n.shape, lay) for n, lay in zip(pattern.inputs, input_layouts)]
+    extents += [_extent(n.shape, lay) for n, lay in zip(pattern.outputs, output_layouts)]
+    index_type = "i64" if max(extents + [n.size for n in pattern.nodes] + [launch.blocks * launch.threads]) \
+        >= 2**31 - 1 else "i32"
+    in_names = [f"in{k}" for k in range(len(pattern.inputs))]
+    out_names = [f"out{k}" for k in range(len(pattern.outputs))]
+    inputs = {id(n): InputBuffer(nm, n, lay.strides) for n, nm, lay in zip(pattern.inputs, in_names, input_layouts)}
+    emitter = ValueEmitter(inputs, {id(n) for n in pattern.nodes}, index_type)
+
+    groups = _group_schedules(schedule, {o.name: o for o in pattern.outputs})
+    ranges = _block_ranges(groups, launch.blocks)
+    body: list[K.Stmt] = []
+    out_position = {o.name: k for k, o in enumerate(pattern.outputs)}
+    for (sched, group_roots), (start, stop) in zip(groups, ranges):
+        stores = [(r, out_names[out_position[r.name]], output_layouts[out_position[r.name]]) for r in group_roots]
+        emitter.stmts = []
+        body.extend(_lower_group(emitter, sched, stores, start, stop, launch.threads, len(groups) > 1))
+
+    params = [K.Buffer(nm, o.dtype.value, ext, aligned=True, noalias=k not in aliases)
+              for k, (nm, o, ext) in enumerate(zip(out_names, pattern.outputs, extents[len(in_names):]))]
+    aliased_inputs = set(aliases.values())
+    params += [K.Buffer(nm, n.dtype.value, ext, readonly=k not in aliased_inputs, aligned=True,
+                        noalias=k not in aliased_inputs)
+               for k, (nm, n, ext) in enumerate(zip(in_names, pattern.inputs, extents))]
+    kernel = K.Kernel(name, tuple(params), tuple(body), launch.threads, launch.blocks,
+                      notes=(str(schedule),))
+    if vectorize_access:
+        kernel = vectorize(kernel)
+    _check_in_place(kernel, aliases, in_names, out_names)
+    return LoweredKernel(kernel, pattern, input_layouts, output_layouts, aliases)
+
+
+def _input_layout(node: Node) -> Layout:
+    if node.op == "parameter" and node.layout is not None:
+        return Layout(node.layout.strides, 0)  # the storage offset is applied to the pointer
+    return Layout.contiguous(node.shape)
+
+
+def _extent(shape: Sequence[int], layout: Layout) -> int:
+    if math.prod(shape) == 0:
+        return 0
+    return 1 + sum((s - 1) * abs(st) for s, st in zip(shape, layout.strides))
+
+
+def _aliases(graph: Graph, pattern: Pattern) -> dict[int, int]:
+    """Outputs that are in-place updates (``graph.mutations``) of a parameter the pattern reads."""
+    result = {}
+    for out_index, param_index in graph.mutations.items():
+        source, target = graph.outputs[out_index], graph.parameters[param_index]
+        for k, out in enumerate(pattern.outputs):
+            if out is source:
+                for j, inp in enumerate(pattern.inputs):
+                    if inp is target:
+                        result[k] = j
+    return result
+
+
+def _group_schedules(schedule: KernelSchedule, outputs: dict[str, Node]):
+    """Schedules with identical iteration spaces and tilings share one loop nest."""
+    groups: list[tuple[Schedule, list[Node]]] = []
+    for sched in schedule.schedules:
+        root = outputs[sched.root]
+        space = iteration_space(root)
+        if len(sched.dims) != len(space):
+            raise CodegenError(f"{root.name}: schedule has {len(sched.dims)} dims, its iteration space "
+                               f"{list(space)} has {len(space)}")
+        for other, members in groups:
+            lead = members[0]
+            if (other.dims == sched.dims and iteration_space(lead) == space and lead.op != "reduce"
+                    and root.op != "reduce" and not sched.shared):
+                members.append(root)
+                break
+        else:
+            groups.append((sched, [root]))
+    return groups
+
+
+def _grid_extent(sched: Schedule, root: Node) -> int:
+    space = iteration_space(root)
+    return math.prod(e for size, tiles in zip(space, sched.dims) for t, e in zip(tiles, tile_extents(size, tiles))
+                     if t.level == Level.GRID)
+
+
+def _block_ranges(groups: list[tuple[Schedule, list[Node]]], blocks: int) -> list[tuple[int, int]]:
+    """Block ranges of packed sub-kernels: proportional to each one's elements, at least one block,
+    never more than its GRID space; one sub-kernel takes all blocks."""
+    if len(groups) == 1:
+        return [(0, blocks)]
+    if blocks < len(groups):
+        raise CodegenError(f"launch has {blocks} blocks for {len(groups)} packed sub-kernels")
+    grids = [_grid_extent(s, members[0]) for s, members in groups]
+    work = [math.prod(iteration_space(members[0])) * len(members) for _, members in groups]
+    total = sum(work) or 1
+    counts = [max(1, min(g, round(blocks * w / total))) for g, w in zip(grids, work)]
+    while sum(counts) > blocks:
+        largest = max(range(len(counts)), key=lambda k: counts[k])
+        counts[largest] -= 1
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append((start, start + count))
+        start += count
+    return ranges
+
+
+def _lower_group(em: ValueEmitter, sched: Schedule, stores, start: int, stop: int, threads: int,
+                 packed: bool) -> list[K.Stmt]:
+    lead = stores[0][0]
+    space = iteration_space(lead)
+    reduced = set(lead.attrs["dims"]) if lead.op == "reduce" else set()
+    factors: list[_Factor] = []
+    for d, (size, tiles) in enumerate(zip(space, sched.dims)):
+        try:
+            exts = tile_extents(size, tiles)
+        except ValueError as err:
+            raise CodegenError(f"{lead.name}: dim {d}: {err}") from None
+        for tile, ext in zip(tiles, exts):
+            if d in reduced and tile.level != Level.THREAD:
+                raise CodegenError(f"{lead.name}: reduced dim {d} is tiled {tile.level.value}; reductions "
+                                   "across threads need warp or block composition")
+            factors.append(_Factor(d, tile.level, ext))
+    if sched.shared:
+        raise CodegenError(f"{lead.name}: 'S' (shared-memory result) needs block composition")
+    has_warp = any(f.level == Level.WARP for f in factors)
+    if has_warp and threads % 32:
+        raise CodegenError(f"{lead.name}: WARP tiles need a multiple of 32 threads")
+    it = em.index_type
+
+    def special(name: str) -> K.Expr:
+        s = K.Special(name)
+        return K.Cast(s, it) if it != "i32" else s
+
+    def level_loop(level: Level, first: K.Expr, step: K.Expr, count: int, inner, kind: str) -> list[K.Stmt]:
+        fs = [f for f in factors if f.level == level]
+        total = math.prod(f.extent for f in fs)
+        var = em.fresh(level.value.lower(), it)
+        body = _decompose(em, fs, var) + inner()
+        if count >= total:
+            return [K.Let(var, first), K.If(K.lt(var, em.idx(total)), tuple(body))]
+        return [K.For(var, first, em.idx(total), step, tuple(body), kind)]
+
+    def cta_level() -> list[K.Stmt]:
+        if has_warp:
+            return level_loop(Level.WARP, special("warp"), special("nwarp"), threads // 32,
+                              lambda: level_loop(Level.CTA, special("lane"), em.idx(32), 32, thread_level, "lane_stride"),
+                              "warp_stride")
+        return level_loop(Level.CTA, special("tid"), special("ntid"), threads, thread_level, "block_stride")
+
+    def thread_level() -> list[K.Stmt]:
+        kept = [f for f in factors if f.level == Level.THREAD and f.dim not in reduced]
+        red = [f for f in factors if f.level == Level.THREAD and f.dim in reduced]
+        return _serial(em, kept, lambda: _element(em, stores, factors, space, reduced, red))
+
+    grid_first = K.Binary("sub", special("bid"), em.idx(start), it) if start else special("bid")
+    nest = level_loop(Level.GRID, grid_first, em.idx(stop - start), stop - start, cta_level, "grid_stride")
+    if packed:
+        in_range = K.land(K.Binary("ge", K.Special("bid"), K.Const(start, "i32"), "bool"),
+                          K.lt(K.Special("bid"), K.Const(stop, "i32")))
+        return [K.Comment(f"sub-kernel {', '.join(r.name for r, _, _ in stores)}: blocks [{start}, {stop})"),
+                K.If(in_range, tuple(nest))]
+    return [K.Comment(f"{', '.join(r.name for r, _, _ in stores)}")] + nest
+
+
+def _decompose(em: ValueEmitter, fs: list[_Factor], linear: K.Expr) -> list[K.Stmt]:
+    """Split a level's linear index into its factors' indices (mixed radix, first factor most significant)."""
+    stmts: list[K.Stmt] = []
+    remaining = linear
+    for k in range(len(fs) - 1, -1, -1):
+        f = fs[k]
+        if f.extent == 1:
+            f.var = em.idx(0)
+            continue
+        value = remaining if k == 0 else K.rem(remaining, em.idx(f.extent))
+        var = em.fresh("f", em.index_type)
+        stmts.append(K.Let(var, value))
+        f.var = var
+        remaining = K.div(remaining, em.idx(f.extent))
+    return stmts
+
+
+def _serial(em: ValueEmitter, fs: list[_Factor], inner) -> list[K.Stmt]:
+    """Nested serial loops over THREAD factors (unrolled when short), then ``inner``."""
+    if not fs:
+        return inner()
+    f = fs[0]
+    if f.extent == 1:
+        f.var = em.idx(0)
+        return _serial(em, fs[1:], inner)
+    var = em.fresh("t", em.index_type)
+    f.var = var
+    body = _serial(em, fs[1:], inner)
+    return [K.For(var, em.idx(0), em.idx(f.extent), em.idx(1), tuple(body), "unroll" if f.extent <= 8 else "serial")]
+
+
+def _dim_index(em: ValueEmitter, factors: list[_Factor], d: int) -> K.Expr:
+    index: K.Expr = em.idx(0)
+    for f in factors:
+        if f.dim == d:
+            index = K.add(K.mul(index, em.idx(f.extent)), f.var)
+    return index
+
+
+def _element(em: ValueEmitter, stores, factors: list[_Factor], space, reduced, red_factors) -> list[K.Stmt]:
+    """The body at one point of the iteration space: compute the roots and store them."""
+    saved = em.stmts
+    em.stmts = []
+    index = [_dim_index(em, factors, d) for d in range(len(space))]
+    index = [em.let("i", e) if not isinstance(e, (K.Var, K.Const)) else e for e in index]
+    guard = None
+    for d, size in enumerate(space):
+        covered = math.prod(f.extent for f in factors if f.dim == d)
+        if covered > size and d not in reduced:
+            guard = K.land(guard, K.lt(index[d], em.idx(size)))
+    prefix = em.stmts
+
+    def compute() -> None:
+        for root, buffer, layout in stores:
+            if root.op == "reduce" and reduced:
+                value = _reduce_root(em, root, index, factors, space, red_factors)
+                out_index = [index[d] for d in range(len(space)) if d not in reduced]
+            else:
+                value = em.value(root, tuple(index))
+                out_index = index
+            storage = root.dtype.value
+            em.stmts.append(K.Store(buffer, em.linear(out_index, layout.strides),
+                                    K.Cast(value, storage) if storage != register_type(root.dtype) else value))
+
+    body, _ = em.nested(lambda: compute())
+    em.stmts = saved
+    if guard is not None:
+        return list(prefix) + [K.If(guard, tuple(body))]
+    return list(prefix) + body
+
+
+def _reduce_root(em: ValueEmitter, root: Node, index, factors, space, red_factors) -> K.Expr:
+    (x,) = root.operands
+    kind = root.attrs["kind"]
+    rtype = register_type(root.dtype)
+    acc = em.fresh("acc", rtype)
+    em.stmts.append(K.Let(acc, reduce_identity(kind, root.dtype)))
+
+    def body() -> None:
+        point = [_dim_index(em, factors, d) if d in root.attrs["dims"] else index[d] for d in range(len(space))]
+        guard = None
+        for d in root.attrs["dims"]:
+            if math.prod(f.extent for f in factors if f.dim == d) > space[d]:
+                guard = K.land(guard, K.lt(point[d], em.idx(space[d])))
+        inner, value = em.nested(lambda: em.value(x, tuple(point)))
+        update = tuple(inner) + (K.Assign(acc, combine(kind, acc, value, rtype)),)
+        em.stmts.extend([K.If(guard, update)] if guard is not None else update)
+
+    stmts, _ = em.nested(lambda: _serial_into(em, red_factors, body))
+    em.stmts.extend(stmts)
+    if root.dtype.is_half:
+        return em.let("v", K.Cast(K.Cast(acc, root.dtype.value), "f32"))
+    return acc
+
+
+def _serial_into(em: ValueEmitter, fs: list[_Factor], body) -> None:
+    def inner() -> list[K.Stmt]:
+        stmts, _ = em.nested(body)
+        return stmts
+
+    em.stmts.extend(_serial(em, fs, inner))
+
+
+def _check_in_place(kernel: K.Kernel, aliases: dict[int, int], in_names, out_names) -> None:
+    """An in-place output may only overwrite the element its own thread read at the same index."""
+    if not aliases:
+        return
+    pairs = {in_names[j]: out_names[k] for k, j in aliases.items()}
+    for stmt_index, load_index, store_index, name in _alias_accesses(kernel.body, pairs):
+        if load_index != store_index:
+            raise CodegenError(f"in-place output {pairs[name]} overwrites {name}, which is also read at another "
+                               "element; the update is not elementwise")
+
+
+def _alias_accesses(body: Sequence[K.Stmt], pairs: dict[str, str]):
+    """(stmt, load index, store index, input) for loads of aliased inputs in the same loop body."""
+    stores = {}
+    loads = []
+    for stmt in _walk(body):
+        if isinstance(stmt, (K.Store, K.VecStore)) and stmt.buffer in pairs.values():
+            stores[stmt.buffer] = stmt.index
+        for load in _loads(stmt):
+            if load.buffer in pairs:
+                loads.append((stmt, load))
+    for stmt, load in loads:
+        yield stmt, load.index, stores.get(pairs[load.buffer]), load.buffer
+
+
+def _walk(body: Sequence[K.Stmt]):
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, K.For):
+            yield from _walk(stmt.body)
+        elif isinstance(stmt, K.If):
+            yield from _walk(stmt.then)
+            yield from _walk(stmt.orelse)
+
+
+def _loads(stmt: K.Stmt):
+    exprs = []
+    if isinstance(stmt, (K.Let, K.Assign)):
+        exprs = [stmt.value]
+    elif isinstance(stmt, K.Store):
+        exprs = [stmt.value, stmt.index]
+    elif isinstance(stmt, K.VecLoad):
+        yield K.Load(stmt.buffer, stmt.index, "")
+        return
+    while exprs:
+        e = exprs.pop()
+        if isinstance(e, K.Load):
+            yield e
+        for child in getattr(e, "__dict__", {}).values():
+            if isinstance(child, tuple):
+                exprs.extend(c for c in child if hasattr(c, "dtype"))
+            elif hasattr(child, "dtype") and not isinstance(child, str):
+                exprs.append(child)
+
+
+def contiguous(node: Node) -> tuple[int, ...]:
+    return contiguous_strides(node.shape)

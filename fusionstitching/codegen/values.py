@@ -1,0 +1,362 @@
+"""Thread composition: the value of a graph node at a multi-index, as Kernel IR statements.
+
+``ValueEmitter.value(node, index)`` appends to the current statement list whatever a thread must
+execute to know ``node`` at ``index`` (a tuple of index expressions, one per dim) and returns an
+expression holding it. Producers inside the pattern are recomputed in the consumer's thread
+(thread composition): shape ops are pure index arithmetic, elementwise ops are register math,
+a reduction used as a producer is a sequential loop. Values are cached per (node, index) within
+the current scope, so a value used twice is computed once; a scope opens for each branch of a
+predicated read (pad, concatenate), since a value computed inside a branch is not defined outside.
+
+Registers hold f32 for f16/bf16 nodes; every half-typed node rounds its result to its type
+(``Cast`` to the storage type and back), which is exactly what ``graph/reference.py`` does, so
+simulated kernels match the reference bit for bit up to transcendental ulps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from fusionstitching.codegen import kernel_ir as K
+from fusionstitching.graph.graph import Node
+from fusionstitching.graph.ops import DType
+
+
+class CodegenError(ValueError):
+    """A pattern or schedule that this code generator cannot lower; names the node."""
+
+
+def register_type(dtype: DType) -> str:
+    return "f32" if dtype.is_half else dtype.value
+
+
+_REDUCE_INIT = {"sum": 0, "prod": 1}
+_UNARY = {"neg", "abs", "not", "sign", "floor", "ceil", "exp", "log", "log1p", "expm1", "tanh", "erf",
+          "sigmoid", "sqrt", "rsqrt", "sin", "cos"}
+_BINARY = {"add", "sub", "mul", "div", "rem", "pow", "max", "min", "and", "or", "xor"}
+_COMPARE = {"EQ": "eq", "NE": "ne", "LT": "lt", "LE": "le", "GT": "gt", "GE": "ge"}
+
+
+@dataclass
+class InputBuffer:
+    """How a pattern input is read: its kernel buffer and element strides (in-place, any layout)."""
+
+    name: str
+    node: Node
+    strides: tuple[int, ...]
+
+
+@dataclass
+class ValueEmitter:
+    inputs: dict[int, InputBuffer]  # id(node) → buffer, for pattern inputs
+    pattern: set[int]  # ids of the nodes computed inside the kernel
+    index_type: str
+    stmts: list[K.Stmt] = field(default_factory=list)
+    _scopes: list[dict] = field(default_factory=lambda: [{}])
+    _counter: int = 0
+
+    # -- statement plumbing -------------------------------------------------------------------
+    def fresh(self, base: str, dtype: str) -> K.Var:
+        self._counter += 1
+        return K.Var(f"{base}{self._counter}", dtype)
+
+    def let(self, base: str, value: K.Expr) -> K.Expr:
+        if isinstance(value, (K.Const, K.Var, K.Special)):
+            return value
+        var = self.fresh(base, value.dtype)
+        self.stmts.append(K.Let(var, value))
+        return var
+
+    def nested(self, body: Callable[[], K.Expr | None]) -> tuple[list[K.Stmt], K.Expr | None]:
+        """Run ``body`` collecting its statements in a new scope; returns them and its result."""
+        saved = self.stmts
+        self.stmts = []
+        self._scopes.append({})
+        try:
+            result = body()
+            return self.stmts, result
+        finally:
+            self._scopes.pop()
+            self.stmts = saved
+
+    def idx(self, value: int) -> K.Const:
+        return K.Const(int(value), self.index_type)
+
+    # -- values ---------------------------------------------------------------------------------
+    def value(self, node: Node, index: Sequence[K.Expr]) -> K.Expr:
+        key = (id(node), tuple(index))
+        for scope in reversed(self._scopes):
+            if key in scope:
+                return scope[key]
+        result = self._compute(node, tuple(index))
+        self._scopes[-1][key] = result
+        return result
+
+    def _compute(self, node: Node, index: tuple[K.Expr, ...]) -> K.Expr:
+        if id(node) in self.inputs:
+            return self._load_input(self.inputs[id(node)], index)
+        if id(node) not in self.pattern and node.op != "constant":
+            raise CodegenError(f"node {node.name} is neither in the pattern nor an input")
+        handler = getattr(self, f"_op_{node.op}", None)
+        if handler is None:
+            if node.op in _UNARY:
+                return self._round(node, K.Unary(node.op, self.value(node.operands[0], index),
+                                                 register_type(node.dtype)))
+            if node.op in _BINARY:
+                a, b = (self.value(x, index) for x in node.operands)
+                return self._round(node, K.Binary(node.op, a, b, register_type(node.dtype)))
+            raise CodegenError(f"node {node.name}: {node.op} is not supported by thread composition")
+        return handler(node, index)
+
+    def _round(self, node: Node, value: K.Expr) -> K.Expr:
+        """Bind ``value``; for half types, round it to the node's dtype first (one rounding per node)."""
+        if node.dtype.is_half:
+            value = K.Cast(K.Cast(value, node.dtype.value), "f32")
+        return self.let("v", value)
+
+    def linear(self, index: Sequence[K.Expr], strides: Sequence[int]) -> K.Expr:
+        total: K.Expr = self.idx(0)
+        for i, s in zip(index, strides):
+            total = K.add(total, K.mul(i, self.idx(s)))
+        return total
+
+    def _load_input(self, buf: InputBuffer, index: tuple[K.Expr, ...]) -> K.Expr:
+        node = buf.node
+        loaded = K.Load(buf.name, self.linear(index, buf.strides), node.dtype.value)
+        if node.dtype.is_half:
+            return self.let("in", K.Cast(loaded, "f32"))
+        return self.let("in", loaded)
+
+    # -- per-op rules ---------------------------------------------------------------------------
+    def _op_constant(self, node: Node, index):
+        value = node.attrs["value"]
+        if value.ndim != 0:
+            raise CodegenError(f"node {node.name}: non-scalar constants must be kernel inputs")
+        scalar = value.item()
+        if node.dtype.is_half:
+            scalar = float(scalar)
+        return K.Const(scalar, register_type(node.dtype))
+
+    def _op_convert(self, node: Node, index):
+        x = self.value(node.operands[0], index)
+        src, dst = node.operands[0].dtype, node.dtype
+        if dst == DType.BOOL and src != DType.BOOL:
+            zero = K.Const(0.0 if src.is_float else 0, register_type(src))
+            return self.let("v", K.Binary("ne", x, zero, "bool"))
+        return self._round(node, K.Cast(x, register_type(dst)))
+
+    def _op_copy(self, node: Node, index):
+        return self.value(node.operands[0], index)
+
+    def _op_compare(self, node: Node, index):
+        a, b = (self.value(x, index) for x in node.operands)
+        return self.let("v", K.Binary(_COMPARE[node.attrs["direction"]], a, b, "bool"))
+
+    def _op_select(self, node: Node, index):
+        c, a, b = (self.value(x, index) for x in node.operands)
+        return self.let("v", K.Select(c, a, b, register_type(node.dtype)))
+
+    def _op_broadcast_in_dim(self, node: Node, index):
+        (x,) = node.operands
+        dims = node.attrs["broadcast_dimensions"]
+        return self.value(x, tuple(self.idx(0) if x.shape[i] == 1 else index[d] for i, d in enumerate(dims)))
+
+    def _op_transpose(self, node: Node, index):
+        (x,) = node.operands
+        inner: list[K.Expr] = [self.idx(0)] * len(x.shape)
+        for i, p in enumerate(node.attrs["permutation"]):
+            inner[p] = index[i]
+        return self.value(x, tuple(inner))
+
+    def _op_slice(self, node: Node, index):
+        (x,) = node.operands
+        start, stride = node.attrs["start"], node.attrs["stride"]
+        return self.value(x, tuple(K.add(K.mul(i, self.idx(st)), self.idx(lo))
+                                   for i, lo, st in zip(index, start, stride)))
+
+    def _op_reshape(self, node: Node, index):
+        (x,) = node.operands
+        return self.value(x, reshape_index(index, node.shape, x.shape, self.idx))
+
+    def _op_iota(self, node: Node, index):
+        return K.Cast(index[node.attrs["dimension"]], register_type(node.dtype))
+
+    def _op_gather(self, node: Node, index):
+        x, indices = node.operands
+        axis, batch = node.attrs["axis"], node.attrs["batch_dims"]
+        k = len(indices.shape) - batch
+        idx_index = index[:batch] + index[axis : axis + k]
+        raw = self.value(indices, idx_index)
+        size = self.idx(x.shape[axis] - 1)
+        # Out-of-range indices are clamped so that a kernel never reads outside the operand.
+        position = self.let("g", K.Binary("min", K.Binary("max", K.Cast(raw, self.index_type), self.idx(0),
+                                                          self.index_type), size, self.index_type))
+        operand_index = index[:axis] + (position,) + index[axis + k :]
+        return self.value(x, operand_index)
+
+    def _guarded(self, node: Node, cond: K.Expr, inside: Callable[[], K.Expr], otherwise: Callable[[], K.Expr]):
+        """``cond ? inside() : otherwise()`` with each side evaluated only where it is taken."""
+        result = self.fresh("p", register_type(node.dtype))
+        then_stmts, then_value = self.nested(inside)
+        else_stmts, else_value = self.nested(otherwise)
+        self.stmts.append(K.Let(result, K.Const(0, result.dtype) if result.dtype != "bool" else K.Const(False, "bool")))
+        self.stmts.append(K.If(cond, tuple(then_stmts) + (K.Assign(result, then_value),),
+                               tuple(else_stmts) + (K.Assign(result, else_value),)))
+        return result
+
+    def _op_pad(self, node: Node, index):
+        (x,) = node.operands
+        low, interior = node.attrs["low"], node.attrs["interior"]
+        cond, inner = None, []
+        for i, lo, it, size in zip(index, low, interior, x.shape):
+            shifted = K.Binary("sub", i, self.idx(lo), self.index_type) if lo else i
+            step = it + 1
+            position = K.div(shifted, self.idx(step)) if step > 1 else shifted
+            cond = K.land(cond, K.Binary("ge", shifted, self.idx(0), "bool"))
+            cond = K.land(cond, K.lt(shifted, self.idx((size - 1) * step + 1)))
+            if step > 1:
+                cond = K.land(cond, K.Binary("eq", K.rem(shifted, self.idx(step)), self.idx(0), "bool"))
+            inner.append(position)
+        pad_value = K.Const(node.attrs["value"] if node.dtype.is_float else int(node.attrs["value"]),
+                            register_type(node.dtype))
+        if cond is None:
+            return self.value(x, tuple(inner))
+        return self._guarded(node, cond, lambda: self.value(x, tuple(inner)), lambda: pad_value)
+
+    def _op_concatenate(self, node: Node, index):
+        dim = node.attrs["dimension"]
+        pieces = list(node.operands)
+
+        def piece(k: int, offset: int) -> K.Expr:
+            shifted = K.Binary("sub", index[dim], self.idx(offset), self.index_type) if offset else index[dim]
+            inner = index[:dim] + (shifted,) + index[dim + 1 :]
+            if k == len(pieces) - 1:
+                return self.value(pieces[k], inner)
+            end = offset + pieces[k].shape[dim]
+            return self._guarded(node, K.lt(index[dim], self.idx(end)),
+                                 lambda: self.value(pieces[k], inner), lambda: piece(k + 1, end))
+
+        return piece(0, 0)
+
+    def _op_reduce(self, node: Node, index):
+        """A reduction used inside a thread: a sequential loop over the reduced dims."""
+        (x,) = node.operands
+        dims, kind = node.attrs["dims"], node.attrs["kind"]
+        rtype = register_type(node.dtype)
+        acc = self.fresh("acc", rtype)
+        self.stmts.append(K.Let(acc, reduce_identity(kind, node.dtype)))
+        loop_vars = {d: self.fresh(f"r{d}_", self.index_type) for d in dims}
+        it = iter(index)
+        inner = tuple(loop_vars[d] if d in loop_vars else next(it) for d in range(len(x.shape)))
+
+        def body() -> None:
+            self.stmts.append(K.Assign(acc, combine(kind, acc, self.value(x, inner), rtype)))
+
+        stmts, _ = self.nested(body)
+        for d in reversed(dims):
+            stmts = [K.For(loop_vars[d], self.idx(0), self.idx(x.shape[d]), self.idx(1), tuple(stmts))]
+        self.stmts.extend(stmts)
+        return self._round(node, acc)
+
+    def _op_rng_uniform(self, node: Node, index):
+        seed_node, offset_node = node.operands
+        seed = self.value(seed_node, ())
+        offset = self.value(offset_node, ())
+        linear = K.Cast(self.linear(index, _row_major(node.shape)), "u64")
+        quad = K.Binary("shr", linear, K.Const(2, "u64"), "u64")
+        word = K.Cast(K.Binary("and", linear, K.Const(3, "u64"), "u64"), "u32")
+        counter = (K.Cast(quad, "u32"), K.Const(node.attrs["stream"] & 0xFFFFFFFF, "u32"),
+                   K.Cast(K.Cast(offset, "u64"), "u32"),
+                   K.Cast(K.Binary("shr", K.Cast(offset, "u64"), K.Const(32, "u64"), "u64"), "u32"))
+        key = (K.Cast(K.Cast(seed, "u64"), "u32"),
+               K.Cast(K.Binary("shr", K.Cast(seed, "u64"), K.Const(32, "u64"), "u64"), "u32"))
+        counter = tuple(self.let("c", c) for c in counter)
+        key = tuple(self.let("k", k) for k in key)
+        word = self.let("w", word)
+        bits: K.Expr = K.Philox(counter, key, 3)
+        for w in (2, 1, 0):
+            bits = K.Select(K.Binary("eq", word, K.Const(w, "u32"), "bool"), K.Philox(counter, key, w), bits, "u32")
+        bits = self.let("bits", bits)
+        top = K.Cast(K.Binary("shr", bits, K.Const(8, "u32"), "u32"), "f32")
+        uniform = K.Binary("mul", top, K.Const(2.0**-24, "f32"), "f32")
+        if node.dtype == DType.F32:
+            return self.let("u", uniform)
+        return self._round(node, K.Cast(uniform, register_type(node.dtype)))
+
+
+def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def reduce_identity(kind: str, dtype: DType) -> K.Const:
+    rtype = register_type(dtype)
+    if kind in _REDUCE_INIT:
+        value = _REDUCE_INIT[kind]
+        if dtype == DType.BOOL:
+            return K.Const(bool(value), "bool")
+        return K.Const(float(value) if dtype.is_float else value, rtype)
+    if dtype == DType.BOOL:
+        return K.Const(kind == "min", "bool")
+    if dtype.is_float:
+        return K.Const(-math.inf if kind == "max" else math.inf, rtype)
+    info = (2**31 if dtype == DType.I32 else 2**63)
+    return K.Const(-info if kind == "max" else info - 1, rtype)
+
+
+def combine(kind: str, acc: K.Expr, value: K.Expr, rtype: str) -> K.Expr:
+    if rtype == "bool":
+        op = {"sum": "or", "max": "or", "prod": "and", "min": "and"}[kind]
+        return K.Binary(op, acc, value, "bool")
+    op = {"sum": "add", "prod": "mul", "max": "max", "min": "min"}[kind]
+    return K.Binary(op, acc, value, rtype)
+
+
+def reshape_index(index: Sequence[K.Expr], out_shape: Sequence[int], in_shape: Sequence[int],
+                  idx: Callable[[int], K.Const]) -> tuple[K.Expr, ...]:
+    """Operand index of a reshape: dims are matched in groups of equal product, and only a group that
+    really splits or merges dims pays for a linearize/delinearize (size-1 dims map for free)."""
+    result: list[K.Expr] = []
+    i = j = 0
+    out_dims = [(d, s) for d, s in enumerate(out_shape)]
+    in_dims = list(in_shape)
+    while i < len(out_dims) or j < len(in_dims):
+        if j < len(in_dims) and in_dims[j] == 1:
+            result.append(idx(0))
+            j += 1
+            continue
+        if i < len(out_dims) and out_dims[i][1] == 1:
+            i += 1
+            continue
+        group_out, group_in = [i], [j]
+        p_out, p_in = out_dims[i][1], in_dims[j]
+        i += 1
+        j += 1
+        while p_out != p_in:
+            if p_out < p_in:
+                group_out.append(i)
+                p_out *= out_dims[i][1]
+                i += 1
+            else:
+                group_in.append(j)
+                p_in *= in_dims[j]
+                j += 1
+        while i < len(out_dims) and out_dims[i][1] == 1:
+            i += 1
+        if len(group_out) == 1 and len(group_in) == 1:
+            result.append(index[out_dims[group_out[0]][0]])
+            continue
+        linear: K.Expr = idx(0)
+        for g in group_out:
+            linear = K.add(K.mul(linear, idx(out_dims[g][1])), index[out_dims[g][0]])
+        sizes = [in_dims[g] for g in group_in]
+        for k in range(len(sizes)):
+            inner = math.prod(sizes[k + 1 :])
+            part = K.div(linear, idx(inner)) if inner > 1 else linear
+            result.append(K.rem(part, idx(sizes[k])) if k > 0 else part)
+    return tuple(result)

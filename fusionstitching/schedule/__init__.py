@@ -1,0 +1,27 @@
+"""Kernel schedules: how the ops of a fused pattern map onto a CUDA kernel (DESIGN.md, Kernel schedules)."""
+
+from fusionstitching.schedule.template import (
+    KernelSchedule,
+    Launch,
+    Level,
+    Schedule,
+    TemplateSyntaxError,
+    Tile,
+    format_template,
+    level_extent,
+    parse_template,
+    tile_extents,
+)
+
+__all__ = [
+    "KernelSchedule",
+    "Launch",
+    "Level",
+    "Schedule",
+    "TemplateSyntaxError",
+    "Tile",
+    "format_template",
+    "level_extent",
+    "parse_template",
+    "tile_extents",
+]
