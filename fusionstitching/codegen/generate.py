@@ -116,10 +116,12 @@ def _from_storage(storage: np.ndarray, shape, layout: Layout) -> np.ndarray:
 
 
 def generate(graph: Graph, nodes: Iterable[Node | str], template: str | KernelSchedule, *,
-             name: str | None = None, vectorize: bool = True) -> GeneratedKernel:
+             name: str | None = None, vectorize: bool = True, **debug: bool) -> GeneratedKernel:
+    """The kernel computing ``nodes`` of ``graph`` as ``template`` says (``debug``: see ``lower``)."""
     schedule = parse_template(template) if isinstance(template, str) else template
     nodes = list(nodes)
-    lowered = lower(graph, nodes, schedule, name=name or _kernel_name(graph, nodes), vectorize_access=vectorize)
+    lowered = lower(graph, nodes, schedule, name=name or _kernel_name(graph, nodes), vectorize_access=vectorize,
+                    **debug)
     kernel = GeneratedKernel(lowered, schedule, cuda_c.render(lowered.kernel))
     if vectorize and _has_vector_access(lowered.kernel.body):
         scalar = lower(graph, nodes, schedule, name=lowered.kernel.name, vectorize_access=False)

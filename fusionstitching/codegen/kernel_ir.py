@@ -18,7 +18,6 @@ hashed and compared.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 KTYPES = ("f32", "f64", "f16", "bf16", "i32", "i64", "u32", "u64", "bool")
 FLOAT_TYPES = ("f32", "f64", "f16", "bf16")
@@ -119,7 +118,7 @@ class Shuffle:
     dtype: str
 
 
-Expr = Union[Const, Var, Special, Unary, Binary, Select, Cast, Load, Philox, Shuffle]
+Expr = Const | Var | Special | Unary | Binary | Select | Cast | Load | Philox | Shuffle
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,7 +195,7 @@ class Comment:
     text: str
 
 
-Stmt = Union[Let, Assign, Store, VecLoad, VecStore, For, If, Barrier, Comment]
+Stmt = Let | Assign | Store | VecLoad | VecStore | For | If | Barrier | Comment
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,7 +244,7 @@ class Kernel:
 # ----------------------------------------------------------------------------------------------
 
 
-def const(value: int | float | bool, dtype: str) -> Const:
+def const(value: float | bool, dtype: str) -> Const:
     return Const(value, dtype)
 
 

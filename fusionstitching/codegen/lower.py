@@ -31,7 +31,7 @@ from fusionstitching.codegen.values import (
     reduce_identity,
     register_type,
 )
-from fusionstitching.codegen.vectorize import vectorize
+from fusionstitching.codegen.vectorize import pack_lanes
 from fusionstitching.graph.graph import Graph, Layout, Node, contiguous_strides
 from fusionstitching.graph.ops import Category
 from fusionstitching.schedule.template import KernelSchedule, Level, Schedule, tile_extents
@@ -102,7 +102,11 @@ class _Factor:
 
 
 def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *,
-          name: str = "fused", vectorize_access: bool = True) -> LoweredKernel:
+          name: str = "fused", vectorize_access: bool = True, guard_tails: bool = True,
+          check_in_place: bool = True) -> LoweredKernel:
+    """Lower ``nodes`` of ``graph`` under ``schedule``. ``guard_tails`` and ``check_in_place``
+    exist to show that the simulator catches the out-of-bounds accesses and cross-block races
+    they prevent; leave them on."""
     pattern = resolve_pattern(graph, nodes)
     launch = schedule.launch
     roots = {s.root for s in schedule.schedules}
@@ -134,7 +138,8 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
     for (sched, group_roots), (start, stop) in zip(groups, ranges):
         stores = [(r, out_names[out_position[r.name]], output_layouts[out_position[r.name]]) for r in group_roots]
         emitter.stmts = []
-        body.extend(_lower_group(emitter, sched, stores, start, stop, launch.threads, len(groups) > 1))
+        body.extend(_lower_group(emitter, sched, stores, start, stop, launch.threads, len(groups) > 1,
+                                 vectorize_access, guard_tails))
 
     params = [K.Buffer(nm, o.dtype.value, ext, aligned=True, noalias=k not in aliases)
               for k, (nm, o, ext) in enumerate(zip(out_names, pattern.outputs, extents[len(in_names):]))]
@@ -144,9 +149,8 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
                for k, (nm, n, ext) in enumerate(zip(in_names, pattern.inputs, extents))]
     kernel = K.Kernel(name, tuple(params), tuple(body), launch.threads, launch.blocks,
                       notes=(str(schedule),))
-    if vectorize_access:
-        kernel = vectorize(kernel)
-    _check_in_place(kernel, aliases, in_names, out_names)
+    if check_in_place:
+        _check_in_place(kernel, aliases, in_names, out_names)
     return LoweredKernel(kernel, pattern, input_layouts, output_layouts, aliases)
 
 
@@ -223,7 +227,7 @@ def _block_ranges(groups: list[tuple[Schedule, list[Node]]], blocks: int) -> lis
 
 
 def _lower_group(em: ValueEmitter, sched: Schedule, stores, start: int, stop: int, threads: int,
-                 packed: bool) -> list[K.Stmt]:
+                 packed: bool, vectorize_access: bool, guard_tails: bool) -> list[K.Stmt]:
     lead = stores[0][0]
     space = iteration_space(lead)
     reduced = set(lead.attrs["dims"]) if lead.op == "reduce" else set()
@@ -241,6 +245,7 @@ def _lower_group(em: ValueEmitter, sched: Schedule, stores, start: int, stop: in
     if sched.shared:
         raise CodegenError(f"{lead.name}: 'S' (shared-memory result) needs block composition")
     has_warp = any(f.level == Level.WARP for f in factors)
+    lane = _vector_lane(factors, space, stores, reduced)
     if has_warp and threads % 32:
         raise CodegenError(f"{lead.name}: WARP tiles need a multiple of 32 threads")
     it = em.index_type
@@ -266,9 +271,10 @@ def _lower_group(em: ValueEmitter, sched: Schedule, stores, start: int, stop: in
         return level_loop(Level.CTA, special("tid"), special("ntid"), threads, thread_level, "block_stride")
 
     def thread_level() -> list[K.Stmt]:
-        kept = [f for f in factors if f.level == Level.THREAD and f.dim not in reduced]
+        kept = [f for f in factors if f.level == Level.THREAD and f.dim not in reduced and f is not lane]
         red = [f for f in factors if f.level == Level.THREAD and f.dim in reduced]
-        return _serial(em, kept, lambda: _element(em, stores, factors, space, reduced, red))
+        return _serial(em, kept, lambda: _element(em, stores, factors, space, reduced, red, lane, vectorize_access,
+                                                  guard_tails))
 
     grid_first = K.Binary("sub", special("bid"), em.idx(start), it) if start else special("bid")
     nest = level_loop(Level.GRID, grid_first, em.idx(stop - start), stop - start, cta_level, "grid_stride")
@@ -319,32 +325,64 @@ def _dim_index(em: ValueEmitter, factors: list[_Factor], d: int) -> K.Expr:
     return index
 
 
-def _element(em: ValueEmitter, stores, factors: list[_Factor], space, reduced, red_factors) -> list[K.Stmt]:
-    """The body at one point of the iteration space: compute the roots and store them."""
+def _vector_lane(factors: list[_Factor], space, stores, reduced) -> _Factor | None:
+    """The innermost THREAD factor whose lanes are unrolled for vector accesses, if any.
+
+    It must be the last tile of the last dim, that dim a multiple of the lane count (so one guard
+    covers all lanes), no reduction, and every output written with unit stride in that dim.
+    """
+    last = factors[-1] if factors else None
+    if last is None or last.level != Level.THREAD or last.extent < 2 or last.extent > 16 or reduced:
+        return None
+    if last.dim != len(space) - 1 or space[-1] % last.extent:
+        return None
+    if any(layout.strides[-1] != 1 for _, _, layout in stores):
+        return None
+    return last
+
+
+def _element(em: ValueEmitter, stores, factors: list[_Factor], space, reduced, red_factors,
+             lane: _Factor | None = None, vectorize_access: bool = False,
+             guard_tails: bool = True) -> list[K.Stmt]:
+    """The body at one point of the iteration space (or the lanes of a vector): compute, store."""
     saved = em.stmts
     em.stmts = []
-    index = [_dim_index(em, factors, d) for d in range(len(space))]
-    index = [em.let("i", e) if not isinstance(e, (K.Var, K.Const)) else e for e in index]
+    lanes = lane.extent if lane is not None else 1
+    if lane is not None:
+        lane.var = em.idx(0)
+
+    def point() -> list[K.Expr]:
+        index = [_dim_index(em, factors, d) if d not in reduced else em.idx(0) for d in range(len(space))]
+        return [em.let("i", e) if not isinstance(e, (K.Var, K.Const)) else e for e in index]
+
+    index = point()
     guard = None
     for d, size in enumerate(space):
         covered = math.prod(f.extent for f in factors if f.dim == d)
-        if covered > size and d not in reduced:
+        if covered > size and d not in reduced and guard_tails:
             guard = K.land(guard, K.lt(index[d], em.idx(size)))
     prefix = em.stmts
 
     def compute() -> None:
-        for root, buffer, layout in stores:
-            if root.op == "reduce" and reduced:
-                value = _reduce_root(em, root, index, factors, space, red_factors)
-                out_index = [index[d] for d in range(len(space)) if d not in reduced]
-            else:
-                value = em.value(root, tuple(index))
-                out_index = index
-            storage = root.dtype.value
-            em.stmts.append(K.Store(buffer, em.linear(out_index, layout.strides),
-                                    K.Cast(value, storage) if storage != register_type(root.dtype) else value))
+        for j in range(lanes):
+            at = index
+            if j:
+                lane.var = em.idx(j)
+                at = point()
+            for root, buffer, layout in stores:
+                if root.op == "reduce" and reduced:
+                    value = _reduce_root(em, root, at, factors, space, red_factors)
+                    out_index = [at[d] for d in range(len(space)) if d not in reduced]
+                else:
+                    value = em.value(root, tuple(at))
+                    out_index = at
+                storage = root.dtype.value
+                em.stmts.append(K.Store(buffer, em.linear(out_index, layout.strides),
+                                        K.Cast(value, storage) if storage != register_type(root.dtype) else value))
 
     body, _ = em.nested(lambda: compute())
+    if lane is not None and vectorize_access:
+        body = pack_lanes(body, em.definitions, lanes)
     em.stmts = saved
     if guard is not None:
         return list(prefix) + [K.If(guard, tuple(body))]
@@ -384,28 +422,27 @@ def _serial_into(em: ValueEmitter, fs: list[_Factor], body) -> None:
 
 
 def _check_in_place(kernel: K.Kernel, aliases: dict[int, int], in_names, out_names) -> None:
-    """An in-place output may only overwrite the element its own thread read at the same index."""
+    """An in-place output may only overwrite elements its own thread reads: every index at which the
+    aliased input is loaded must be an index at which the output is stored (same expression)."""
     if not aliases:
         return
     pairs = {in_names[j]: out_names[k] for k, j in aliases.items()}
-    for stmt_index, load_index, store_index, name in _alias_accesses(kernel.body, pairs):
-        if load_index != store_index:
+    loads: dict[str, set] = {name: set() for name in pairs}
+    stores: dict[str, set] = {name: set() for name in pairs.values()}
+    for stmt in _walk(kernel.body):
+        if isinstance(stmt, K.Store) and stmt.buffer in stores:
+            stores[stmt.buffer].add((stmt.index, 1))
+        elif isinstance(stmt, K.VecStore) and stmt.buffer in stores:
+            stores[stmt.buffer].add((stmt.index, len(stmt.values)))
+        elif isinstance(stmt, K.VecLoad) and stmt.buffer in loads:
+            loads[stmt.buffer].add((stmt.index, len(stmt.vars)))
+        for load in _loads(stmt):
+            if load.buffer in loads:
+                loads[load.buffer].add((load.index, 1))
+    for name, read in loads.items():
+        if not read <= stores[pairs[name]]:
             raise CodegenError(f"in-place output {pairs[name]} overwrites {name}, which is also read at another "
                                "element; the update is not elementwise")
-
-
-def _alias_accesses(body: Sequence[K.Stmt], pairs: dict[str, str]):
-    """(stmt, load index, store index, input) for loads of aliased inputs in the same loop body."""
-    stores = {}
-    loads = []
-    for stmt in _walk(body):
-        if isinstance(stmt, (K.Store, K.VecStore)) and stmt.buffer in pairs.values():
-            stores[stmt.buffer] = stmt.index
-        for load in _loads(stmt):
-            if load.buffer in pairs:
-                loads.append((stmt, load))
-    for stmt, load in loads:
-        yield stmt, load.index, stores.get(pairs[load.buffer]), load.buffer
 
 
 def _walk(body: Sequence[K.Stmt]):
@@ -424,9 +461,6 @@ def _loads(stmt: K.Stmt):
         exprs = [stmt.value]
     elif isinstance(stmt, K.Store):
         exprs = [stmt.value, stmt.index]
-    elif isinstance(stmt, K.VecLoad):
-        yield K.Load(stmt.buffer, stmt.index, "")
-        return
     while exprs:
         e = exprs.pop()
         if isinstance(e, K.Load):

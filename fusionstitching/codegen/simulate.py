@@ -5,31 +5,30 @@ writes into the given arrays in place. Thread ``t`` of block ``b`` is lane ``b *
 flat thread axis; every register is an array over all lanes.
 
 [Note: lockstep with predication]
-Control flow is an active mask. ``If`` runs both branches under complementary masks. ``For`` keeps
-C semantics per thread: ``start`` is evaluated once, ``stop`` is re-evaluated before each iteration
-and ``step`` after each, so trip counts may differ per thread; the loop runs while any active
-thread's ``var < stop`` holds and a non-positive step on a continuing thread is an error (it would
-never end). ``kind`` is ignored. Registers follow C's block scoping: a ``Let`` lives until the end of
-its statement list (a loop body is a new list each iteration) and may shadow an outer name.
-Expressions are computed for every lane, garbage included, under ``np.errstate(all="ignore")``;
-only memory accesses and shuffles look at the mask, so an inactive lane's wild index never raises.
+Control flow is an active mask; ``If`` runs both branches under complementary masks. ``For`` keeps
+C semantics per thread (``start`` once, ``stop`` before and ``step`` after each iteration; ``kind``
+is ignored) and runs while any active thread's ``var < stop``; a non-positive step is an error.
+Registers are scoped like C blocks: a ``Let`` lives to the end of its statement list (a loop body
+is a new list each iteration) and may shadow an outer name. Expressions are computed on every lane,
+garbage included, under ``np.errstate(all="ignore")``; memory accesses and shuffles look at the
+mask (``Select``'s operands get the lanes that take them, like C's ``?:``), so an inactive lane's
+wild index never raises.
 
 [Note: what lockstep would hide]
-Lockstep execution makes every race come out in one benign order, so the simulator tracks owners
-of memory cells and reports the races instead. Global memory: for each element of a buffer the
-kernel stores to, which block wrote it and which block(s) read it in this launch; a read of another
-block's write, a write over another block's write or read, and two lanes storing to one element in
-one statement are errors. Shared memory (one copy per block, filled with NaN / 0xA5 bytes so that a
-read of an unwritten cell shows): the same per thread, reset by ``Barrier`` -- a read of a cell
-another thread wrote since the last barrier (RAW), a write over another thread's write (WAW) or
-read (WAR) since the last barrier. A ``Barrier`` reached by part of a block, and a full-mask
-``Shuffle`` reached by part of a warp, are errors. Every error names the statement (``describe``),
-the buffer and index, and the block and thread.
+Lockstep makes every race come out in one benign order, so owners of memory cells are tracked and
+races reported. Global memory: per element of a writable buffer, the block that wrote it and the
+block(s) that read it in this launch (params given one array, as an in-place output and its input,
+share one history); a read of another block's write, a write over another block's write or read,
+and two lanes storing to one element in one statement are errors.
+Shared memory (one copy per block, filled with NaN / 0xA5 bytes so that unwritten cells show): the
+same per thread since the last ``Barrier`` (RAW, WAW and WAR races). A ``Barrier`` reached by part
+of a block and a full-mask ``Shuffle`` reached by part of a warp are errors. Every error names the
+statement (``describe``), the buffer and index, and the block and thread.
 
-Numbers follow ``graph/reference.py``: arithmetic in the expression's dtype (half types compute in
-f32 and round once), C integer division with ``x / 0 == -1`` and ``x % 0 == x``, float -> int casts
-truncate, saturate and send NaN to 0, bf16 rounds to nearest even from f32, max/min propagate NaN.
-Operands of another type are converted to the expression's type first (C conversion rules).
+Numbers follow ``graph/reference.py`` (its operator table): arithmetic in the expression's dtype
+(half types in f32, rounded once), C integer division with ``x / 0 == -1`` and ``x % 0 == x``, float
+-> int casts truncate, saturate and send NaN to 0, bf16 rounds to nearest even from f32, max/min
+propagate NaN. Operands of another type are first converted to it (C conversion rules).
 """
 
 from __future__ import annotations
@@ -38,23 +37,16 @@ from collections.abc import Callable, Mapping
 
 import ml_dtypes
 import numpy as np
-import scipy.special
 
 from fusionstitching.codegen import kernel_ir as K
-from fusionstitching.graph.reference import _f64_to_bf16, _int_divmod, _pow, _rsqrt, _sigmoid, philox4x32_10
+from fusionstitching.graph.reference import _ELEMENTWISE, _f64_to_bf16, philox4x32_10
 
-NUMPY_TYPES: dict[str, np.dtype] = {
-    "f32": np.dtype(np.float32),
-    "f64": np.dtype(np.float64),
-    "f16": np.dtype(np.float16),
-    "bf16": np.dtype(ml_dtypes.bfloat16),
-    "i32": np.dtype(np.int32),
-    "i64": np.dtype(np.int64),
-    "u32": np.dtype(np.uint32),
-    "u64": np.dtype(np.uint64),
-    "bool": np.dtype(np.bool_),
-}
+NUMPY_TYPES: dict[str, np.dtype] = {name: np.dtype(t) for name, t in (
+    ("f32", np.float32), ("f64", np.float64), ("f16", np.float16), ("bf16", ml_dtypes.bfloat16),
+    ("i32", np.int32), ("i64", np.int64), ("u32", np.uint32), ("u64", np.uint64), ("bool", np.bool_),
+)}
 _HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+_COMPUTE = {"f16": "f32", "bf16": "f32"}  # half types are storage only: math on them runs in f32
 
 
 class SimulationError(RuntimeError):
@@ -75,8 +67,6 @@ def _check_buffers(kernel: K.Kernel, buffers: Mapping[str, np.ndarray]) -> dict[
         raise SimulationError(f"{where}: arrays given for unknown buffers {unknown}")
     arrays = {}
     for buf in kernel.params:
-        if buf.space != "global":
-            raise SimulationError(f"{where}: param {buf.name} has space {buf.space!r}, expected 'global'")
         if buf.name not in buffers:
             raise SimulationError(f"{where}: no array given for buffer {buf.name}")
         array = buffers[buf.name]
@@ -89,7 +79,17 @@ def _check_buffers(kernel: K.Kernel, buffers: Mapping[str, np.ndarray]) -> dict[
         if not buf.readonly and not array.flags.writeable:
             raise SimulationError(f"{where}: buffer {buf.name} is written by the kernel, array is read-only")
         arrays[buf.name] = array
+    names = list(arrays)
+    for i, first in enumerate(names):  # aliases (an in-place output) must start at the same element
+        for second in names[i + 1:]:
+            x, y = arrays[first], arrays[second]
+            if _alias_key(x) != _alias_key(y) and np.shares_memory(x, y):
+                raise SimulationError(f"{where}: buffers {first} and {second} overlap at different offsets")
     return arrays
+
+
+def _alias_key(array: np.ndarray) -> tuple:
+    return array.__array_interface__["data"][0], array.strides, array.dtype.str
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,16 +97,13 @@ def _check_buffers(kernel: K.Kernel, buffers: Mapping[str, np.ndarray]) -> dict[
 # ----------------------------------------------------------------------------------------------
 
 
-def _const(value: int | float | bool, dtype: str) -> np.ndarray:
+def _const(value: float | bool, dtype: str) -> np.ndarray:
     target = NUMPY_TYPES[dtype]
     if dtype == "bool":
         return np.asarray(bool(value))
     if dtype in K.INT_TYPES and not isinstance(value, float):
-        bits = target.itemsize * 8
-        wrapped = int(value) & ((1 << bits) - 1)
-        if target.kind == "i" and wrapped >= 1 << (bits - 1):
-            wrapped -= 1 << bits
-        return np.asarray(wrapped, dtype=target)
+        bits = int(value) & ((1 << (8 * target.itemsize)) - 1)  # two's complement wrap
+        return np.asarray(bits, dtype=f"u{target.itemsize}").astype(target)
     return _convert(np.asarray(float(value), dtype=np.float64), dtype)
 
 
@@ -139,33 +136,6 @@ def _float_to_int(x: np.ndarray, target: np.dtype) -> np.ndarray:
     return np.where(t < low, info.min, result).astype(target)
 
 
-def _compute_type(dtype: str) -> str:
-    return "f32" if dtype in ("f16", "bf16") else dtype
-
-
-def _not(x: np.ndarray) -> np.ndarray:
-    return np.logical_not(x) if x.dtype == np.bool_ else np.invert(x)
-
-
-def _floor(x: np.ndarray) -> np.ndarray:
-    return np.floor(x) if x.dtype.kind == "f" else x
-
-
-def _ceil(x: np.ndarray) -> np.ndarray:
-    return np.ceil(x) if x.dtype.kind == "f" else x
-
-
-def _erf(x: np.ndarray) -> np.ndarray:
-    return np.asarray(scipy.special.erf(x)).astype(x.dtype)
-
-
-_UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "neg": np.negative, "abs": np.abs, "not": _not, "sign": np.sign, "floor": _floor, "ceil": _ceil,
-    "exp": np.exp, "log": np.log, "log1p": np.log1p, "expm1": np.expm1, "tanh": np.tanh, "erf": _erf,
-    "sigmoid": _sigmoid, "sqrt": np.sqrt, "rsqrt": _rsqrt, "sin": np.sin, "cos": np.cos,
-}
-
-
 def _mulhi(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """High half of the double-width product (``__umulhi``, ``__mulhi``, ``__umul64hi``, ``__mul64hi``)."""
     if a.dtype.itemsize == 4:
@@ -182,22 +152,11 @@ def _mulhi(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return high.astype(a.dtype)
 
 
-def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.true_divide(a, b) if a.dtype.kind == "f" else _int_divmod(a, b)[0]
-
-
-def _rem(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.fmod(a, b) if a.dtype.kind == "f" else _int_divmod(a, b)[1]
-
-
-_BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _div, "rem": _rem, "pow": _pow,
-    "max": np.maximum, "min": np.minimum, "and": np.bitwise_and, "or": np.bitwise_or,
-    "xor": np.bitwise_xor, "shl": np.left_shift, "shr": np.right_shift, "mulhi": _mulhi,
-}
+# Elementwise operators come from the reference (one meaning for both); the rest are kernel-only.
+_OPERATORS: dict[str, Callable[..., np.ndarray]] = {**_ELEMENTWISE, "shl": np.left_shift, "shr": np.right_shift,
+                                                     "mulhi": _mulhi}
 _COMPARE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    "eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater,
-    "ge": np.greater_equal,
+    "eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
 }
 
 
@@ -211,10 +170,8 @@ def _compare(op: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _garbage(dtype: str, size: int) -> np.ndarray:
     """Uninitialised shared memory: NaN for floats, 0xA5 bytes for integers, true for bool."""
-    if dtype in K.FLOAT_TYPES:
-        return np.full(size, np.nan, dtype=NUMPY_TYPES[dtype])
-    if dtype == "bool":
-        return np.ones(size, dtype=bool)
+    if dtype in K.FLOAT_TYPES or dtype == "bool":
+        return np.full(size, np.nan if dtype != "bool" else True, dtype=NUMPY_TYPES[dtype])
     return np.full(size * NUMPY_TYPES[dtype].itemsize, 0xA5, dtype=np.uint8).view(NUMPY_TYPES[dtype])
 
 
@@ -238,11 +195,8 @@ class _Cells:
         """``(position, other id)`` of a lane whose cell another of ``ids`` names too, if any."""
         self._scratch[cells] = ids  # one of the duplicates wins; the others see its id
         other = self._scratch[cells]
-        clashes = other != ids
-        if not clashes.any():
-            return None
-        j = int(np.argmax(clashes))
-        return j, int(other[j])
+        j = int(np.argmax(other != ids))
+        return (j, int(other[j])) if other[j] != ids[j] else None
 
     def note_read(self, cells: np.ndarray, owners: np.ndarray) -> None:
         current = self.reader[cells]
@@ -254,18 +208,6 @@ class _Cells:
         """Forget the history of the blocks ``rows`` (a bool mask over blocks) after a barrier."""
         self.writer.reshape(-1, extent)[rows] = _NONE
         self.reader.reshape(-1, extent)[rows] = _NONE
-
-
-def _stored_buffers(stmts: tuple[K.Stmt, ...]) -> set[str]:
-    names: set[str] = set()
-    for stmt in stmts:
-        if isinstance(stmt, (K.Store, K.VecStore)):
-            names.add(stmt.buffer)
-        elif isinstance(stmt, K.For):
-            names |= _stored_buffers(stmt.body)
-        elif isinstance(stmt, K.If):
-            names |= _stored_buffers(stmt.then) | _stored_buffers(stmt.orelse)
-    return names
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,23 +231,25 @@ class _Machine:
         self.regs: dict[str, np.ndarray] = {}
         self.memory: dict[str, np.ndarray] = dict(arrays)
         self.cells: dict[str, _Cells] = {}
-        stored = _stored_buffers(kernel.body)
-        for buf in kernel.params:
-            if buf.name in stored and not buf.readonly:
-                self.cells[buf.name] = _Cells(buf.extent)
+        aliases: dict[tuple, list[K.Buffer]] = {}
+        for buf in kernel.params:  # params on one array share one history: in-place updates
+            aliases.setdefault(_alias_key(arrays[buf.name]), []).append(buf)
+        for group in aliases.values():
+            if not all(buf.readonly for buf in group):
+                if any(buf.readonly for buf in group):  # printed ``const __restrict__``: no alias allowed
+                    raise SimulationError(f"kernel {kernel.name}: buffers {[buf.name for buf in group]} share "
+                                          f"one array, but the read-only ones promise no aliasing")
+                shared_history = _Cells(max(buf.extent for buf in group))
+                self.cells.update((buf.name, shared_history) for buf in group)
         for buf in kernel.shared:
             self.memory[buf.name] = _garbage(buf.dtype, self.blocks * buf.extent)
             self.cells[buf.name] = _Cells(self.blocks * buf.extent)
         self.stmt: K.Stmt | None = None
 
-    # -- errors and helpers ------------------------------------------------------------------
-
     def error(self, what: str, lane: int) -> SimulationError:
         block, thread = divmod(int(lane), self.threads)
-        statement = describe(self.stmt) if self.stmt is not None else "?"
-        return SimulationError(
-            f"kernel {self.kernel.name}: {what}; block {block} thread {thread}; in `{statement}`"
-        )
+        where = f"block {block} thread {thread}; in `{describe(self.stmt)}`"
+        return SimulationError(f"kernel {self.kernel.name}: {what}; {where}")
 
     def full(self, x: np.ndarray) -> np.ndarray:
         return np.broadcast_to(x, (self.n,))
@@ -315,8 +259,6 @@ class _Machine:
             return self.kernel.buffer(name)
         except KeyError as err:
             raise SimulationError(f"{err.args[0]}; in `{describe(self.stmt)}`") from None
-
-    # -- statements ------------------------------------------------------------------------------
 
     def run_block(self, stmts: tuple[K.Stmt, ...], act: np.ndarray) -> None:
         """Run a statement list for the lanes in ``act``; its ``Let``s end with it."""
@@ -364,8 +306,7 @@ class _Machine:
 
     def vec_store(self, s: K.VecStore, act: np.ndarray, scope: dict) -> None:
         index = self.vector_index(s.buffer, s.index, len(s.values), act)
-        values = [self.eval(v, act) for v in s.values]
-        for i, value in enumerate(values):
+        for i, value in enumerate([self.eval(v, act) for v in s.values]):
             self.write(s.buffer, index + i, value, act)
 
     def for_stmt(self, s: K.For, act: np.ndarray, scope: dict) -> None:
@@ -401,16 +342,10 @@ class _Machine:
         if partial.any():
             block = int(np.argmax(partial))
             missing = block * self.threads + int(np.argmin(per_block[block]))
-            count = int(per_block[block].sum())
-            raise self.error(f"barrier reached by {count} of {self.threads} threads of the block "
+            raise self.error(f"barrier reached by {per_block[block].sum()} of {self.threads} threads of the block "
                              f"(this thread does not reach it)", missing)
         for buf in self.kernel.shared:
             self.cells[buf.name].reset(complete, buf.extent)
-
-    def comment(self, s: K.Comment, act: np.ndarray, scope: dict) -> None:
-        pass
-
-    # -- memory ------------------------------------------------------------------------------------
 
     def vector_index(self, name: str, index: K.Expr, width: int, act: np.ndarray) -> np.ndarray:
         buf = self.buffer(name)
@@ -525,21 +460,21 @@ class _Machine:
     def eval_unary(self, e: K.Unary, act: np.ndarray) -> np.ndarray:
         x = self.eval(e.x, act)
         if e.op == "isnan":
-            x = np.asarray(x)
-            return np.isnan(x.astype(np.float32) if x.dtype in _HALF else x)
-        x = _convert(x, _compute_type(e.dtype))
-        return _convert(_UNARY[e.op](x), e.dtype)
+            return np.isnan(_convert(x, "f64"))
+        x = _convert(x, _COMPUTE.get(e.dtype, e.dtype))
+        return _convert(_OPERATORS[e.op](x), e.dtype)
 
     def eval_binary(self, e: K.Binary, act: np.ndarray) -> np.ndarray:
         a, b = self.eval(e.a, act), self.eval(e.b, act)
         if e.op in _COMPARE:
             return _compare(e.op, a, b)
-        compute = _compute_type(e.dtype)
-        return _convert(_BINARY[e.op](_convert(a, compute), _convert(b, compute)), e.dtype)
+        compute = _COMPUTE.get(e.dtype, e.dtype)
+        return _convert(_OPERATORS[e.op](_convert(a, compute), _convert(b, compute)), e.dtype)
 
     def eval_select(self, e: K.Select, act: np.ndarray) -> np.ndarray:
-        cond = _convert(self.eval(e.cond, act), "bool")
-        return np.where(cond, _convert(self.eval(e.a, act), e.dtype), _convert(self.eval(e.b, act), e.dtype))
+        cond = self.full(_convert(self.eval(e.cond, act), "bool"))  # C's ?: -- loads only where taken
+        a, b = self.eval(e.a, act & cond), self.eval(e.b, act & ~cond)
+        return np.where(cond, _convert(a, e.dtype), _convert(b, e.dtype))
 
     def eval_cast(self, e: K.Cast, act: np.ndarray) -> np.ndarray:
         return _convert(self.eval(e.x, act), e.dtype)
@@ -594,7 +529,7 @@ class _Machine:
 _STATEMENTS: dict[type, Callable[[_Machine, K.Stmt, np.ndarray, dict], None]] = {
     K.Let: _Machine.let, K.Assign: _Machine.assign_stmt, K.Store: _Machine.store,
     K.VecLoad: _Machine.vec_load, K.VecStore: _Machine.vec_store, K.For: _Machine.for_stmt,
-    K.If: _Machine.if_stmt, K.Barrier: _Machine.barrier, K.Comment: _Machine.comment,
+    K.If: _Machine.if_stmt, K.Barrier: _Machine.barrier, K.Comment: lambda *args: None,
 }
 _EXPRESSIONS: dict[type, Callable[[_Machine, K.Expr, np.ndarray], np.ndarray]] = {
     K.Const: _Machine.eval_const, K.Var: _Machine.eval_var, K.Special: _Machine.eval_special,
@@ -616,49 +551,47 @@ _INFIX = {
 
 def describe(node: K.Stmt | K.Expr, limit: int = 200) -> str:
     """A short C-like rendering, e.g. ``store out[((bid * 256) + tid)] = x``; bodies are left out."""
-    text = _describe(node)
+    text = _text(node)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _describe(node: K.Stmt | K.Expr) -> str:
-    d = _describe
-    if isinstance(node, K.Const):
-        return str(node.value).lower() if isinstance(node.value, bool) else str(node.value)
-    if isinstance(node, (K.Var, K.Special)):
-        return node.name
-    if isinstance(node, K.Unary):
-        return f"{node.op}({d(node.x)})"
-    if isinstance(node, K.Binary):
-        if node.op in _INFIX:
-            return f"({d(node.a)} {_INFIX[node.op]} {d(node.b)})"
-        return f"{node.op}({d(node.a)}, {d(node.b)})"
-    if isinstance(node, K.Select):
-        return f"({d(node.cond)} ? {d(node.a)} : {d(node.b)})"
-    if isinstance(node, K.Cast):
-        return f"({node.dtype}){d(node.x)}"
-    if isinstance(node, K.Load):
-        return f"{node.buffer}[{d(node.index)}]"
-    if isinstance(node, K.Philox):
-        args = ", ".join(d(x) for x in node.counter + node.key)
-        return f"philox({args})[{node.word}]"
-    if isinstance(node, K.Shuffle):
-        return f"shfl_{node.kind}({d(node.value)}, {d(node.arg)}, {node.width})"
-    if isinstance(node, K.Let):
-        return f"let {node.var.dtype} {node.var.name} = {d(node.value)}"
-    if isinstance(node, K.Assign):
-        return f"{node.var.name} = {d(node.value)}"
-    if isinstance(node, K.Store):
-        return f"store {node.buffer}[{d(node.index)}] = {d(node.value)}"
-    if isinstance(node, K.VecLoad):
-        return f"vecload ({', '.join(v.name for v in node.vars)}) = {node.buffer}[{d(node.index)}]"
-    if isinstance(node, K.VecStore):
-        return f"vecstore {node.buffer}[{d(node.index)}] = ({', '.join(d(v) for v in node.values)})"
-    if isinstance(node, K.For):
-        return f"for {node.var.name} in [{d(node.start)}, {d(node.stop)}) step {d(node.step)}"
-    if isinstance(node, K.If):
-        return f"if {d(node.cond)}"
-    if isinstance(node, K.Barrier):
-        return "barrier"
-    if isinstance(node, K.Comment):
-        return f"// {node.text}"
-    return type(node).__name__
+def _text(node: K.Stmt | K.Expr) -> str:
+    render = _RENDER.get(type(node))
+    return render(node) if render is not None else type(node).__name__
+
+
+def _binary_text(node: K.Binary) -> str:
+    if node.op in _INFIX:
+        return f"({_text(node.a)} {_INFIX[node.op]} {_text(node.b)})"
+    return f"{node.op}({_text(node.a)}, {_text(node.b)})"
+
+
+def _const_text(node: K.Const) -> str:
+    return str(node.value).lower() if isinstance(node.value, bool) else str(node.value)
+
+
+def _texts(nodes: tuple) -> str:
+    return ", ".join(_text(n) for n in nodes)
+
+
+_RENDER: dict[type, Callable] = {
+    K.Const: _const_text,
+    K.Var: lambda n: n.name,
+    K.Special: lambda n: n.name,
+    K.Unary: lambda n: f"{n.op}({_text(n.x)})",
+    K.Binary: _binary_text,
+    K.Select: lambda n: f"({_text(n.cond)} ? {_text(n.a)} : {_text(n.b)})",
+    K.Cast: lambda n: f"({n.dtype}){_text(n.x)}",
+    K.Load: lambda n: f"{n.buffer}[{_text(n.index)}]",
+    K.Philox: lambda n: f"philox({_texts(n.counter + n.key)})[{n.word}]",
+    K.Shuffle: lambda n: f"shfl_{n.kind}({_text(n.value)}, {_text(n.arg)}, {n.width})",
+    K.Let: lambda n: f"let {n.var.dtype} {n.var.name} = {_text(n.value)}",
+    K.Assign: lambda n: f"{n.var.name} = {_text(n.value)}",
+    K.Store: lambda n: f"store {n.buffer}[{_text(n.index)}] = {_text(n.value)}",
+    K.VecLoad: lambda n: f"vecload ({_texts(n.vars)}) = {n.buffer}[{_text(n.index)}]",
+    K.VecStore: lambda n: f"vecstore {n.buffer}[{_text(n.index)}] = ({_texts(n.values)})",
+    K.For: lambda n: f"for {n.var.name} in [{_text(n.start)}, {_text(n.stop)}) step {_text(n.step)}",
+    K.If: lambda n: f"if {_text(n.cond)}",
+    K.Barrier: lambda n: "barrier",
+    K.Comment: lambda n: f"// {n.text}",
+}

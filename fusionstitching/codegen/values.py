@@ -54,6 +54,7 @@ class ValueEmitter:
     pattern: set[int]  # ids of the nodes computed inside the kernel
     index_type: str
     stmts: list[K.Stmt] = field(default_factory=list)
+    definitions: dict[str, K.Expr] = field(default_factory=dict)  # register → its defining expression
     _scopes: list[dict] = field(default_factory=lambda: [{}])
     _counter: int = 0
 
@@ -67,6 +68,7 @@ class ValueEmitter:
             return value
         var = self.fresh(base, value.dtype)
         self.stmts.append(K.Let(var, value))
+        self.definitions[var.name] = value
         return var
 
     def nested(self, body: Callable[[], K.Expr | None]) -> tuple[list[K.Stmt], K.Expr | None]:

@@ -1,9 +1,145 @@
-"""128-bit vector accesses: a Kernel IR pass (placeholder identity until implemented)."""
+"""128-bit (and 64-bit) vector accesses for the lanes of a THREAD_v factor.
+
+When a root's innermost tile is ``THREAD_v`` with v elements of 16 bytes, lowering unrolls the v
+lanes and this pass merges their scalar accesses: ``Let x_j = buf[e + j]`` for j = 0..v-1 becomes
+one ``VecLoad`` (in chunks of 16 bytes of the buffer's type) and the v stores one ``VecStore``.
+A group merges only when an affine analysis proves the lane-0 index a multiple of the chunk:
+indices are expanded through the registers that define them (``definitions``) into a sum of
+opaque terms with integer coefficients plus a constant, and every coefficient and the constant
+must be divisible. Accesses inside a branch, broadcast reads (same index on every lane) and
+strided reads stay scalar. Base addresses are assumed 16-byte aligned; the launcher checks that
+and otherwise runs the scalar variant of the kernel.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from fusionstitching.codegen import kernel_ir as K
 
+ITEM_BYTES = {"f32": 4, "f64": 8, "f16": 2, "bf16": 2, "i32": 4, "i64": 8, "u32": 4, "u64": 8, "bool": 1}
+VECTOR_BYTES = 16
 
-def vectorize(kernel: K.Kernel) -> K.Kernel:
-    return kernel
+
+def affine(e: K.Expr, definitions: Mapping[str, K.Expr]) -> tuple[dict[str, int], int] | None:
+    """``e`` as (coefficients of opaque terms, constant), or None when it is not affine."""
+    if isinstance(e, K.Const) and isinstance(e.value, int) and not isinstance(e.value, bool):
+        return {}, e.value
+    if isinstance(e, K.Var):
+        if e.name in definitions:
+            inner = affine(definitions[e.name], definitions)
+            if inner is not None:
+                return inner
+        return {e.name: 1}, 0
+    if isinstance(e, K.Cast) and e.dtype in ("i32", "i64") and e.x.dtype in ("i32", "i64"):
+        return affine(e.x, definitions)
+    if isinstance(e, K.Binary) and e.op in ("add", "sub"):
+        a, b = affine(e.a, definitions), affine(e.b, definitions)
+        if a is None or b is None:
+            return None
+        sign = 1 if e.op == "add" else -1
+        terms = dict(a[0])
+        for name, c in b[0].items():
+            terms[name] = terms.get(name, 0) + sign * c
+        return {n: c for n, c in terms.items() if c}, a[1] + sign * b[1]
+    if isinstance(e, K.Binary) and e.op == "mul":
+        a, b = affine(e.a, definitions), affine(e.b, definitions)
+        if a is None or b is None:
+            return None
+        if not b[0]:
+            a, b = b, a
+        if a[0]:
+            return None  # product of two non-constant terms
+        k = a[1]
+        return {n: c * k for n, c in b[0].items() if c * k}, b[1] * k
+    return None
+
+
+def _aligned(form: tuple[dict[str, int], int], chunk: int) -> bool:
+    terms, constant = form
+    return constant % chunk == 0 and all(c % chunk == 0 for c in terms.values())
+
+
+def _lane_offset(base: tuple[dict[str, int], int], other: tuple[dict[str, int], int]) -> int | None:
+    if base[0] != other[0]:
+        return None
+    return other[1] - base[1]
+
+
+def pack_lanes(stmts: Sequence[K.Stmt], definitions: Mapping[str, K.Expr], lanes: int) -> list[K.Stmt]:
+    """Merge the scalar loads and stores of ``lanes`` unrolled lanes into vector accesses."""
+    stmts = _pack_loads(list(stmts), definitions, lanes)
+    return _pack_stores(stmts, definitions, lanes)
+
+
+def _load_of(stmt: K.Stmt) -> K.Load | None:
+    if isinstance(stmt, K.Let):
+        value = stmt.value.x if isinstance(stmt.value, K.Cast) else stmt.value
+        if isinstance(value, K.Load):
+            return value
+    return None
+
+
+def _pack_loads(stmts: list[K.Stmt], definitions, lanes: int) -> list[K.Stmt]:
+    loads = [(k, _load_of(s)) for k, s in enumerate(stmts)]
+    loads = [(k, load, affine(load.index, definitions)) for k, load in loads if load is not None]
+    replaced: dict[int, list[K.Stmt]] = {}
+    removed: set[int] = set()
+    for position, (k, load, form) in enumerate(loads):
+        if k in removed or form is None:
+            continue
+        chunk = VECTOR_BYTES // ITEM_BYTES[load.dtype]
+        if chunk > lanes or lanes % chunk or load.dtype == "bool" or not _aligned(form, chunk):
+            continue
+        group = {0: k}
+        for k2, load2, form2 in loads[position + 1 :]:
+            if load2.buffer == load.buffer and form2 is not None and k2 not in removed:
+                offset = _lane_offset(form, form2)
+                if offset is not None and 0 < offset < chunk and offset not in group:
+                    group[offset] = k2
+        if len(group) != chunk:
+            continue
+        storage_vars = tuple(K.Var(f"{stmts[group[j]].var.name}_s", load.dtype) for j in range(chunk))
+        new = [K.VecLoad(storage_vars, load.buffer, load.index)]
+        for j in range(chunk):
+            target = stmts[group[j]]
+            value = storage_vars[j] if not isinstance(target.value, K.Cast) else K.Cast(storage_vars[j],
+                                                                                        target.value.dtype)
+            new.append(K.Let(target.var, value))
+        replaced[k] = new
+        removed.update(group[j] for j in range(1, chunk))
+    out: list[K.Stmt] = []
+    for k, stmt in enumerate(stmts):
+        if k in replaced:
+            out.extend(replaced[k])
+        elif k not in removed:
+            out.append(stmt)
+    return out
+
+
+def _pack_stores(stmts: list[K.Stmt], definitions, lanes: int) -> list[K.Stmt]:
+    stores = [(k, s, affine(s.index, definitions)) for k, s in enumerate(stmts) if isinstance(s, K.Store)]
+    by_buffer: dict[str, list] = {}
+    for item in stores:
+        by_buffer.setdefault(item[1].buffer, []).append(item)
+    replaced: dict[int, K.Stmt] = {}
+    removed: set[int] = set()
+    for items in by_buffer.values():
+        for position, (k, store, form) in enumerate(items):
+            if k in removed or form is None:
+                continue
+            dtype = store.value.dtype
+            chunk = VECTOR_BYTES // ITEM_BYTES[dtype]
+            if chunk > lanes or lanes % chunk or dtype == "bool" or not _aligned(form, chunk):
+                continue
+            group = {0: (k, store)}
+            for k2, store2, form2 in items[position + 1 :]:
+                offset = _lane_offset(form, form2) if form2 is not None else None
+                if offset is not None and 0 < offset < chunk and offset not in group:
+                    group[offset] = (k2, store2)
+            if len(group) != chunk:
+                continue
+            last = max(group[j][0] for j in range(chunk))
+            replaced[last] = K.VecStore(store.buffer, store.index, tuple(group[j][1].value for j in range(chunk)))
+            removed.update(group[j][0] for j in range(chunk) if group[j][0] != last)
+    return [replaced.get(k, s) for k, s in enumerate(stmts) if k not in removed]

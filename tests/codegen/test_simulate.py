@@ -222,6 +222,17 @@ def test_out_of_bounds_index_on_an_inactive_lane_is_fine():
     np.testing.assert_array_equal(out, xs)
 
 
+def test_select_loads_only_on_the_lanes_that_take_each_operand():
+    i = K.Var("i", "i32")
+    inside = b("lt", i, c(40))
+    value = K.Select(inside, K.Load("x", i, "f32"), c(-1.0, "f32"), "f32")
+    k = kernel([K.Let(i, gid()), K.Store("out", i, value)], [buf("x", "f32", 40), buf("out", "f32", 64)],
+               threads=32, blocks=2)
+    xs, out = np.arange(40, dtype=np.float32), np.zeros(64, np.float32)
+    simulate(k, {"x": xs, "out": out})
+    np.testing.assert_array_equal(out, np.concatenate([xs, np.full(24, -1, np.float32)]))
+
+
 def test_cross_block_read_caught():
     body = [
         K.If(b("eq", BID, c(0)), (K.Store("tmp", TID, c(1.0, "f32")),)),
@@ -310,3 +321,34 @@ def test_non_positive_loop_step_caught():
     k = kernel([K.For(i, c(0), c(4), c(0), ())], [])
     with pytest.raises(SimulationError, match="loop step 0 is not positive"):
         simulate(k, {})
+
+
+@pytest.mark.parametrize("dtype", ["u64", "i64", "i32"])
+def test_mulhi_is_the_high_half_of_the_exact_product(dtype):
+    bits = 64 if dtype.endswith("64") else 32
+    np_type = np.dtype(("u" if dtype[0] == "u" else "i") + str(bits // 8))
+    rng = np.random.default_rng(2)
+    info = np.iinfo(np_type)
+    xs, ys = (rng.integers(info.min, info.max, 32, dtype=np_type, endpoint=True) for _ in range(2))
+    xs[:2], ys[:2] = info.min, info.max
+    body = [K.Store("out", TID, b("mulhi", K.Load("x", TID, dtype), K.Load("y", TID, dtype)))]
+    k = kernel(body, [buf("x", dtype, 32), buf("y", dtype, 32), buf("out", dtype, 32)])
+    out = np.zeros(32, np_type)
+    simulate(k, {"x": xs, "y": ys, "out": out})
+    assert out.tolist() == [(int(x) * int(y)) >> bits for x, y in zip(xs, ys)]
+
+
+def test_params_given_one_array_share_their_history():
+    # an in-place reversal: block 0 overwrites elements that block 1 read through the aliased input
+    body = [K.Store("dst", gid(), K.Load("src", b("sub", c(63), gid()), "f32"))]
+    k = kernel(body, [buf("src", "f32", 64), buf("dst", "f32", 64)], threads=32, blocks=2)
+    data = np.arange(64, dtype=np.float32)
+    with pytest.raises(SimulationError, match=r"cross-block write of dst\[0\], read by block 1"):
+        simulate(k, {"src": data, "dst": data})
+    simulate(k, {"src": data.copy(), "dst": data})
+    with pytest.raises(SimulationError, match="buffers src and dst overlap at different offsets"):
+        base = np.arange(70, dtype=np.float32)
+        simulate(k, {"src": base[:64], "dst": base[3:67]})
+    restrict = kernel(body, [buf("src", "f32", 64, readonly=True), buf("dst", "f32", 64)], threads=32, blocks=2)
+    with pytest.raises(SimulationError, match=r"buffers \['src', 'dst'\] share one array"):
+        simulate(restrict, {"src": data, "dst": data})

@@ -1,0 +1,211 @@
+"""Single-kernel benchmarks on a GPU: generated kernels vs PyTorch eager, TorchInductor and a copy.
+
+``python -m fusionstitching.bench.kernels [--json FILE]`` prints, per case, the median GPU time
+(CUDA events) of our kernel, eager PyTorch, TorchInductor and a device copy of the same bytes
+(read + write), measured in the same run, and the ratios; then the wall time of 40 small in-place
+updates packed in one kernel vs eager, and the host cost per launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fusionstitching.codegen import default_template, generate
+from fusionstitching.frontend.torch_fx import capture
+from fusionstitching.runtime.kernel_call import allocate_outputs, call_generated
+
+
+@dataclass
+class Row:
+    case: str
+    ours_us: float
+    eager_us: float
+    inductor_us: float
+    copy_us: float
+
+    @property
+    def vs_copy(self) -> float:
+        return self.ours_us / self.copy_us
+
+    @property
+    def vs_inductor(self) -> float:
+        return self.ours_us / self.inductor_us
+
+
+def gpu_time_us(fn: Callable[[], object], repeats: int = 50, warmup: int = 5) -> float:
+    """Median GPU time of one call, by CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1000)
+    return statistics.median(times)
+
+
+def wall_time_us(fn: Callable[[], object], repeats: int = 200, rounds: int = 7) -> float:
+    """Median over rounds of the wall time per call, synchronizing at the end of each round."""
+    fn()
+    torch.cuda.synchronize()
+    results = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+        results.append((time.perf_counter() - start) / repeats * 1e6)
+    return statistics.median(results)
+
+
+def _kernel_for(fn, inputs, name: str, template: str | None = None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(fn, *[t.cpu() if t.is_cuda else t for t in inputs], name=name).forward
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    if template is not None:
+        template = template.replace("{out}", graph.outputs[0].name)
+    kernel = generate(graph, nodes, template or default_template(graph, nodes))
+    by_name = {p.name: t for p, t in zip(graph.parameters, inputs)}
+    ordered = [by_name[n] for n in kernel.inputs]
+    return kernel, ordered
+
+
+def compare(name: str, fn, inputs, bytes_moved: int, templates: tuple[str | None, ...] = (None,)) -> Row:
+    """Our kernel (the fastest of ``templates``; None = the default template) against the others."""
+    best = None
+    for template in templates:
+        kernel, ordered = _kernel_for(fn, inputs, name, template)
+        outputs = allocate_outputs(kernel, ordered)
+        time_us = gpu_time_us(lambda k=kernel, i=ordered, o=outputs: call_generated(k, i, o))
+        print(f"  {name}: {kernel.template} {time_us:.1f} µs")
+        if best is None or time_us < best[0]:
+            best = (time_us, kernel, ordered, outputs)
+    ours, kernel, ordered, outputs = best
+    got = call_generated(kernel, ordered, outputs)[0]
+    want = fn(*inputs)
+    tolerance = 1e-2 if want.dtype != torch.float32 else 1e-4
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+    eager = gpu_time_us(lambda: fn(*inputs))
+    compiled = torch.compile(fn)
+    inductor = gpu_time_us(lambda: compiled(*inputs))
+    half = bytes_moved // 2
+    src = torch.empty(half, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy = gpu_time_us(lambda: dst.copy_(src))
+    return Row(name, ours, eager, inductor, copy)
+
+
+def bias_gelu(dtype: torch.dtype) -> Row:
+    x = torch.randn(16384, 3072, device="cuda", dtype=dtype)
+    b = torch.randn(3072, device="cuda", dtype=dtype)
+
+    def fn(x, b):
+        return F.gelu(x + b, approximate="tanh")
+
+    return compare(f"bias_gelu_{str(dtype).split('.')[1]}", fn, [x, b], 2 * x.numel() * x.element_size())
+
+
+def relu_transpose() -> Row:
+    x = torch.randn(4096, 4096, device="cuda")
+    y = torch.randn(4096, 4096, device="cuda")
+
+    def fn(x, y):
+        return torch.relu(x.t() * y + 1)
+
+    candidates = (None, "{out}[GRID-CTA_32,GRID-CTA_8-THREAD_4]; launch(blocks=16384,threads=256)",
+                  "{out}[GRID-CTA_32-THREAD_2,GRID-CTA_8-THREAD_4]; launch(blocks=8192,threads=256)",
+                  "{out}[GRID-CTA_16-THREAD_4,GRID-CTA_16-THREAD_4]; launch(blocks=4096,threads=256)")
+    return compare("relu_t_mul_f32", fn, [x, y], 3 * x.numel() * 4, candidates)
+
+
+def packed_updates(count: int = 40) -> dict:
+    """``p.mul_(0.9).add_(g)`` over ``count`` tensors of 1K–1M elements: one kernel vs eager."""
+    generator = torch.Generator().manual_seed(0)
+    sizes = [int(1024 * 2 ** (10 * k / (count - 1))) for k in range(count)]
+    params = [torch.randn(s, generator=generator) for s in sizes]
+    grads = [torch.randn(s, generator=generator) for s in sizes]
+
+    def fn(*tensors):
+        n = len(tensors) // 2
+        for p, g in zip(tensors[:n], tensors[n:]):
+            p.mul_(0.9).add_(g)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(fn, *params, *grads, name="packed_updates").forward
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    kernel = generate(graph, nodes, default_template(graph, nodes))
+    cuda = [t.cuda() for t in params + grads]
+    by_name = {p.name: t for p, t in zip(graph.parameters, cuda)}
+    ordered = [by_name[n] for n in kernel.inputs]
+    expected = [p.clone() for p in cuda[:count]]
+    fn(*expected, *cuda[count:])
+    call_generated(kernel, ordered)
+    torch.cuda.synchronize()
+    for p, e in zip(cuda[:count], expected):
+        torch.testing.assert_close(p, e)
+    ours = wall_time_us(lambda: call_generated(kernel, ordered))
+    eager = wall_time_us(lambda: fn(*cuda))
+    return {"tensors": count, "elements": sum(sizes), "ours_wall_us": ours, "eager_wall_us": eager,
+            "ratio": ours / eager, "ours_gpu_us": gpu_time_us(lambda: call_generated(kernel, ordered)),
+            "eager_gpu_us": gpu_time_us(lambda: fn(*cuda))}
+
+
+def host_cost() -> dict:
+    from fusionstitching.runtime.kernel_call import _launcher, device_arch
+    from fusionstitching.runtime.launch import host_overhead_us
+
+    x = torch.randn(1024, device="cuda")
+
+    def fn(x):
+        return x * 2 + 1
+
+    kernel, ordered = _kernel_for(fn, [x], "tiny")
+    outputs = allocate_outputs(kernel, ordered)
+    call_generated(kernel, ordered, outputs)
+    launcher = _launcher(kernel, device_arch())
+    driver = host_overhead_us(launcher, list(outputs) + ordered)
+    full = wall_time_us(lambda: call_generated(kernel, ordered, outputs), repeats=2000)
+    eager = wall_time_us(lambda: fn(x), repeats=2000)
+    return {"launch_only_us": driver, "generated_call_us": full, "eager_x*2+1_us": eager}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    device = torch.cuda.get_device_name()
+    rows = [bias_gelu(torch.float32), bias_gelu(torch.bfloat16), relu_transpose()]
+    print(f"device: {device}")
+    print("| case | ours µs | eager µs | inductor µs | copy µs | ours/copy | ours/inductor |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.case} | {r.ours_us:.1f} | {r.eager_us:.1f} | {r.inductor_us:.1f} | {r.copy_us:.1f} | "
+              f"{r.vs_copy:.3f} | {r.vs_inductor:.3f} |")
+    packed = packed_updates()
+    print(f"packed updates: {json.dumps(packed)}")
+    host = host_cost()
+    print(f"host cost: {json.dumps(host)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "rows": [asdict(r) for r in rows], "packed": packed, "host": host}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

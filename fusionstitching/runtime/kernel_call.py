@@ -1,0 +1,83 @@
+"""Calling a GeneratedKernel with torch tensors: checks, output allocation, compile and launch.
+
+The kernel's parameters are its outputs, then its inputs. Inputs must have the shapes, dtypes
+and strides the kernel was generated for (strided inputs are read in place; the storage offset is
+already in ``data_ptr``). Outputs are new contiguous tensors, except in-place outputs, which are
+the input tensor whose storage they overwrite. A kernel with vector accesses runs only when every
+pointer is 16-byte aligned; otherwise its scalar variant runs. CUBINs are compiled once per
+device arch and cached on disk by ``nvrtc.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fusionstitching.frontend.context import DTYPE_TO_TORCH
+
+_ALIGNMENT = 16
+
+
+def device_arch(device: Any = None) -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def _launcher(kernel, arch: str):
+    from fusionstitching.runtime.launch import LoadedKernel
+    from fusionstitching.runtime.nvrtc import compile_cuda
+
+    launcher = kernel._launchers.get(arch)
+    if launcher is None:
+        ir = kernel.lowered.kernel
+        module = compile_cuda(kernel.cuda_source, arch, name=f"{ir.name}.cu")
+        launcher = LoadedKernel(module.cubin, ir.name, len(ir.params), ir.blocks, ir.threads)
+        kernel._launchers[arch] = launcher
+    return launcher
+
+
+def check_inputs(kernel, tensors: Sequence[Any]) -> None:
+    pattern, layouts = kernel.lowered.pattern, kernel.lowered.input_layouts
+    if len(tensors) != len(pattern.inputs):
+        raise ValueError(f"{kernel.name} takes {len(pattern.inputs)} tensors ({', '.join(kernel.inputs)}), "
+                         f"got {len(tensors)}")
+    for node, t, layout in zip(pattern.inputs, tensors, layouts):
+        expected = DTYPE_TO_TORCH[node.dtype]
+        if tuple(t.shape) != node.shape or t.dtype != expected:
+            raise ValueError(f"{kernel.name}: input {node.name} must be {expected}{list(node.shape)}, "
+                             f"got {t.dtype}{list(t.shape)}")
+        if t.numel() > 1 and any(size > 1 and s != e for size, s, e in zip(t.shape, t.stride(), layout.strides)):
+            raise ValueError(f"{kernel.name}: input {node.name} has strides {tuple(t.stride())}, the kernel "
+                             f"was generated for {layout.strides}")
+        if not t.is_cuda:
+            raise ValueError(f"{kernel.name}: input {node.name} is not on a CUDA device")
+
+
+def allocate_outputs(kernel, tensors: Sequence[Any]) -> list[Any]:
+    import torch
+
+    device = tensors[0].device if tensors else torch.device("cuda")
+    outputs = []
+    for k, node in enumerate(kernel.lowered.pattern.outputs):
+        if k in kernel.lowered.aliases:
+            outputs.append(tensors[kernel.lowered.aliases[k]])
+        else:
+            outputs.append(torch.empty(node.shape, dtype=DTYPE_TO_TORCH[node.dtype], device=device))
+    return outputs
+
+
+def call_generated(kernel, tensors: Sequence[Any], outputs: Sequence[Any] | None = None) -> list[Any]:
+    """Launch ``kernel`` on the current stream; ``outputs`` may be given (e.g. poisoned buffers)."""
+    check_inputs(kernel, tensors)
+    if outputs is None:
+        outputs = allocate_outputs(kernel, tensors)
+    arguments = list(outputs) + list(tensors)
+    variant = kernel
+    if kernel._scalar_variant is not None and any(t.data_ptr() % _ALIGNMENT for t in arguments):
+        variant = kernel._scalar_variant
+    device = arguments[0].device if arguments else None
+    launcher = _launcher(variant, device_arch(device))
+    launcher.launch_tensors(arguments)
+    return list(outputs)

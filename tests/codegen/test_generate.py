@@ -1,0 +1,240 @@
+"""Generated kernels: compile with NVRTC (sm_80, sm_90), simulate, match graph/reference.py.
+
+The same matrix runs on a GPU under the ``gpu`` marker, against the reference and eager PyTorch,
+with outputs poisoned before each launch so that unwritten elements fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fusionstitching.codegen import default_template, generate
+from fusionstitching.codegen import kernel_ir as K
+from fusionstitching.codegen.simulate import SimulationError
+from fusionstitching.codegen.values import CodegenError
+from fusionstitching.graph import reference
+from fusionstitching.graph.graph import GraphBuilder
+from fusionstitching.graph.ops import DType
+
+from . import cases as C
+
+FLOATS = ["f32", "bf16", "f16"]
+MATRIX = (
+    [(f"bias_gelu_{d}_{r}x{c}", lambda d=d, r=r, c=c: C.bias_gelu(d, r, c))
+     for d in FLOATS for r, c in ((4, 2048), (37, 70), (3, 5), (1, 1))]
+    + [(f"relu_t_{d}_{n}x{m}", lambda d=d, n=n, m=m: C.relu_transpose(d, n, m))
+       for d in FLOATS for n, m in ((64, 32), (33, 17))]
+    + [(f"strided_{d}", lambda d=d: C.strided_inputs(d)) for d in FLOATS]
+    + [(f"unit_dims_{d}", lambda d=d: C.one_element_dims(d)) for d in FLOATS]
+    + [(f"slice_cat_pad_{d}", lambda d=d: C.slice_cat_pad(d)) for d in FLOATS]
+    + [(f"gather_{d}", lambda d=d: C.gather_reshape_iota(d)) for d in FLOATS]
+    + [(f"softmax_{d}", lambda d=d: C.softmax_rows(d, 5, 40)) for d in FLOATS]
+    + [("packed_updates", C.packed_updates)]
+    + [(f"{name}_{d}", lambda d=d, name=name: C.hand_built(DType(d), name))
+       for name in ("rng", "pad_interior", "column_sum", "packed_shapes") for d in FLOATS]
+    + [("int_ops", lambda: C.hand_built(DType.I32, "int_ops"))]
+)
+
+
+def _inputs_for(case, kernel) -> list[np.ndarray]:
+    by_name = {p.name: a for p, a in zip(case.graph.parameters, case.arrays)}
+    arrays = []
+    for name in kernel.inputs:
+        node = case.graph.node(name)
+        arrays.append(by_name[name] if node.op == "parameter" else node.attrs["value"])
+    return arrays
+
+
+def _expected(case, kernel) -> list[np.ndarray]:
+    values = reference.evaluate(case.graph, case.arrays)
+    by_name = {}
+    for node, value in zip(case.graph.outputs, values):
+        by_name.setdefault(node.name, value)
+    return [by_name[name] for name in kernel.outputs]
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, dtype: DType, exact: bool, what: str) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    tolerance = 0 if exact else C.TOLERANCE[dtype.value]
+    if tolerance == 0:
+        np.testing.assert_array_equal(got, want, err_msg=what)
+    else:
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tolerance,
+                                   atol=tolerance, err_msg=what)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("nvrtc")
+
+
+@pytest.mark.parametrize("name,make", MATRIX, ids=[m[0] for m in MATRIX])
+def test_kernel_compiles_and_simulates_like_the_reference(name, make, cache_dir):
+    case = make()
+    templates = [default_template(case.graph, case.nodes)] + case.templates
+    for template in templates:
+        kernel = generate(case.graph, case.nodes, template)
+        for arch in ("sm_80", "sm_90"):
+            module = kernel.compile(arch, cache_dir=cache_dir)
+            assert module.cubin[:4] == b"\x7fELF"
+            assert module.resources[kernel.name].registers > 0
+        got = kernel.simulate(_inputs_for(case, kernel))
+        for out_name, g, w in zip(kernel.outputs, got, _expected(case, kernel)):
+            dtype = case.graph.node(out_name).dtype
+            assert_close(g, w, dtype, case.exact, f"{name} {template} output {out_name}")
+
+
+def test_default_template_vectorizes_wide_rows():
+    case = C.bias_gelu("bf16", 4, 2048)
+    kernel = generate(case.graph, case.nodes, default_template(case.graph, case.nodes))
+    assert "THREAD_8" in str(kernel.template)
+    assert "uint4" in kernel.cuda_source and "make_uint4" in kernel.cuda_source
+    assert kernel._scalar_variant is not None and "uint4" not in kernel._scalar_variant.cuda_source
+
+
+def test_small_index_math_is_32_bit():
+    case = C.bias_gelu("f32", 37, 70)
+    source = generate(case.graph, case.nodes, default_template(case.graph, case.nodes)).cuda_source
+    assert "long long" not in source.split('extern "C"')[1]
+
+
+def test_packed_kernel_has_one_sub_kernel_per_shape_and_block_ranges():
+    case = C.hand_built(DType.F32, "packed_shapes")
+    kernel = generate(case.graph, case.nodes, case.templates[0])
+    assert kernel.cuda_source.count("// sub-kernel") == 3  # tanh and mul share one loop
+    assert kernel.outputs == ["tanh", "mul", "add", "abs"]
+
+
+def test_in_place_update_writes_into_the_input():
+    case = C.packed_updates()
+    kernel = generate(case.graph, case.nodes, default_template(case.graph, case.nodes))
+    assert len(kernel.lowered.aliases) == 5
+    assert "__restrict__" not in kernel.cuda_source.split("out0")[0].split("(")[-1]
+
+
+def test_inputs_are_listed_in_order_of_first_use():
+    b = GraphBuilder("order")
+    x = b.parameter((4,), DType.F32, "x")
+    y = b.parameter((4,), DType.F32, "y")
+    out = b.binary("add", b.unary("exp", y), x)
+    graph = b.build([out])
+    kernel = generate(graph, [n for n in graph.nodes if n.op != "parameter"], "add[CTA]; launch(blocks=1,threads=32)")
+    assert kernel.inputs == ["y", "x"] and kernel.outputs == ["add"]
+
+
+def test_simulator_reports_out_of_bounds_template():
+    case = C.bias_gelu("f32", 37, 70)
+    template = f"{case.graph.outputs[0].name}[GRID,CTA_3-CTA_32]; launch(blocks=37,threads=96)"
+    kernel = generate(case.graph, case.nodes, template, guard_tails=False)
+    with pytest.raises(SimulationError, match=r"out of bounds|out-of-bounds"):
+        kernel.simulate(_inputs_for(case, kernel))
+    generate(case.graph, case.nodes, template).simulate(_inputs_for(case, kernel))  # guarded: fine
+
+
+def test_simulator_reports_cross_block_read_of_an_in_place_transpose():
+    b = GraphBuilder("inplace_t")
+    p = b.parameter((64, 64), DType.F32, "p")
+    out = b.binary("add", b.transpose(p, (1, 0)), p)
+    graph = b.build([out], mutations={0: 0})
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    template = "add[GRID,CTA]; launch(blocks=64,threads=64)"
+    with pytest.raises(CodegenError, match="not elementwise"):
+        generate(graph, nodes, template)
+    kernel = generate(graph, nodes, template, check_in_place=False)
+    with pytest.raises(SimulationError, match="cross-block"):
+        kernel.simulate([np.arange(64 * 64, dtype=np.float32).reshape(64, 64)])
+
+
+def test_errors_name_the_node():
+    case = C.bias_gelu("f32", 4, 8)
+    root = case.graph.outputs[0].name
+    with pytest.raises(CodegenError, match=f"template has no schedule for output {root}"):
+        generate(case.graph, case.nodes, "x[GRID]; launch(blocks=1,threads=32)")
+    with pytest.raises(CodegenError, match="iteration space"):
+        generate(case.graph, case.nodes, f"{root}[GRID]; launch(blocks=1,threads=32)")
+    col = C.hand_built(DType.F32, "column_sum")
+    with pytest.raises(CodegenError, match="reduced dim 0 is tiled CTA"):
+        generate(col.graph, col.nodes, "reduce[CTA,GRID]; launch(blocks=70,threads=64)")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name,make", MATRIX, ids=[m[0] for m in MATRIX])
+def test_kernel_on_gpu_matches_reference_and_eager(name, make):
+    import torch
+
+    from fusionstitching.bench.check import to_numpy
+    from fusionstitching.frontend.context import DTYPE_TO_TORCH
+    from fusionstitching.runtime.kernel_call import call_generated
+
+    case = make()
+    for template in [default_template(case.graph, case.nodes)] + case.templates:
+        kernel = generate(case.graph, case.nodes, template)
+        tensors = []
+        for node, array in zip(kernel.lowered.pattern.inputs, _inputs_for(case, kernel)):
+            t = _to_torch(array, DTYPE_TO_TORCH[node.dtype]).cuda()
+            layout = kernel.lowered.input_layouts[len(tensors)]
+            if node.op == "parameter" and node.layout is not None:
+                storage = torch.zeros(max(kernel.kernel.buffer(f"in{len(tensors)}").extent, 1) + node.layout.offset,
+                                      dtype=t.dtype, device="cuda")
+                view = storage.as_strided(node.shape, layout.strides, node.layout.offset)
+                view.copy_(t)
+                t = view
+            tensors.append(t)
+        outputs = [t if k in kernel.lowered.aliases else None for k, t in enumerate(kernel.outputs)]
+        poisoned = []
+        for k, node in enumerate(kernel.lowered.pattern.outputs):
+            if k in kernel.lowered.aliases:
+                poisoned.append(tensors[kernel.lowered.aliases[k]])
+            else:
+                poisoned.append(_poisoned(node.shape, DTYPE_TO_TORCH[node.dtype]))
+        got = call_generated(kernel, tensors, outputs=poisoned)
+        torch.cuda.synchronize()
+        for out_name, g, w in zip(kernel.outputs, got, _expected(case, kernel)):
+            dtype = case.graph.node(out_name).dtype
+            assert_close(to_numpy(g), w, dtype, case.exact, f"{name} {template} output {out_name} (GPU)")
+        if case.torch_fn is not None and not kernel.lowered.aliases:
+            eager = case.torch_fn(*[t.cuda() for t in case.torch_inputs])
+            eager = eager if isinstance(eager, (tuple, list)) else [eager]
+            for g, e in zip(got, eager):
+                assert_close(to_numpy(g), to_numpy(e), DType.F32 if e.dtype == torch.float32 else DType.BF16,
+                             False, f"{name} vs eager")
+        del outputs
+
+
+def _to_torch(array: np.ndarray, dtype):
+    import torch
+
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(np.asarray(array, np.float32)).to(dtype)
+    return torch.from_numpy(np.array(array))
+
+
+def _poisoned(shape, dtype):
+    import torch
+
+    t = torch.empty(shape, dtype=dtype, device="cuda")
+    if dtype.is_floating_point:
+        t.fill_(float("nan"))
+    elif dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(-7777)
+    return t
+
+
+def test_kernel_ir_is_immutable():
+    with pytest.raises(AttributeError):
+        K.Const(1, "i32").value = 2
