@@ -159,7 +159,8 @@ def default_template(graph: Graph, nodes: Iterable[Node | str]) -> KernelSchedul
 
 
 def template_for(pattern: Pattern, threads: int = DEFAULT_THREADS) -> KernelSchedule:
-    schedules = [_root_schedule(root, threads) for root in pattern.outputs]
+    transposed = _reads_transposed(pattern)
+    schedules = [_root_schedule(root, threads, transposed) for root in pattern.outputs]
     total = 0
     seen: list[tuple] = []
     for sched, root in zip(schedules, pattern.outputs):
@@ -172,9 +173,29 @@ def template_for(pattern: Pattern, threads: int = DEFAULT_THREADS) -> KernelSche
     return KernelSchedule(tuple(schedules), Launch(blocks, threads))
 
 
-def _root_schedule(root: Node, threads: int) -> Schedule:
+def _reads_transposed(pattern: Pattern) -> bool:
+    """Whether some input is read along a dim other than its innermost one (a transpose)."""
+    for node in pattern.nodes:
+        if node.op == "transpose" and node.attrs["permutation"][-1] != len(node.shape) - 1:
+            return True
+    for node in pattern.inputs:
+        layout = node.layout
+        if layout is not None and len(node.shape) >= 2 and node.shape[-1] > 1 and layout.strides[-1] != 1:
+            return True
+    return False
+
+
+def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedule:
     space = iteration_space(root)
     reduced = set(root.attrs["dims"]) if root.op == "reduce" else set()
+    if transposed and not reduced and threads == 256 and len(space) >= 2 and space[-2] >= 32 \
+            and space[-1] >= 32 and space[-1] % 4 == 0:
+        # 32 x 32 tiles: a warp reads 32 consecutive rows of the output's column for the transposed
+        # operand and each thread 4 consecutive elements of the row-major ones.
+        dims = [(Tile(Level.GRID),)] * (len(space) - 2)
+        dims += [(Tile(Level.GRID), Tile(Level.CTA, 32)),
+                 (Tile(Level.GRID), Tile(Level.CTA, 8), Tile(Level.THREAD, 4))]
+        return Schedule(root.name, tuple(dims))
     kept = [d for d in range(len(space)) if d not in reduced]
     dims: list[tuple[Tile, ...]] = [(Tile(Level.THREAD),) if d in reduced else (Tile(Level.GRID),)
                                     for d in range(len(space))]
