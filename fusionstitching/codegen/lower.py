@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fusionstitching.codegen import kernel_ir as K
+from fusionstitching.codegen.compose import Composer, make_groups, needs_composition
 from fusionstitching.codegen.values import (
     CodegenError,
     InputBuffer,
@@ -113,10 +114,10 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
     for out in pattern.outputs:
         if out.name not in roots:
             raise CodegenError(f"template has no schedule for output {out.name}")
-    extra = roots - {o.name for o in pattern.outputs}
-    if extra:
-        raise CodegenError(f"template schedules {sorted(extra)}, which are not outputs of the pattern "
-                           "(shared-memory sub-roots need block composition)")
+    by_name = {n.name: n for n in pattern.nodes}
+    unknown = roots - set(by_name)
+    if unknown:
+        raise CodegenError(f"template schedules {sorted(unknown)}, which are not nodes of the pattern")
 
     input_layouts = tuple(_input_layout(n) for n in pattern.inputs)
     aliases = _aliases(graph, pattern)
@@ -131,15 +132,18 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
     inputs = {id(n): InputBuffer(nm, n, lay.strides) for n, nm, lay in zip(pattern.inputs, in_names, input_layouts)}
     emitter = ValueEmitter(inputs, {id(n) for n in pattern.nodes}, index_type)
 
-    groups = _group_schedules(schedule, {o.name: o for o in pattern.outputs})
-    ranges = _block_ranges(groups, launch.blocks)
-    body: list[K.Stmt] = []
-    out_position = {o.name: k for k, o in enumerate(pattern.outputs)}
-    for (sched, group_roots), (start, stop) in zip(groups, ranges):
-        stores = [(r, out_names[out_position[r.name]], output_layouts[out_position[r.name]]) for r in group_roots]
-        emitter.stmts = []
-        body.extend(_lower_group(emitter, sched, stores, start, stop, launch.threads, len(groups) > 1,
-                                 vectorize_access, guard_tails))
+    shared: list[K.Buffer] = []
+    outputs = {o.name: o for o in pattern.outputs}
+    if needs_composition(schedule.schedules, outputs, by_name):
+        order = {n.name: k for k, n in enumerate(pattern.nodes)}
+        stores_by_root = {o.name: (out_names[k], output_layouts[k]) for k, o in enumerate(pattern.outputs)}
+        composer = Composer(emitter, make_groups(schedule.schedules, by_name, stores_by_root, order),
+                            launch.threads, launch.blocks, guard_tails)
+        emitter.reader = composer.read
+        body = composer.lower()
+        shared = composer.shared
+    else:
+        body = _lower_packed(emitter, schedule, pattern, out_names, output_layouts, vectorize_access, guard_tails)
 
     params = [K.Buffer(nm, o.dtype.value, ext, aligned=True, noalias=k not in aliases)
               for k, (nm, o, ext) in enumerate(zip(out_names, pattern.outputs, extents[len(in_names):]))]
@@ -147,11 +151,25 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
     params += [K.Buffer(nm, n.dtype.value, ext, readonly=k not in aliased_inputs, aligned=True,
                         noalias=k not in aliased_inputs)
                for k, (nm, n, ext) in enumerate(zip(in_names, pattern.inputs, extents))]
-    kernel = K.Kernel(name, tuple(params), tuple(body), launch.threads, launch.blocks,
+    kernel = K.Kernel(name, tuple(params), tuple(body), launch.threads, launch.blocks, tuple(shared),
                       notes=(str(schedule),))
     if check_in_place:
         _check_in_place(kernel, aliases, in_names, out_names)
     return LoweredKernel(kernel, pattern, input_layouts, output_layouts, aliases)
+
+
+def _lower_packed(emitter, schedule, pattern, out_names, output_layouts, vectorize_access, guard_tails):
+    """Thread composition only: one loop nest per group of same-shape roots, packed by block ranges."""
+    groups = _group_schedules(schedule, {o.name: o for o in pattern.outputs})
+    ranges = _block_ranges(groups, schedule.launch.blocks)
+    body: list[K.Stmt] = []
+    out_position = {o.name: k for k, o in enumerate(pattern.outputs)}
+    for (sched, group_roots), (start, stop) in zip(groups, ranges):
+        stores = [(r, out_names[out_position[r.name]], output_layouts[out_position[r.name]]) for r in group_roots]
+        emitter.stmts = []
+        body.extend(_lower_group(emitter, sched, stores, start, stop, schedule.launch.threads, len(groups) > 1,
+                                 vectorize_access, guard_tails))
+    return body
 
 
 def _input_layout(node: Node) -> Layout:

@@ -55,6 +55,9 @@ class ValueEmitter:
     index_type: str
     stmts: list[K.Stmt] = field(default_factory=list)
     definitions: dict[str, K.Expr] = field(default_factory=dict)  # register → its defining expression
+    sub_roots: dict[int, tuple] = field(default_factory=dict)  # results of earlier groups (composition)
+    reader: Callable | None = None  # reads a sub-root's result: reader(entry, index, consumer)
+    current: str = ""  # the group being emitted, for error messages
     _scopes: list[dict] = field(default_factory=lambda: [{}])
     _counter: int = 0
 
@@ -92,7 +95,11 @@ class ValueEmitter:
         for scope in reversed(self._scopes):
             if key in scope:
                 return scope[key]
-        result = self._compute(node, tuple(index))
+        entry = self.sub_roots.get(id(node))
+        if entry is not None:
+            result = self.reader(entry, tuple(index), self.current)
+        else:
+            result = self._compute(node, tuple(index))
         self._scopes[-1][key] = result
         return result
 

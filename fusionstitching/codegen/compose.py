@@ -1,0 +1,435 @@
+"""Warp and block composition: kernels whose groups pass results through shuffles and shared memory.
+
+A composed kernel runs its groups one after the other inside one loop over the GRID space (and,
+in warp mode, one loop over the WARP space), so every group of a block works on the same block
+index [A §4, C §4.1]. For that, all schedules must tile the grid identically: the same GRID
+factor extents in the same order (and the same WARP extents); the grid index is decomposed once
+and every group uses the same factor registers. Groups follow the topological order of their
+roots; a group whose result other groups read is a sub-root:
+
+- a reduction whose reduced dims are CTA-tiled is reduced across threads: each thread folds its
+  elements into a register, then ``__shfl_xor_sync`` butterflies combine the lanes of a warp
+  (warp composition; every lane ends with the result), and in block mode the warps' results go
+  through a small shared array, a barrier, and one more butterfly, so every thread of the block
+  holds the result (block composition). Consumers read that register;
+- a group marked ``S`` stores its block footprint in shared memory, a barrier follows, and
+  consumers read the cell of the element they need (a tiled transpose is this with a transposed
+  consumer).
+
+Block locality (DESIGN.md) is checked on every such read: the index a consumer asks for must,
+for each GRID-split dim, be the producer's own grid part for this block (compared as affine forms
+of the shared factor registers), and the rest must stay inside the producer's footprint (an
+interval bound over the factor ranges). A read that cannot be proved local is an error naming
+both nodes, so whatever lowers is correct by construction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fusionstitching.codegen import kernel_ir as K
+from fusionstitching.codegen.values import CodegenError, ValueEmitter, combine, reduce_identity, register_type
+from fusionstitching.codegen.vectorize import affine
+from fusionstitching.graph.graph import Layout, Node
+from fusionstitching.schedule.template import Level, Schedule, tile_extents
+
+WARP = 32
+
+
+@dataclass
+class Factor:
+    dim: int
+    level: Level
+    extent: int
+    var: K.Expr | None = None
+
+
+@dataclass
+class Group:
+    sched: Schedule
+    root: Node
+    space: tuple[int, ...]
+    factors: list[Factor]
+    reduced: set[int]
+    output: tuple[str, Layout] | None
+    shared: bool
+
+    @property
+    def cross_thread(self) -> bool:
+        return any(f.dim in self.reduced and f.level != Level.THREAD for f in self.factors)
+
+
+@dataclass
+class ComposedKernel:
+    body: list[K.Stmt]
+    shared: list[K.Buffer] = field(default_factory=list)
+    smem_plan: object = None
+
+
+def iteration_space(node: Node) -> tuple[int, ...]:
+    return node.operands[0].shape if node.op == "reduce" else node.shape
+
+
+def needs_composition(schedules: Sequence[Schedule], outputs: dict[str, Node], nodes: dict[str, Node]) -> bool:
+    for sched in schedules:
+        if sched.root not in outputs or sched.shared:
+            return True
+        root = nodes[sched.root]
+        if root.op == "reduce":
+            reduced = set(root.attrs["dims"])
+            if any(t.level != Level.THREAD for d, tiles in enumerate(sched.dims) if d in reduced for t in tiles):
+                return True
+    return False
+
+
+def make_groups(schedules: Sequence[Schedule], nodes: dict[str, Node], outputs: dict[str, tuple[str, Layout]],
+                order: dict[str, int]) -> list[Group]:
+    groups = []
+    for sched in sorted(schedules, key=lambda s: order[s.root]):
+        root = nodes[sched.root]
+        space = iteration_space(root)
+        if len(sched.dims) != len(space):
+            raise CodegenError(f"{root.name}: schedule has {len(sched.dims)} dims, its iteration space "
+                               f"{list(space)} has {len(space)}")
+        factors = []
+        for d, (size, tiles) in enumerate(zip(space, sched.dims)):
+            try:
+                extents = tile_extents(size, tiles)
+            except ValueError as err:
+                raise CodegenError(f"{root.name}: dim {d}: {err}") from None
+            factors += [Factor(d, t.level, e) for t, e in zip(tiles, extents)]
+        reduced = set(root.attrs["dims"]) if root.op == "reduce" else set()
+        groups.append(Group(sched, root, space, factors, reduced, outputs.get(root.name), sched.shared))
+    return groups
+
+
+def _level_extents(group: Group, level: Level) -> list[int]:
+    return [f.extent for f in group.factors if f.level == level]
+
+
+class Composer:
+    def __init__(self, em: ValueEmitter, groups: list[Group], threads: int, blocks: int, guard_tails: bool) -> None:
+        self.em, self.groups, self.threads, self.blocks = em, groups, threads, blocks
+        self.guard_tails = guard_tails
+        self.warp_mode = any(_level_extents(g, Level.WARP) for g in groups)
+        self.ranges: dict[str, int] = {}  # register → exclusive upper bound (factor registers)
+        self.shared: list[K.Buffer] = []
+        self.red_buffer: K.Buffer | None = None
+        self._check_common_tiling()
+
+    # -- structure -------------------------------------------------------------------------------
+    def _check_common_tiling(self) -> None:
+        first = self.groups[0]
+        for level in (Level.GRID, Level.WARP):
+            want = _level_extents(first, level)
+            for g in self.groups[1:]:
+                if _level_extents(g, level) != want:
+                    raise CodegenError(f"block locality: {g.root.name} tiles the {level.value} space as "
+                                       f"{_level_extents(g, level)}, {first.root.name} as {want}; composed "
+                                       "groups must share the grid")
+        if self.warp_mode and self.threads % WARP:
+            raise CodegenError("WARP tiles need a multiple of 32 threads")
+        for g in self.groups:
+            for f in g.factors:
+                if g.cross_thread and f.dim not in g.reduced and f.level not in (Level.GRID, Level.WARP):
+                    raise CodegenError(f"{g.root.name}: a reduction across threads keeps dim {f.dim} tiled "
+                                       f"{f.level.value}; its kept dims must be GRID or WARP tiled")
+                if self.warp_mode and g.shared:
+                    raise CodegenError(f"{g.root.name}: 'S' needs a block barrier, which warp loops cannot have")
+            if g.cross_thread and not self.warp_mode and self.threads > WARP and self.threads & (self.threads - 1):
+                raise CodegenError(f"{g.root.name}: block reductions need a power-of-two thread count")
+
+    def lower(self) -> list[K.Stmt]:
+        em = self.em
+        first = self.groups[0]
+        grid = [f for f in first.factors if f.level == Level.GRID]
+        total = math.prod(f.extent for f in grid)
+        g_var = em.fresh("grid", em.index_type)
+        decompose = self._decompose(grid, g_var)
+        for group in self.groups[1:]:
+            self._share(group, Level.GRID, grid)
+        inner = decompose + self._warp_level()
+        bid = self._special("bid")
+        if self.blocks >= total:
+            return [K.Let(g_var, bid), K.If(K.lt(g_var, em.idx(total)), tuple(inner))]
+        return [K.For(g_var, bid, em.idx(total), em.idx(self.blocks), tuple(inner), "grid_stride")]
+
+    def _warp_level(self) -> list[K.Stmt]:
+        if not self.warp_mode:
+            return self._groups()
+        em = self.em
+        warps = [f for f in self.groups[0].factors if f.level == Level.WARP]
+        total = math.prod(f.extent for f in warps)
+        w_var = em.fresh("warp", em.index_type)
+        decompose = self._decompose(warps, w_var)
+        for group in self.groups[1:]:
+            self._share(group, Level.WARP, warps)
+        body = decompose + self._groups()
+        count = self.threads // WARP
+        if count >= total:
+            return [K.Let(w_var, self._special("warp")), K.If(K.lt(w_var, em.idx(total)), tuple(body))]
+        return [K.For(w_var, self._special("warp"), em.idx(total), em.idx(count), tuple(body), "warp_stride")]
+
+    def _share(self, group: Group, level: Level, source: list[Factor]) -> None:
+        for f, s in zip([f for f in group.factors if f.level == level], source):
+            f.var = s.var
+
+    def _special(self, name: str) -> K.Expr:
+        s = K.Special(name)
+        return K.Cast(s, self.em.index_type) if self.em.index_type != "i32" else s
+
+    def _decompose(self, fs: list[Factor], linear: K.Expr) -> list[K.Stmt]:
+        em = self.em
+        stmts: list[K.Stmt] = []
+        remaining = linear
+        for k in range(len(fs) - 1, -1, -1):
+            f = fs[k]
+            if f.extent == 1:
+                f.var = em.idx(0)
+                continue
+            value = remaining if k == 0 else K.rem(remaining, em.idx(f.extent))
+            var = em.fresh("f", em.index_type)
+            stmts.append(K.Let(var, value))
+            self.ranges[var.name] = f.extent
+            f.var = var
+            remaining = K.div(remaining, em.idx(f.extent))
+        return stmts
+
+    def _groups(self) -> list[K.Stmt]:
+        out: list[K.Stmt] = []
+        for group in self.groups:
+            self.em.stmts = []
+            self.em.current = group.root.name
+            out.append(K.Comment(f"group {group.root.name}: {group.sched}"))
+            stmts = self._cross_thread(group) if group.cross_thread else self._parallel(group)
+            out.extend(stmts)
+        return out
+
+    # -- per-thread loops ----------------------------------------------------------------------------
+    def _thread_loops(self, group: Group, body) -> list[K.Stmt]:
+        """The CTA (or lane) loop and the THREAD loops of ``group`` around ``body()``."""
+        em = self.em
+        cta = [f for f in group.factors if f.level == Level.CTA]
+        total = math.prod(f.extent for f in cta)
+        c_var = em.fresh("cta", em.index_type)
+        first, step, count = ((self._special("lane"), em.idx(WARP), WARP) if self.warp_mode
+                              else (self._special("tid"), self._special("ntid"), self.threads))
+        serial = [f for f in group.factors if f.level == Level.THREAD]
+        inner = self._decompose(cta, c_var) + self._serial(serial, body)
+        if count >= total:
+            return [K.Let(c_var, first), K.If(K.lt(c_var, em.idx(total)), tuple(inner))]
+        return [K.For(c_var, first, em.idx(total), step, tuple(inner), "block_stride")]
+
+    def _serial(self, fs: list[Factor], body) -> list[K.Stmt]:
+        if not fs:
+            stmts, _ = self.em.nested(body)
+            return stmts
+        f = fs[0]
+        if f.extent == 1:
+            f.var = self.em.idx(0)
+            return self._serial(fs[1:], body)
+        var = self.em.fresh("t", self.em.index_type)
+        f.var = var
+        self.ranges[var.name] = f.extent
+        inner = self._serial(fs[1:], body)
+        return [K.For(var, self.em.idx(0), self.em.idx(f.extent), self.em.idx(1), tuple(inner),
+                      "unroll" if f.extent <= 8 else "serial")]
+
+    def _index(self, group: Group) -> tuple[list[K.Expr], K.Expr | None]:
+        em = self.em
+        index, guard = [], None
+        for d, size in enumerate(group.space):
+            expr: K.Expr = em.idx(0)
+            for f in group.factors:
+                if f.dim == d:
+                    expr = K.add(K.mul(expr, em.idx(f.extent)), f.var)
+            covered = math.prod(f.extent for f in group.factors if f.dim == d)
+            expr = em.let("i", expr) if not isinstance(expr, (K.Var, K.Const)) else expr
+            if covered > size and self.guard_tails:
+                guard = K.land(guard, K.lt(expr, em.idx(size)))
+            index.append(expr)
+        return index, guard
+
+    # -- groups ----------------------------------------------------------------------------------
+    def _parallel(self, group: Group) -> list[K.Stmt]:
+        em = self.em
+        root = group.root
+        buffer = self._shared_buffer(group) if group.shared else None
+
+        def body() -> None:
+            index, guard = self._index(group)
+            if group.reduced:
+                raise CodegenError(f"{root.name}: reductions inside a composed kernel must be cross-thread "
+                                   "or sub-roots of their own group")
+
+            def compute() -> None:
+                value = em.value(root, tuple(index))
+                if group.output is not None:
+                    name, layout = group.output
+                    store = K.Cast(value, root.dtype.value) if root.dtype.is_half else value
+                    em.stmts.append(K.Store(name, em.linear(index, layout.strides), store))
+                if buffer is not None:
+                    em.stmts.append(K.Store(buffer.name, self._local_index(group, index), value))
+
+            stmts, _ = em.nested(compute)
+            if guard is not None:
+                em.stmts.append(K.If(guard, tuple(stmts)))
+            else:
+                em.stmts.extend(stmts)
+
+        stmts = self._thread_loops(group, body)
+        if buffer is not None:
+            stmts.append(K.Barrier())
+            self._register_shared_reader(group, buffer)
+        return stmts
+
+    def _cross_thread(self, group: Group) -> list[K.Stmt]:
+        em = self.em
+        root = group.root
+        (operand,) = root.operands
+        kind = root.attrs["kind"]
+        rtype = register_type(root.dtype)
+        acc = em.fresh("acc", rtype)
+        stmts: list[K.Stmt] = [K.Let(acc, reduce_identity(kind, root.dtype))]
+
+        def body() -> None:
+            index, guard = self._index(group)
+            inner, value = em.nested(lambda: em.value(operand, tuple(index)))
+            update = tuple(inner) + (K.Assign(acc, combine(kind, acc, value, rtype)),)
+            em.stmts.extend([K.If(guard, update)] if guard is not None else update)
+
+        stmts += self._thread_loops(group, body)
+        stmts += self._butterfly(acc, kind, rtype)
+        if not self.warp_mode and self.threads > WARP:
+            stmts += self._across_warps(acc, kind, root)
+        result = acc
+        if root.dtype.is_half:
+            result = em.fresh("r", "f32")
+            stmts.append(K.Let(result, K.Cast(K.Cast(acc, root.dtype.value), "f32")))
+        kept = [d for d in range(len(group.space)) if d not in group.reduced]
+        kept_index = [self._kept_index(group, d) for d in kept]
+        if group.output is not None:
+            name, layout = group.output
+            value = K.Cast(result, root.dtype.value) if root.dtype.is_half else result
+            first = K.Binary("eq", self._special("lane" if self.warp_mode else "tid"), em.idx(0), "bool")
+            stmts.append(K.If(first, (K.Store(name, em.linear(kept_index, layout.strides), value),)))
+        em.sub_roots[id(root)] = ("register", root, kept_index, result)
+        return stmts
+
+    def _kept_index(self, group: Group, d: int) -> K.Expr:
+        expr: K.Expr = self.em.idx(0)
+        for f in group.factors:
+            if f.dim == d:
+                expr = K.add(K.mul(expr, self.em.idx(f.extent)), f.var)
+        return expr
+
+    def _butterfly(self, acc: K.Var, kind: str, rtype: str) -> list[K.Stmt]:
+        stmts = []
+        offset = WARP // 2
+        while offset:
+            partner = K.Shuffle("xor", acc, K.Const(offset, "i32"), WARP, rtype)
+            stmts.append(K.Assign(acc, combine(kind, acc, partner, rtype)))
+            offset //= 2
+        return stmts
+
+    def _across_warps(self, acc: K.Var, kind: str, root: Node) -> list[K.Stmt]:
+        em = self.em
+        rtype = register_type(root.dtype)
+        warps = self.threads // WARP
+        buffer = self._reduction_buffer(rtype)
+        lane = self._special("lane")
+        stmts: list[K.Stmt] = [
+            K.If(K.Binary("eq", lane, em.idx(0), "bool"), (K.Store(buffer.name, self._special("warp"), acc),)),
+            K.Barrier(),
+            K.Assign(acc, K.Select(K.lt(lane, em.idx(warps)), K.Load(buffer.name, lane, rtype),
+                                   reduce_identity(root.attrs["kind"], root.dtype), rtype)),
+        ]
+        stmts += self._butterfly(acc, kind, rtype)
+        stmts.append(K.Barrier())  # the buffer is free again for the next reduction
+        return stmts
+
+    # -- shared memory -------------------------------------------------------------------------------
+    def _reduction_buffer(self, rtype: str) -> K.Buffer:
+        name = f"red_{rtype}"
+        for b in self.shared:
+            if b.name == name:
+                return b
+        buffer = K.Buffer(name, rtype, WARP, space="shared")
+        self.shared.append(buffer)
+        return buffer
+
+    def _footprint(self, group: Group) -> list[tuple[list[Factor], list[Factor]]]:
+        """Per dim: (GRID factors, the local factors below them); GRID must come first in a dim."""
+        result = []
+        for d in range(len(group.space)):
+            fs = [f for f in group.factors if f.dim == d]
+            grid = [f for f in fs if f.level == Level.GRID]
+            if grid and fs[: len(grid)] != grid:
+                raise CodegenError(f"{group.root.name}: 'S' needs GRID tiles outermost in dim {d}")
+            result.append((grid, fs[len(grid):]))
+        return result
+
+    def _shared_buffer(self, group: Group) -> K.Buffer:
+        size = 1
+        for _, local in self._footprint(group):
+            size *= math.prod(f.extent for f in local)
+        buffer = K.Buffer(f"smem_{group.root.name}".replace(".", "_"), register_type(group.root.dtype), size,
+                          space="shared")
+        self.shared.append(buffer)
+        return buffer
+
+    def _local_index(self, group: Group, index: Sequence[K.Expr]) -> K.Expr:
+        em = self.em
+        linear: K.Expr = em.idx(0)
+        for (grid, local), i in zip(self._footprint(group), index):
+            extent = math.prod(f.extent for f in local)
+            part: K.Expr = em.idx(0)
+            for f in local:
+                part = K.add(K.mul(part, em.idx(f.extent)), f.var)
+            linear = K.add(K.mul(linear, em.idx(extent)), part)
+        return linear
+
+    def _register_shared_reader(self, group: Group, buffer: K.Buffer) -> None:
+        bases = []
+        for grid, local in self._footprint(group):
+            extent = math.prod(f.extent for f in local)
+            base: K.Expr = self.em.idx(0)
+            for f in grid:
+                base = K.add(K.mul(base, self.em.idx(f.extent)), f.var)
+            bases.append((K.mul(base, self.em.idx(extent)), extent))
+        self.em.sub_roots[id(group.root)] = ("shared", group.root, bases, buffer)
+
+    # -- reads of sub-roots (called by the value emitter) -----------------------------------------------
+    def read(self, entry, index: Sequence[K.Expr], consumer: str) -> K.Expr:
+        em = self.em
+        kind, root = entry[0], entry[1]
+        if kind == "register":
+            _, _, kept_index, result = entry
+            for d, (want, got) in enumerate(zip(kept_index, index)):
+                if affine(want, em.definitions) != affine(got, em.definitions) or affine(want, em.definitions) is None:
+                    raise CodegenError(f"block locality: {consumer} reads {root.name} at an element outside the "
+                                       f"block's footprint (kept dim {d})")
+            return result
+        _, _, bases, buffer = entry
+        linear: K.Expr = em.idx(0)
+        for d, ((base, extent), i) in enumerate(zip(bases, index)):
+            local = K.Binary("sub", i, base, em.index_type)
+            form = affine(local, em.definitions)
+            if form is None or not self._within(form, extent):
+                raise CodegenError(f"block locality: {consumer} reads {root.name} in dim {d} outside the "
+                                   "block's shared-memory footprint")
+            linear = K.add(K.mul(linear, em.idx(extent)), local)
+        return em.let("s", K.Load(buffer.name, linear, buffer.dtype))
+
+    def _within(self, form, extent: int) -> bool:
+        terms, constant = form
+        low = high = constant
+        for name, coeff in terms.items():
+            bound = self.ranges.get(name)
+            if bound is None:
+                return False
+            low += min(0, coeff * (bound - 1))
+            high += max(0, coeff * (bound - 1))
+        return 0 <= low and high < extent

@@ -1,0 +1,161 @@
+"""Graph-to-graph rewrites that run before fusion exploration.
+
+``split_reduction`` turns one reduction that would underfill the GPU into a partial and a final
+reduction (DESIGN.md "Fusion exploration"). A bias gradient sums 4096 rows into 768 columns: one
+reduce gives 768 threads (or a handful of blocks) a 4096-long loop each. Split in 32 parts, the
+partial reduce gives 32 x 768 outputs, each summing a contiguous chunk of 128 rows, and the final
+reduce sums 32 values per column. Exploration then counts the two kernels that will really run.
+
+Rule. Of the reduced dims, the largest one ``d`` (ties: the first) is split; its size ``n`` must be
+a multiple of ``parts``. The operand is reshaped in place, dim ``d`` becoming ``(parts, n //
+parts)`` (row-major, so part ``i`` covers indices ``[i * n // parts, (i + 1) * n // parts)``); the
+partial reduce drops every reduced dim but ``parts``; the final reduce drops ``parts``. There is no
+transpose, so the shapes read directly off the original:
+
+    partial shape = kept dims before d + (parts,) + kept dims after d
+    final shape   = the original reduce's shape
+
+i.e. ``parts`` sits where ``d`` sat among the kept dims: leading for a column reduction (4096x768
+over dim 0, parts 32 -> partial (32, 768)), trailing for a row reduction ((64, 1024) over dim 1,
+parts 8 -> partial (64, 8)).
+
+Precision. A half-type (f16/bf16) sum or prod is converted to f32 before the reshape, both reduces
+run in f32 and one convert rounds back to the original dtype, so the split graph rounds once, as
+the reference does for the original reduce (it widens, accumulates in f32 and rounds once). What
+remains different is the summation order (chunks of ``n // parts``, then ``parts`` values), which
+changes f32 (and thus f16/bf16) sums and prods by rounding error only; integer sums and products
+wrap identically, bool reductions (any/all) are exact. Half max/min need no widening: they select
+an input value, which the half type represents exactly, so the partial stays in the original dtype.
+
+Naming. New nodes are named after the original: ``<name>_f32`` (the widening convert),
+``<name>_split`` (the reshape), ``<name>_partial``, ``<name>_final`` (only when a convert follows
+it); a ``_N`` suffix is added if a name is taken. The node that replaces the original output (the
+final reduce, or the convert after it) keeps the original name, shape, dtype and layout, so graph
+outputs, mutations and output layouts keep their meaning.
+
+The input graph is not modified. Nodes are immutable and compared by identity, so the result is a
+rebuilt graph: parameters are the same objects, in the same order; every other node is a fresh
+copy whose operands point at the copies, users of the reduce pointing at its replacement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from fusionstitching.graph.graph import Graph, Layout, Node, infer, verify
+from fusionstitching.graph.ops import DType
+
+
+def split_reduction(graph: Graph, node: Node | str, parts: int) -> Graph:
+    """A copy of ``graph`` where reduce ``node`` is a partial reduce over ``parts`` chunks plus a final one.
+
+    Raises ``ValueError`` for an unknown node, a node that is not a reduce, ``parts < 2``, or a
+    largest reduced dim whose size is not a multiple of ``parts``.
+    """
+    target = _find(graph, node)
+    dim = split_dim(target, parts)
+    names = _Names(n.name for n in graph.nodes)
+    copies: dict[int, Node] = {id(p): p for p in graph.parameters}
+    for old in graph.nodes:
+        if id(old) in copies:
+            continue
+        operands = tuple(copies[id(x)] for x in old.operands)
+        if old is target:
+            copies[id(old)] = _split(old, operands[0], dim, parts, names)
+        else:
+            copies[id(old)] = dataclasses.replace(old, operands=operands)
+    result = Graph(
+        graph.parameters,
+        [None if out is None else copies[id(out)] for out in graph.outputs],
+        name=graph.name,
+        mutations=graph.mutations,
+        output_layouts=graph.output_layouts,
+    )
+    verify(result)
+    return result
+
+
+def split_dim(node: Node, parts: int) -> int:
+    """The reduced dim ``split_reduction`` splits: the largest (ties: the first), checked against ``parts``."""
+    if node.op != "reduce":
+        raise ValueError(f"split_reduction: node {node.name} is a {node.op}, not a reduce")
+    if not isinstance(parts, int) or parts < 2:
+        raise ValueError(f"split_reduction of {node.name}: parts must be an int >= 2, found {parts!r}")
+    dims = tuple(node.attrs["dims"])
+    if not dims:
+        raise ValueError(f"split_reduction: reduce {node.name} reduces no dims")
+    shape = node.operands[0].shape
+    dim = max(dims, key=lambda d: shape[d])  # max keeps the first of equal sizes
+    size = shape[dim]
+    if size < parts or size % parts != 0:
+        raise ValueError(
+            f"split_reduction of {node.name}: reduced dim {dim} has size {size}, "
+            f"not a multiple of parts={parts} (operand {node.operands[0].name} {list(shape)})"
+        )
+    return dim
+
+
+def _find(graph: Graph, node: Node | str) -> Node:
+    if isinstance(node, str):
+        try:
+            return graph.node(node)
+        except KeyError:
+            raise ValueError(f"split_reduction: graph {graph.name} has no node {node!r}") from None
+    if not any(n is node for n in graph.nodes):
+        raise ValueError(f"split_reduction: node {node.name} is not a node of graph {graph.name}")
+    return node
+
+
+def _split(reduce: Node, operand: Node, dim: int, parts: int, names: _Names) -> Node:
+    """The nodes replacing ``reduce`` (whose operand copy is ``operand``); returns the replacement."""
+    name, kind, dims = reduce.name, reduce.attrs["kind"], tuple(reduce.attrs["dims"])
+    accumulate = reduce.dtype.compute if kind in ("sum", "prod") else reduce.dtype
+    x = operand
+    if accumulate != x.dtype:
+        x = _make("convert", [x], names.new(f"{name}_{accumulate.value}"), dtype=accumulate)
+    size = x.shape[dim]
+    split_shape = x.shape[:dim] + (parts, size // parts) + x.shape[dim + 1 :]
+    x = _make("reshape", [x], names.new(f"{name}_split"), shape=split_shape)
+    # In the reshaped operand, dims after ``dim`` move up by one; ``dim`` itself is the parts dim.
+    partial_dims = tuple(d if d < dim else d + 1 for d in dims)
+    partial = _make("reduce", [x], names.new(f"{name}_partial"), dims=partial_dims, kind=kind)
+    parts_position = dim - sum(1 for d in dims if d < dim)
+    widened = accumulate != reduce.dtype
+    final_name = names.new(f"{name}_final") if widened else name
+    final_layout = None if widened else reduce.layout
+    result = _make("reduce", [partial], final_name, dims=(parts_position,), kind=kind, layout=final_layout)
+    if widened:
+        result = _make("convert", [result], name, dtype=reduce.dtype, layout=reduce.layout)
+    return result
+
+
+def _make(
+    op: str,
+    operands: Sequence[Node],
+    name: str,
+    *,
+    shape: Sequence[int] = (),
+    dtype: DType | None = None,
+    layout: Layout | None = None,
+    **attrs: Any,
+) -> Node:
+    """A node whose shape and dtype come from the op's inference rule (the one ``verify`` checks)."""
+    out_shape, out_dtype = infer(op, operands, attrs, (tuple(shape), dtype))
+    return Node(name, op, tuple(operands), tuple(out_shape), out_dtype, attrs, layout)
+
+
+class _Names:
+    """Unique node names: ``base``, or ``base_N`` with the smallest N >= 1 not taken."""
+
+    def __init__(self, taken: Iterable[str]) -> None:
+        self.taken = set(taken)
+
+    def new(self, base: str) -> str:
+        name, count = base, 0
+        while name in self.taken:
+            count += 1
+            name = f"{base}_{count}"
+        self.taken.add(name)
+        return name

@@ -1,0 +1,283 @@
+"""split_reduction: shapes of the partial and final reduce, values against the reference, errors."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fusionstitching.graph.graph import Graph, GraphBuilder, Layout
+from fusionstitching.graph.ops import DType
+from fusionstitching.graph.reference import evaluate
+from fusionstitching.graph.transforms import split_dim, split_reduction
+
+RNG = np.random.default_rng(0)
+
+
+def reduce_graph(shape, dims, kind="sum", dtype=DType.F32, name="r"):
+    """x -> (x * y) -> reduce; the multiply checks that nodes before the reduce are copied too."""
+    b = GraphBuilder("g")
+    x, y = b.parameter(shape, dtype, "x"), b.parameter(shape, dtype, "y")
+    r = b.node("reduce", [b.binary("mul", x, y)], dims=dims, kind=kind, name=name)
+    return b.build([r])
+
+
+def inputs_for(graph, low=0.0, high=1.0):
+    values = []
+    for p in graph.parameters:
+        if p.dtype.is_float:
+            values.append(RNG.uniform(low, high, p.shape).astype(p.dtype.numpy))
+        else:
+            values.append(RNG.integers(-1000, 1000, p.shape).astype(p.dtype.numpy))
+    return values
+
+
+def compare(original, split, rtol, low=0.0, high=1.0):
+    inputs = inputs_for(original, low, high)
+    expected, found = evaluate(original, inputs), evaluate(split, inputs)
+    assert len(expected) == len(found)
+    for e, f in zip(expected, found):
+        if e is None:
+            assert f is None
+            continue
+        assert f.dtype == e.dtype and f.shape == e.shape
+        if rtol == 0:
+            np.testing.assert_array_equal(f, e)
+        else:
+            np.testing.assert_allclose(f.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=0)
+
+
+def ops(graph):
+    return [(n.op, n.name, n.shape, n.dtype) for n in graph.nodes if n.op in ("reshape", "reduce", "convert")]
+
+
+# ------------------------------------------------------------------------------------------
+# Shapes: partial = kept dims before d + (parts,) + kept dims after d.
+# ------------------------------------------------------------------------------------------
+
+
+def test_bias_gradient_column_sum():
+    graph = reduce_graph((4096, 768), (0,), name="db")
+    split = split_reduction(graph, "db", 32)
+    assert ops(split) == [
+        ("reshape", "db_split", (32, 128, 768), DType.F32),
+        ("reduce", "db_partial", (32, 768), DType.F32),
+        ("reduce", "db", (768,), DType.F32),
+    ]
+    assert split.node("db_partial").attrs["dims"] == (1,)
+    assert split.node("db").attrs["dims"] == (0,)
+    assert split.outputs[0].name == "db"
+    compare(graph, split, rtol=1e-5)
+
+
+def test_row_reduction_puts_parts_last():
+    graph = reduce_graph((64, 1024), (1,))
+    split = split_reduction(graph, "r", 8)
+    assert split.node("r_split").shape == (64, 8, 128)
+    assert split.node("r_partial").shape == (64, 8)
+    assert split.node("r_partial").attrs["dims"] == (2,)
+    assert split.node("r").attrs["dims"] == (1,) and split.node("r").shape == (64,)
+    compare(graph, split, rtol=1e-5)
+
+
+def test_multi_dim_reduction_splits_the_largest_dim():
+    graph = reduce_graph((16, 6, 64), (0, 2))
+    split = split_reduction(graph, graph.outputs[0], 4)
+    assert split_dim(graph.outputs[0], 4) == 2
+    assert split.node("r_split").shape == (16, 6, 4, 16)
+    assert split.node("r_partial").attrs["dims"] == (0, 3)
+    assert split.node("r_partial").shape == (6, 4)
+    assert split.node("r").attrs["dims"] == (1,) and split.node("r").shape == (6,)
+    compare(graph, split, rtol=1e-5)
+
+
+def test_multi_dim_tie_splits_the_first_dim():
+    graph = reduce_graph((8, 3, 8, 5), (0, 2))
+    split = split_reduction(graph, "r", 2)
+    assert split.node("r_split").shape == (2, 4, 3, 8, 5)
+    assert split.node("r_partial").attrs["dims"] == (1, 3)
+    assert split.node("r_partial").shape == (2, 3, 5)
+    assert split.node("r").shape == (3, 5)
+    compare(graph, split, rtol=1e-5)
+
+
+def test_reduction_to_scalar():
+    graph = reduce_graph((32, 48), (0, 1))
+    split = split_reduction(graph, "r", 6)
+    assert split.node("r_split").shape == (32, 6, 8)
+    assert split.node("r_partial").shape == (6,)
+    assert split.node("r").shape == ()
+    compare(graph, split, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# Kinds and types.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["max", "min"])
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16, DType.F16, DType.I32])
+def test_max_min_are_exact(kind, dtype):
+    graph = reduce_graph((256, 40), (0,), kind=kind, dtype=dtype)
+    split = split_reduction(graph, "r", 16)
+    assert not any(n.op == "convert" for n in split.nodes)  # selecting a value needs no widening
+    assert split.node("r_partial").dtype == dtype
+    compare(graph, split, rtol=0, low=-2.0, high=2.0)
+
+
+def test_prod():
+    graph = reduce_graph((128, 24), (0,), kind="prod")
+    split = split_reduction(graph, "r", 8)
+    compare(graph, split, rtol=1e-5, low=0.9, high=1.1)
+
+
+def test_integer_sum_is_exact():
+    graph = reduce_graph((512, 10), (0,), dtype=DType.I32)
+    split = split_reduction(graph, "r", 4)
+    assert not any(n.op == "convert" for n in split.nodes)
+    compare(graph, split, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.F16])
+@pytest.mark.parametrize("kind", ["sum", "prod"])
+def test_half_accumulates_in_f32_and_rounds_once(dtype, kind):
+    graph = reduce_graph((4096, 768), (0,), kind=kind, dtype=dtype, name="db")
+    split = split_reduction(graph, "db", 32)
+    assert ops(split) == [
+        ("convert", "db_f32", (4096, 768), DType.F32),
+        ("reshape", "db_split", (32, 128, 768), DType.F32),
+        ("reduce", "db_partial", (32, 768), DType.F32),
+        ("reduce", "db_final", (768,), DType.F32),
+        ("convert", "db", (768,), dtype),
+    ]
+    assert split.outputs[0] is split.node("db")
+    low, high = (0.0, 1.0) if kind == "sum" else (0.999, 1.001)
+    # One rounding in both graphs; only the f32 summation order differs: at most one half-type ulp.
+    eps = float(ml_dtypes.finfo(dtype.numpy).eps)
+    compare(graph, split, rtol=eps, low=low, high=high)
+
+
+def test_bool_reductions():
+    b = GraphBuilder("g")
+    x = b.parameter((64, 3), DType.F32, "x")
+    positive = b.compare("GT", x, b.constant(0.5, DType.F32, (64, 3)))
+    any_ = b.node("reduce", [positive], dims=(0,), kind="max", name="any")
+    all_ = b.node("reduce", [positive], dims=(0,), kind="min", name="all")
+    graph = b.build([any_, all_])
+    split = split_reduction(split_reduction(graph, "any", 4), "all", 8)
+    for value in (np.full((64, 3), 0.9, np.float32), RNG.uniform(0, 1, (64, 3)).astype(np.float32)):
+        for e, f in zip(evaluate(graph, [value]), evaluate(split, [value])):
+            np.testing.assert_array_equal(f, e)
+
+
+# ------------------------------------------------------------------------------------------
+# Rebuilding: users, outputs, mutations, layouts, parameters, names, the original graph.
+# ------------------------------------------------------------------------------------------
+
+
+def shared_graph():
+    """r feeds two users and is output 0, which overwrites parameter ``acc``, with a layout."""
+    b = GraphBuilder("shared")
+    x = b.parameter((256, 12), DType.F32, "x")
+    acc = b.parameter((12,), DType.F32, "acc")
+    r = b.reduce(b.unary("exp", x), (0,), "sum")
+    total = b.binary("add", r, acc)
+    scaled = b.binary("mul", r, r)
+    layout = Layout.contiguous((12,))
+    return b.build([r, total, None, scaled], mutations={0: 1}, output_layouts=[layout, None, None, None])
+
+
+def test_several_users_and_graph_output():
+    graph = shared_graph()
+    split = split_reduction(graph, "reduce", 16)
+    r = split.node("reduce")
+    assert r.shape == (12,) and r.operands[0].name == "reduce_partial"
+    assert split.outputs[0] is r and split.outputs[2] is None
+    assert split.node("add").operands[0] is r
+    assert split.node("mul").operands == (r, r)
+    assert split.mutations == {0: 1}
+    assert split.output_layouts == graph.output_layouts
+    compare(graph, split, rtol=1e-5)
+
+
+def test_parameters_kept_other_nodes_copied():
+    graph = shared_graph()
+    split = split_reduction(graph, "reduce", 16)
+    assert split.parameters == graph.parameters
+    assert all(a is b for a, b in zip(split.parameters, graph.parameters))
+    old = {id(n) for n in graph.nodes if n.op != "parameter"}
+    assert not any(id(n) in old for n in split.nodes)
+
+
+def test_original_graph_unchanged():
+    graph = shared_graph()
+    before, nodes = graph.to_json(), list(graph.nodes)
+    split_reduction(graph, "reduce", 4)
+    assert graph.to_json() == before
+    assert all(a is b for a, b in zip(graph.nodes, nodes)) and len(graph.nodes) == len(nodes)
+
+
+def test_new_names_avoid_existing_ones():
+    b = GraphBuilder("g")
+    x = b.parameter((64, 8), DType.F32, "x")
+    taken = b.unary("neg", x)
+    taken = b.node("abs", [taken], name="r_partial")
+    r = b.node("reduce", [taken], dims=(0,), kind="sum", name="r")
+    graph = b.build([r, taken])
+    split = split_reduction(graph, "r", 4)
+    assert split.node("r").operands[0].name == "r_partial_1"
+    assert split.node("r_partial").op == "abs"
+    compare(graph, split, rtol=1e-5)
+
+
+def test_json_round_trip():
+    graph = shared_graph()
+    split = split_reduction(graph, "reduce", 8)
+    text = split.to_json()
+    again = Graph.from_json(text)
+    assert again.to_json() == text
+    inputs = inputs_for(graph)
+    for e, f in zip(evaluate(split, inputs), evaluate(again, inputs)):
+        if e is None:
+            assert f is None
+        else:
+            np.testing.assert_array_equal(f, e)
+
+
+# ------------------------------------------------------------------------------------------
+# Errors.
+# ------------------------------------------------------------------------------------------
+
+
+def test_not_divisible_names_node_dim_and_size():
+    graph = reduce_graph((100, 7), (0,), name="db")
+    with pytest.raises(ValueError, match=r"db.*dim 0 has size 100.*parts=32"):
+        split_reduction(graph, "db", 32)
+
+
+def test_parts_larger_than_dim():
+    graph = reduce_graph((4, 7), (0,))
+    with pytest.raises(ValueError, match="size 4"):
+        split_reduction(graph, "r", 8)
+
+
+def test_not_a_reduce():
+    graph = reduce_graph((64, 7), (0,))
+    with pytest.raises(ValueError, match="mul is a mul, not a reduce"):
+        split_reduction(graph, "mul", 4)
+
+
+@pytest.mark.parametrize("parts", [1, 0, -2])
+def test_parts_below_two(parts):
+    graph = reduce_graph((64, 7), (0,))
+    with pytest.raises(ValueError, match="parts must be an int >= 2"):
+        split_reduction(graph, "r", parts)
+
+
+def test_unknown_node():
+    graph = reduce_graph((64, 7), (0,))
+    with pytest.raises(ValueError, match="no node 'nope'"):
+        split_reduction(graph, "nope", 4)
+    other = reduce_graph((64, 7), (0,))
+    with pytest.raises(ValueError, match="not a node of graph"):
+        split_reduction(graph, other.outputs[0], 4)
