@@ -313,7 +313,11 @@ class Composer:
         if group.output is not None:
             name, layout = group.output
             value = K.Cast(result, root.dtype.value) if root.dtype.is_half else result
-            first = K.Binary("eq", self._special("lane" if self.warp_mode else "tid"), em.idx(0), "bool")
+            first: K.Expr = K.Binary("eq", self._special("lane" if self.warp_mode else "tid"), em.idx(0), "bool")
+            for d, i in zip(kept, kept_index):
+                covered = math.prod(f.extent for f in group.factors if f.dim == d)
+                if covered > group.space[d] and self.guard_tails:
+                    first = K.land(first, K.lt(i, em.idx(group.space[d])))
             stmts.append(K.If(first, (K.Store(name, em.linear(kept_index, layout.strides), value),)))
         em.sub_roots[id(root)] = ("register", root, kept_index, result)
         return stmts
@@ -407,7 +411,9 @@ class Composer:
         kind, root = entry[0], entry[1]
         if kind == "register":
             _, _, kept_index, result = entry
-            for d, (want, got) in enumerate(zip(kept_index, index)):
+            for d, (want, got, size) in enumerate(zip(kept_index, index, root.shape)):
+                if size == 1 and affine(got, em.definitions) == ({}, 0):
+                    continue  # the only element; the producer's tail guard keeps its index at 0
                 if affine(want, em.definitions) != affine(got, em.definitions) or affine(want, em.definitions) is None:
                     raise CodegenError(f"block locality: {consumer} reads {root.name} at an element outside the "
                                        f"block's footprint (kept dim {d})")

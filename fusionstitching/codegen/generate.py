@@ -1,9 +1,4 @@
-"""``generate``: pattern + template → a GeneratedKernel that can be printed, simulated, compiled, run.
-
-``default_template`` picks a valid template by a simple rule: the innermost dims go to the threads
-of a block (with a THREAD_v factor of 16-byte vectors when the last dim allows it), the rest to the
-grid; reduced dims are THREAD loops; packed sub-kernels get blocks in proportion to their size.
-"""
+"""``generate``: pattern + template → a GeneratedKernel that can be printed, simulated, compiled, run."""
 
 from __future__ import annotations
 
@@ -15,21 +10,10 @@ from typing import Any
 import numpy as np
 
 from fusionstitching.codegen import cuda_c
-from fusionstitching.codegen.lower import LoweredKernel, Pattern, iteration_space, lower, resolve_pattern
+from fusionstitching.codegen.lower import LoweredKernel, lower, resolve_pattern
 from fusionstitching.codegen.simulate import simulate
 from fusionstitching.graph.graph import Graph, Layout, Node
-from fusionstitching.schedule.template import (
-    KernelSchedule,
-    Launch,
-    Level,
-    Schedule,
-    Tile,
-    level_extent,
-    parse_template,
-)
-
-DEFAULT_THREADS = 256
-MAX_BLOCKS = 65535
+from fusionstitching.schedule.template import KernelSchedule, parse_template
 
 
 @dataclass
@@ -148,70 +132,8 @@ def _kernel_name(graph: Graph, nodes: list) -> str:
     return f"fs_{graph.name}_{safe}"[:60].replace(".", "_")
 
 
-# ----------------------------------------------------------------------------------------------
-# Default template
-# ----------------------------------------------------------------------------------------------
-
-
 def default_template(graph: Graph, nodes: Iterable[Node | str]) -> KernelSchedule:
-    pattern = resolve_pattern(graph, nodes)
-    return template_for(pattern)
+    """A valid template for the pattern (``schedule/grouping.py`` documents the rule)."""
+    from fusionstitching.schedule.grouping import choose_template
 
-
-def template_for(pattern: Pattern, threads: int = DEFAULT_THREADS) -> KernelSchedule:
-    transposed = _reads_transposed(pattern)
-    schedules = [_root_schedule(root, threads, transposed) for root in pattern.outputs]
-    total = 0
-    seen: list[tuple] = []
-    for sched, root in zip(schedules, pattern.outputs):
-        key = (sched.dims, iteration_space(root))
-        if key in seen and root.op != "reduce":
-            continue
-        seen.append(key)
-        total += level_extent(sched, iteration_space(root), Level.GRID)
-    blocks = max(len(seen), min(total, MAX_BLOCKS))
-    return KernelSchedule(tuple(schedules), Launch(blocks, threads))
-
-
-def _reads_transposed(pattern: Pattern) -> bool:
-    """Whether some input is read along a dim other than its innermost one (a transpose)."""
-    for node in pattern.nodes:
-        if node.op == "transpose" and node.attrs["permutation"][-1] != len(node.shape) - 1:
-            return True
-    for node in pattern.inputs:
-        layout = node.layout
-        if layout is not None and len(node.shape) >= 2 and node.shape[-1] > 1 and layout.strides[-1] != 1:
-            return True
-    return False
-
-
-def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedule:
-    space = iteration_space(root)
-    reduced = set(root.attrs["dims"]) if root.op == "reduce" else set()
-    if transposed and not reduced and threads == 256 and len(space) >= 2 and space[-2] >= 32 \
-            and space[-1] >= 32 and space[-1] % 4 == 0:
-        # 32 x 32 tiles: a warp reads 32 consecutive rows of the output's column for the transposed
-        # operand and each thread 4 consecutive elements of the row-major ones.
-        dims = [(Tile(Level.GRID),)] * (len(space) - 2)
-        dims += [(Tile(Level.GRID), Tile(Level.CTA, 32)),
-                 (Tile(Level.GRID), Tile(Level.CTA, 8), Tile(Level.THREAD, 4))]
-        return Schedule(root.name, tuple(dims))
-    kept = [d for d in range(len(space)) if d not in reduced]
-    dims: list[tuple[Tile, ...]] = [(Tile(Level.THREAD),) if d in reduced else (Tile(Level.GRID),)
-                                    for d in range(len(space))]
-    remaining = threads
-    vector = max(1, 16 // root.dtype.itemsize)
-    for position, d in enumerate(reversed(kept)):
-        size = space[d]
-        if position == 0 and root.op != "reduce" and size % vector == 0 and size >= vector * threads:
-            dims[d] = (Tile(Level.GRID), Tile(Level.CTA, threads), Tile(Level.THREAD, vector))
-            break
-        if size <= remaining:
-            dims[d] = (Tile(Level.CTA),)
-            remaining //= max(size, 1)
-            if remaining < 2:
-                break
-            continue
-        dims[d] = (Tile(Level.GRID), Tile(Level.CTA, remaining))
-        break
-    return Schedule(root.name, tuple(dims))
+    return choose_template(resolve_pattern(graph, nodes))

@@ -23,5 +23,13 @@ __all__ = [
     "format_template",
     "level_extent",
     "parse_template",
+    "feasible",
     "tile_extents",
 ]
+
+
+def feasible(graph, nodes):
+    """A KernelSchedule that ``codegen.generate`` builds for ``nodes`` of ``graph``, or a falsy Reason."""
+    from fusionstitching.schedule.grouping import feasible as _feasible
+
+    return _feasible(graph, nodes)

@@ -219,7 +219,7 @@ class _Flow:
                 seen.add(user)
                 last = max(last, self.pos[user])
                 if user not in active:
-                    stack.extend(self.users[user])
+                    pass
             result[name] = next((p for p in barriers if p >= last), self.end)
         return result
 
@@ -266,7 +266,7 @@ def _share_space(flow: _Flow, requests: list[SmemRequest]) -> list[SmemBuffer]:
         fits = [
             i
             for i, names in enumerate(sharers)
-            if release[names[-1]] <= flow.pos[q] and flow.may_share(names[-1], q)
+            if release[names[-1]] < flow.pos[q] and flow.may_share(names[-1], q)
         ]
         if fits:
             best = min(fits, key=lambda i: (max(0, size - sizes[i]), max(0, sizes[i] - size), i))

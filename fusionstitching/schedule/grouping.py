@@ -1,0 +1,207 @@
+"""Groups, sub-roots and the default template of a pattern [C §4.2].
+
+A pattern's ops split into groups at sub-roots: every reduction whose result other ops of the
+pattern use is a sub-root (its result crosses threads), the pattern's outputs are roots, and all
+other ops are thread-composed into the groups that use them (expensive ops may be made ``S``
+sub-roots by a template; the default recomputes them).
+
+``choose_template`` is the documented default rule:
+
+- no reduction inside the pattern (thread composition and packing): each output gets its own
+  schedule; the innermost dims go to the threads of a block — a ``CTA_256-THREAD_v`` pair of
+  16-byte vectors when the last dim is long and a multiple of v — and the rest to the grid; a
+  pattern reading a transposed input gets 32×32 tiles; reduced dims of a reduction root are
+  THREAD loops; packed sub-kernels get blocks in proportion to their size;
+- with reductions (composition): all groups share one tiling. Dims that no reduction reduces are
+  GRID (in warp mode the last of them is ``GRID-WARP_8``: a row per warp); the reduced dims are
+  CTA (the last one; across lanes in warp mode, across the block otherwise) and THREAD (the
+  others). Warp mode is chosen when the reduced length is at most 1024, block mode otherwise.
+
+``feasible`` asks the code generator itself: it lowers the default template and returns it, or
+the reason lowering gave (block locality, shared memory, an unsupported op), so that whatever it
+accepts, ``generate`` builds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.schedule.template import KernelSchedule, Launch, Level, Schedule, Tile, level_extent
+
+DEFAULT_THREADS = 256
+MAX_BLOCKS = 65535
+WARP_ROWS = 8
+WARP_MODE_MAX_LENGTH = 1024
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why a pattern has no schedule; falsy, and printable."""
+
+    message: str
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _space(node: Node) -> tuple[int, ...]:
+    return node.operands[0].shape if node.op == "reduce" else node.shape
+
+
+def sub_roots(pattern) -> list[Node]:
+    """Reductions whose result other nodes of the pattern read."""
+    inside = {id(n) for n in pattern.nodes}
+    used = {id(o) for n in pattern.nodes for o in n.operands if id(o) in inside}
+    outputs = {id(o) for o in pattern.outputs}
+    return [n for n in pattern.nodes if n.op == "reduce" and id(n) in used and id(n) not in outputs]
+
+
+def choose_template(pattern, threads: int = DEFAULT_THREADS) -> KernelSchedule:
+    reductions = sub_roots(pattern) + [o for o in pattern.outputs if o.op == "reduce" and _cross_thread_worthy(o)]
+    if reductions:
+        length = math.prod(_space(reductions[0])[d] for d in reductions[0].attrs["dims"])
+        warp_rows = WARP_ROWS if length <= WARP_MODE_MAX_LENGTH else None
+        return composed_template(pattern, reductions, threads, warp_rows)
+    return _packed_template(pattern, threads)
+
+
+def _cross_thread_worthy(node: Node) -> bool:
+    """A reduction output is reduced across threads when its rows are long and its kept part small."""
+    space = node.operands[0].shape
+    reduced = math.prod(space[d] for d in node.attrs["dims"])
+    return reduced >= 32 and node.size < reduced * 64
+
+
+# ----------------------------------------------------------------------------------------------
+# Composition
+# ----------------------------------------------------------------------------------------------
+
+
+def composed_template(pattern, reductions: list[Node], threads: int, warp_rows: int | None,
+                      shared: Iterable[str] = ()) -> KernelSchedule:
+    """One tiling for all groups: kept dims on the grid (the last one ``GRID-WARP_<warp_rows>`` in
+    warp mode), the last reduced dim across threads (lanes in warp mode), other reduced dims THREAD;
+    the nodes named in ``shared`` become ``S`` sub-roots."""
+    reduced_dims = set(reductions[0].attrs["dims"])
+    rank = len(_space(reductions[0]))
+    kept = [d for d in range(rank) if d not in reduced_dims]
+    warp_mode = warp_rows is not None and kept
+    shared = set(shared)
+    extra = [n for n in pattern.nodes if n.name in shared]
+    reductions = list(reductions) + extra
+    roots = [n for n in pattern.nodes if any(n is r for r in reductions) or any(n is o for o in pattern.outputs)]
+    schedules = []
+    for root in roots:
+        space = _space(root)
+        if len(space) != rank:
+            dims = tuple((Tile(Level.GRID),) for _ in space)  # let lowering report the mismatch
+        else:
+            dims = _composed_dims(space, reduced_dims, kept, warp_rows if warp_mode else None)
+        schedules.append(Schedule(root.name, dims, shared=root.name in shared))
+    grid = level_extent(schedules[0], _space(roots[0]), Level.GRID)
+    return KernelSchedule(tuple(schedules), Launch(max(1, min(grid, MAX_BLOCKS)), threads))
+
+
+def _composed_dims(space, reduced_dims: set[int], kept: list[int], warp_rows: int | None):
+    dims: list[tuple[Tile, ...]] = []
+    last_reduced = max(reduced_dims)
+    for d in range(len(space)):
+        if d in reduced_dims:
+            dims.append((Tile(Level.CTA),) if d == last_reduced else (Tile(Level.THREAD),))
+        elif warp_rows is not None and d == kept[-1]:
+            dims.append((Tile(Level.GRID), Tile(Level.WARP, warp_rows)))
+        else:
+            dims.append((Tile(Level.GRID),))
+    return tuple(dims)
+
+
+# ----------------------------------------------------------------------------------------------
+# Thread composition and packing
+# ----------------------------------------------------------------------------------------------
+
+
+def _packed_template(pattern, threads: int) -> KernelSchedule:
+    transposed = _reads_transposed(pattern)
+    schedules = [_root_schedule(root, threads, transposed) for root in pattern.outputs]
+    total = 0
+    seen: list[tuple] = []
+    for sched, root in zip(schedules, pattern.outputs):
+        key = (sched.dims, _space(root))
+        if key in seen and root.op != "reduce":
+            continue
+        seen.append(key)
+        total += level_extent(sched, _space(root), Level.GRID)
+    blocks = max(len(seen), min(total, MAX_BLOCKS))
+    return KernelSchedule(tuple(schedules), Launch(blocks, threads))
+
+
+def _reads_transposed(pattern) -> bool:
+    """Whether some input is read along a dim other than its innermost one (a transpose)."""
+    for node in pattern.nodes:
+        if node.op == "transpose" and node.attrs["permutation"][-1] != len(node.shape) - 1:
+            return True
+    for node in pattern.inputs:
+        layout = node.layout
+        if layout is not None and len(node.shape) >= 2 and node.shape[-1] > 1 and layout.strides[-1] != 1:
+            return True
+    return False
+
+
+def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedule:
+    space = _space(root)
+    reduced = set(root.attrs["dims"]) if root.op == "reduce" else set()
+    if transposed and not reduced and threads == 256 and len(space) >= 2 and space[-2] >= 32 \
+            and space[-1] >= 32 and space[-1] % 4 == 0:
+        # 32 x 32 tiles: a warp reads 32 consecutive rows of the output's column for the transposed
+        # operand and each thread 4 consecutive elements of the row-major ones.
+        dims = [(Tile(Level.GRID),)] * (len(space) - 2)
+        dims += [(Tile(Level.GRID), Tile(Level.CTA, 32)),
+                 (Tile(Level.GRID), Tile(Level.CTA, 8), Tile(Level.THREAD, 4))]
+        return Schedule(root.name, tuple(dims))
+    kept = [d for d in range(len(space)) if d not in reduced]
+    dims: list[tuple[Tile, ...]] = [(Tile(Level.THREAD),) if d in reduced else (Tile(Level.GRID),)
+                                    for d in range(len(space))]
+    remaining = threads
+    vector = max(1, 16 // root.dtype.itemsize)
+    for position, d in enumerate(reversed(kept)):
+        size = space[d]
+        if position == 0 and root.op != "reduce" and size % vector == 0 and size >= vector * threads:
+            dims[d] = (Tile(Level.GRID), Tile(Level.CTA, threads), Tile(Level.THREAD, vector))
+            break
+        if size <= remaining:
+            dims[d] = (Tile(Level.CTA),)
+            remaining //= max(size, 1)
+            if remaining < 2:
+                break
+            continue
+        dims[d] = (Tile(Level.GRID), Tile(Level.CTA, remaining))
+        break
+    return Schedule(root.name, tuple(dims))
+
+
+# ----------------------------------------------------------------------------------------------
+# Feasibility
+# ----------------------------------------------------------------------------------------------
+
+
+def feasible(graph: Graph, nodes: Iterable[Node | str]) -> KernelSchedule | Reason:
+    """A template that ``generate`` builds for this pattern, or the Reason there is none."""
+    from fusionstitching.codegen.lower import lower, resolve_pattern
+    from fusionstitching.codegen.values import CodegenError
+
+    nodes = list(nodes)
+    try:
+        pattern = resolve_pattern(graph, nodes)
+        template = choose_template(pattern)
+        lower(graph, nodes, template, vectorize_access=False)
+    except CodegenError as err:
+        return Reason(str(err))
+    except ValueError as err:  # a template the tiling rules refuse
+        return Reason(f"no valid template: {err}")
+    return template

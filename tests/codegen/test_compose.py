@@ -1,0 +1,269 @@
+"""Warp and block composition: reductions across threads, shared-memory sub-roots, feasibility.
+
+Matrix: softmax and LayerNorm (captured from torch) and a row sum × f32/bf16 × shapes (rows
+shorter than a warp, not a multiple of 32, longer than a block, one row, one column) × templates
+(warp mode, block mode, block mode with an ``S`` sub-root). Each kernel compiles for sm_80 and
+sm_90 and its simulation matches graph/reference.py; the GPU test runs the same matrix.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from functools import cache
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fusionstitching import capture
+from fusionstitching.codegen import default_template, generate
+from fusionstitching.codegen import kernel_ir as K
+from fusionstitching.codegen.lower import resolve_pattern
+from fusionstitching.codegen.simulate import SimulationError
+from fusionstitching.graph import reference
+from fusionstitching.graph.graph import GraphBuilder
+from fusionstitching.graph.ops import DType
+from fusionstitching.schedule import feasible
+from fusionstitching.schedule.grouping import composed_template, sub_roots
+
+from .cases import TORCH_DTYPES, Case, _numpy
+from .test_generate import _expected, _inputs_for, assert_close
+
+SHAPES = [(5, 20), (37, 70), (3, 1500), (1, 100), (50, 1)]
+
+
+@cache
+def softmax(dtype: str, rows: int, cols: int) -> Case:
+    def fn(x):
+        return torch.softmax(x * 0.125, dim=-1)
+
+    return _case(f"softmax_{dtype}_{rows}x{cols}", fn, [_rand((rows, cols), dtype)])
+
+
+@cache
+def layernorm(dtype: str, rows: int, cols: int) -> Case:
+    def fn(x, w, b):
+        return F.layer_norm(x, (cols,), w, b, eps=1e-5)
+
+    return _case(f"layernorm_{dtype}_{rows}x{cols}", fn,
+                 [_rand((rows, cols), dtype), _rand((cols,), dtype, 1), _rand((cols,), dtype, 2)])
+
+
+@cache
+def row_sum(dtype: str, rows: int, cols: int) -> Case:
+    def fn(x):
+        return (x * x).sum(-1)
+
+    return _case(f"row_sum_{dtype}_{rows}x{cols}", fn, [_rand((rows, cols), dtype)])
+
+
+def _rand(shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(TORCH_DTYPES[dtype])
+
+
+def _case(name, fn, inputs) -> Case:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(fn, *inputs, name=name).forward
+    return Case(name, graph, [_numpy(t) for t in inputs], [], fn, list(inputs))
+
+
+def templates(case: Case) -> list:
+    pattern = resolve_pattern(case.graph, case.nodes)
+    reductions = sub_roots(pattern) + [o for o in pattern.outputs if o.op == "reduce"]
+    result = [default_template(case.graph, case.nodes),
+              composed_template(pattern, reductions, 64, warp_rows=None),
+              composed_template(pattern, reductions, 128, warp_rows=4)]
+    expensive = [n.name for n in pattern.nodes if n.op == "exp" and n not in pattern.outputs]
+    if expensive:
+        result.append(composed_template(pattern, reductions, 128, warp_rows=None, shared=expensive))
+    return result
+
+
+MATRIX = [(f"{make.__name__}_{d}_{r}x{c}", make, d, r, c)
+          for make in (softmax, layernorm, row_sum) for d in ("f32", "bf16") for r, c in SHAPES]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("nvrtc")
+
+
+@pytest.mark.parametrize("name,make,dtype,rows,cols", MATRIX, ids=[m[0] for m in MATRIX])
+def test_composed_kernel_matches_reference(name, make, dtype, rows, cols, cache_dir):
+    case = make(dtype, rows, cols)
+    for template in templates(case):
+        kernel = generate(case.graph, case.nodes, template)
+        for arch in ("sm_80", "sm_90"):
+            kernel.compile(arch, cache_dir=cache_dir)
+        got = kernel.simulate(_inputs_for(case, kernel))
+        for out_name, g, w in zip(kernel.outputs, got, _expected(case, kernel)):
+            assert_close(g, w, case.graph.node(out_name).dtype, False, f"{name} {template}")
+
+
+def test_default_template_uses_warps_for_short_rows_and_blocks_for_long_rows():
+    short = softmax("f32", 37, 70)
+    long = softmax("f32", 3, 1500)
+    assert "WARP_8" in str(default_template(short.graph, short.nodes))
+    assert "WARP" not in str(default_template(long.graph, long.nodes))
+    source = generate(long.graph, long.nodes, default_template(long.graph, long.nodes)).cuda_source
+    assert "__shfl_xor_sync" in source and "__syncthreads" in source and "__shared__" in source
+
+
+def test_shared_sub_root_is_stored_once_and_read_by_consumers():
+    case = softmax("f32", 37, 70)
+    template = templates(case)[-1]
+    assert "S;" in str(template) or str(template).count("]S") == 1
+    kernel = generate(case.graph, case.nodes, template)
+    assert "__shared__ float smem_" in kernel.cuda_source
+    assert kernel.cuda_source.count("expf(") == 1  # computed once, read from shared memory afterwards
+
+
+def _without_barriers(stmts):
+    out = []
+    for s in stmts:
+        if isinstance(s, K.Barrier):
+            continue
+        if isinstance(s, K.For):
+            s = K.For(s.var, s.start, s.stop, s.step, tuple(_without_barriers(s.body)), s.kind)
+        elif isinstance(s, K.If):
+            s = K.If(s.cond, tuple(_without_barriers(s.then)), tuple(_without_barriers(s.orelse)))
+        out.append(s)
+    return out
+
+
+def test_removing_a_barrier_is_reported_as_a_race():
+    case = softmax("f32", 37, 70)
+    kernel = generate(case.graph, case.nodes, templates(case)[-1])
+    ir = kernel.lowered.kernel
+    broken = K.Kernel(ir.name, ir.params, tuple(_without_barriers(ir.body)), ir.threads, ir.blocks, ir.shared)
+    kernel.lowered = type(kernel.lowered)(broken, *[getattr(kernel.lowered, f) for f in
+                                                     ("pattern", "input_layouts", "output_layouts", "aliases")])
+    with pytest.raises(SimulationError, match="race|written by thread|another thread"):
+        kernel.simulate(_inputs_for(case, kernel))
+
+
+def test_barrier_in_divergent_branch_is_reported():
+    case = softmax("f32", 5, 20)
+    kernel = generate(case.graph, case.nodes, templates(case)[1])
+    ir = kernel.lowered.kernel
+    half = K.Binary("lt", K.Special("tid"), K.Const(16, "i32"), "bool")
+    broken = K.Kernel(ir.name, ir.params, (K.If(half, ir.body),), ir.threads, ir.blocks, ir.shared)
+    kernel.lowered = type(kernel.lowered)(broken, *[getattr(kernel.lowered, f) for f in
+                                                     ("pattern", "input_layouts", "output_layouts", "aliases")])
+    with pytest.raises(SimulationError, match="[Bb]arrier|[Ss]huffle"):
+        kernel.simulate(_inputs_for(case, kernel))
+
+
+# ----------------------------------------------------------------------------------------------
+# Feasibility
+# ----------------------------------------------------------------------------------------------
+
+
+def test_feasible_accepts_the_matrix_and_its_template_builds():
+    for _, make, dtype, rows, cols in MATRIX:
+        case = make(dtype, rows, cols)
+        template = feasible(case.graph, case.nodes)
+        assert template, template
+        generate(case.graph, case.nodes, template)
+
+
+def test_feasible_rejects_row_and_column_reductions_together_with_a_reason():
+    b = GraphBuilder("rowcol")
+    x = b.parameter((16, 40), DType.F32, "x")
+    rows = b.reduce(x, [1], "sum")
+    cols = b.reduce(x, [0], "sum")
+    out = b.binary("add", b.broadcast(rows, (16, 40), (0,)), b.broadcast(cols, (16, 40), (1,)))
+    graph = b.build([out])
+    answer = feasible(graph, [n for n in graph.nodes if n.op != "parameter"])
+    assert not answer
+    assert "reduce" in str(answer)
+
+
+def test_feasible_is_fast_on_a_twenty_op_pattern():
+    case = layernorm("f32", 64, 256)
+    assert 15 <= len(case.nodes) <= 40
+    feasible(case.graph, case.nodes)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        feasible(case.graph, case.nodes)
+        times.append(time.perf_counter() - start)
+    median_ms = sorted(times)[2] * 1000
+    print(f"feasible: {median_ms:.2f} ms for {len(case.nodes)} nodes")
+    assert median_ms < 50
+
+
+_OPS = ["exp", "neg", "tanh", "abs"]
+
+
+@st.composite
+def random_patterns(draw):
+    rows = draw(st.integers(1, 6))
+    cols = draw(st.sampled_from([1, 3, 32, 45]))
+    b = GraphBuilder("random")
+    x = b.parameter((rows, cols), DType.F32, "x")
+    y = b.parameter((rows, cols), DType.F32, "y")
+    values = [x, y]
+    for _ in range(draw(st.integers(1, 6))):
+        kind = draw(st.sampled_from(["unary", "binary", "rowsum", "rowmax"]))
+        a = draw(st.sampled_from(values))
+        if kind == "unary":
+            values.append(b.unary(draw(st.sampled_from(_OPS)), a))
+        elif kind == "binary":
+            values.append(b.binary(draw(st.sampled_from(["add", "mul", "sub"])), a, draw(st.sampled_from(values))))
+        else:
+            r = b.reduce(b.unary("tanh", a), [1], "sum" if kind == "rowsum" else "max")
+            values.append(b.binary("add", a, b.broadcast(r, (rows, cols), (0,))))
+    graph = b.build([values[-1]])
+    rng = np.random.default_rng(draw(st.integers(0, 100)))
+    return graph, [rng.standard_normal((rows, cols)).astype(np.float32) for _ in range(2)]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_patterns())
+def test_whatever_feasible_accepts_simulates_correctly(sample):
+    graph, arrays = sample
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    answer = feasible(graph, nodes)
+    if not answer:
+        assert str(answer)
+        return
+    kernel = generate(graph, nodes, answer)
+    by_name = dict(zip([p.name for p in graph.parameters], arrays))
+    got = kernel.simulate([by_name[n] for n in kernel.inputs])
+    want = dict(zip([o.name for o in graph.outputs], reference.evaluate(graph, arrays)))
+    for name, g in zip(kernel.outputs, got):
+        np.testing.assert_allclose(g, want[name], rtol=2e-5, atol=2e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name,make,dtype,rows,cols", MATRIX, ids=[m[0] for m in MATRIX])
+def test_composed_kernel_on_gpu(name, make, dtype, rows, cols):
+    from fusionstitching.bench.check import to_numpy
+    from fusionstitching.runtime.kernel_call import call_generated
+
+    case = make(dtype, rows, cols)
+    by_name = {p.name: t for p, t in zip(case.graph.parameters, case.torch_inputs)}
+    eager = case.torch_fn(*[t.clone() for t in case.torch_inputs])
+    for template in templates(case):
+        kernel = generate(case.graph, case.nodes, template)
+        tensors = [by_name[n].cuda() for n in kernel.inputs]
+        poisoned = [torch.full(o.shape, float("nan"), dtype=TORCH_DTYPES[o.dtype.value], device="cuda")
+                    for o in kernel.lowered.pattern.outputs]
+        got = call_generated(kernel, tensors, outputs=poisoned)
+        torch.cuda.synchronize()
+        for out_name, g, w in zip(kernel.outputs, got, _expected(case, kernel)):
+            dtype_ = case.graph.node(out_name).dtype
+            assert_close(to_numpy(g), w, dtype_, False, f"{name} {template} (GPU)")
+        assert_close(to_numpy(got[0]), to_numpy(eager), DType(dtype), False, f"{name} vs eager")
