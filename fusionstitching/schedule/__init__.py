@@ -20,10 +20,10 @@ __all__ = [
     "Schedule",
     "TemplateSyntaxError",
     "Tile",
+    "feasible",
     "format_template",
     "level_extent",
     "parse_template",
-    "feasible",
     "tile_extents",
 ]
 

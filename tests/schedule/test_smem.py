@@ -229,9 +229,9 @@ def random_cases(draw):
         operands = [nodes[draw(st.integers(0, len(nodes) - 1))] for _ in range(arity)]
         nodes.append(g.node(op, operands, name=f"n{i}"))
     computed = nodes[2:]
-    outputs = [n for n in computed if draw(st.booleans())] or [computed[-1]]
+    outputs = [n for n in computed if draw(st.integers(0, 3)) == 0] or [computed[-1]]
     graph = g.build(outputs)
-    pattern = [n for n in compute_nodes(graph) if draw(st.integers(0, 4)) > 0] or compute_nodes(graph)
+    pattern = [n for n in compute_nodes(graph) if draw(st.integers(0, 9)) > 0] or compute_nodes(graph)
     requests = [
         SmemRequest(n.name, draw(st.integers(0, 3000)), draw(st.floats(0.0, 10.0)))
         for n in pattern
@@ -254,7 +254,7 @@ def read_positions(graph, pattern, cached, name):
     return position, [position[d] for d in nx.descendants(flow, name)]
 
 
-@settings(max_examples=3000, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(random_cases())
 def test_plan_never_shares_live_requests_and_fits(case):
     graph, pattern, requests, limit, allow, must_keep = case
