@@ -219,7 +219,7 @@ class _Flow:
                 seen.add(user)
                 last = max(last, self.pos[user])
                 if user not in active:
-                    pass
+                    stack.extend(self.users[user])
             result[name] = next((p for p in barriers if p >= last), self.end)
         return result
 
