@@ -116,7 +116,7 @@ class Composer:
         self.warp_mode = any(_level_extents(g, Level.WARP) for g in groups)
         self.ranges: dict[str, int] = {}  # register → exclusive upper bound (factor registers)
         self.shared: list[K.Buffer] = []
-        self.red_buffer: K.Buffer | None = None
+        self.placement: dict[str, K.Buffer] = {}  # S sub-root → its (possibly shared) buffer
         self._check_common_tiling()
 
     # -- structure -------------------------------------------------------------------------------
@@ -355,6 +355,35 @@ class Composer:
         return stmts
 
     # -- shared memory -------------------------------------------------------------------------------
+    def plan_shared(self, graph, pattern_nodes, limit: int):
+        """Place the S sub-roots with ``schedule/smem.py``: sharing by dominance and liveness, and
+        recomputation (the group is dropped, its consumers recompute it) when over ``limit``."""
+        from fusionstitching.schedule.smem import SmemRequest, plan_shared_memory
+
+        requests, sizes = [], {}
+        for g in self.groups:
+            if not g.shared:
+                continue
+            if register_type(g.root.dtype) != "f32":
+                raise CodegenError(f"{g.root.name}: 'S' is supported for float sub-roots, not {g.root.dtype.value}")
+            size = 1
+            for _, local in self._footprint(g):
+                size *= math.prod(f.extent for f in local)
+            sizes[g.root.name] = size
+            cost = float(sum(1 for n in pattern_nodes if n is g.root or n.category.fusable)) * size
+            requests.append(SmemRequest(g.root.name, size * 4, recompute_cost=cost))
+        reductions = 4 * WARP * 2 if any(g.cross_thread for g in self.groups) else 0
+        must_keep = [g.root.name for g in self.groups if g.shared and g.output is not None]
+        plan = plan_shared_memory(graph, pattern_nodes, requests, limit - reductions, must_keep=must_keep)
+        if not plan:
+            raise CodegenError(str(plan))
+        for name in plan.recomputed:
+            self.groups = [g for g in self.groups if g.root.name != name]
+        buffers = {b.name: K.Buffer(f"smem_{b.name}", "f32", b.bytes // 4, space="shared") for b in plan.buffers}
+        self.shared.extend(buffers.values())
+        self.placement = {node: buffers[name] for node, name in plan.placement.items()}
+        return plan
+
     def _reduction_buffer(self, rtype: str) -> K.Buffer:
         name = f"red_{rtype}"
         for b in self.shared:
@@ -376,13 +405,7 @@ class Composer:
         return result
 
     def _shared_buffer(self, group: Group) -> K.Buffer:
-        size = 1
-        for _, local in self._footprint(group):
-            size *= math.prod(f.extent for f in local)
-        buffer = K.Buffer(f"smem_{group.root.name}".replace(".", "_"), register_type(group.root.dtype), size,
-                          space="shared")
-        self.shared.append(buffer)
-        return buffer
+        return self.placement[group.root.name]
 
     def _local_index(self, group: Group, index: Sequence[K.Expr]) -> K.Expr:
         em = self.em

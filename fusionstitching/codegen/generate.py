@@ -40,6 +40,11 @@ class GeneratedKernel:
     def kernel(self):
         return self.lowered.kernel
 
+    @property
+    def smem_plan(self):
+        """The shared-memory plan of a composed kernel (``schedule/smem.py``), or None."""
+        return self.lowered.smem_plan
+
     def simulate(self, arrays: Sequence[np.ndarray], poison: bool = True) -> list[np.ndarray]:
         """Run the kernel on NumPy: ``arrays`` in ``.inputs`` order (logical values, any strides)."""
         pattern, kernel = self.lowered.pattern, self.lowered.kernel

@@ -56,6 +56,7 @@ class LoweredKernel:
     input_layouts: tuple[Layout, ...]
     output_layouts: tuple[Layout, ...]
     aliases: dict[int, int]  # output position → input position whose storage it overwrites
+    smem_plan: object = None  # schedule.smem.SmemPlan of a composed kernel
 
 
 def resolve_pattern(graph: Graph, nodes: Iterable[Node | str]) -> Pattern:
@@ -104,7 +105,7 @@ class _Factor:
 
 def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *,
           name: str = "fused", vectorize_access: bool = True, guard_tails: bool = True,
-          check_in_place: bool = True) -> LoweredKernel:
+          check_in_place: bool = True, smem_limit: int = 48 * 1024) -> LoweredKernel:
     """Lower ``nodes`` of ``graph`` under ``schedule``. ``guard_tails`` and ``check_in_place``
     exist to show that the simulator catches the out-of-bounds accesses and cross-block races
     they prevent; leave them on."""
@@ -133,12 +134,14 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
     emitter = ValueEmitter(inputs, {id(n) for n in pattern.nodes}, index_type)
 
     shared: list[K.Buffer] = []
+    smem_plan = None
     outputs = {o.name: o for o in pattern.outputs}
     if needs_composition(schedule.schedules, outputs, by_name):
         order = {n.name: k for k, n in enumerate(pattern.nodes)}
         stores_by_root = {o.name: (out_names[k], output_layouts[k]) for k, o in enumerate(pattern.outputs)}
         composer = Composer(emitter, make_groups(schedule.schedules, by_name, stores_by_root, order),
                             launch.threads, launch.blocks, guard_tails)
+        smem_plan = composer.plan_shared(graph, pattern.nodes, smem_limit)
         emitter.reader = composer.read
         body = composer.lower()
         shared = composer.shared
@@ -155,7 +158,7 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
                       notes=(str(schedule),))
     if check_in_place:
         _check_in_place(kernel, aliases, in_names, out_names)
-    return LoweredKernel(kernel, pattern, input_layouts, output_layouts, aliases)
+    return LoweredKernel(kernel, pattern, input_layouts, output_layouts, aliases, smem_plan)
 
 
 def _lower_packed(emitter, schedule, pattern, out_names, output_layouts, vectorize_access, guard_tails):

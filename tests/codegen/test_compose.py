@@ -24,6 +24,7 @@ from fusionstitching.codegen import default_template, generate
 from fusionstitching.codegen import kernel_ir as K
 from fusionstitching.codegen.lower import resolve_pattern
 from fusionstitching.codegen.simulate import SimulationError
+from fusionstitching.codegen.values import CodegenError
 from fusionstitching.graph import reference
 from fusionstitching.graph.graph import GraphBuilder
 from fusionstitching.graph.ops import DType
@@ -267,3 +268,22 @@ def test_composed_kernel_on_gpu(name, make, dtype, rows, cols):
             dtype_ = case.graph.node(out_name).dtype
             assert_close(to_numpy(g), w, dtype_, False, f"{name} {template} (GPU)")
         assert_close(to_numpy(got[0]), to_numpy(eager), DType(dtype), False, f"{name} vs eager")
+
+
+def test_shared_memory_plan_recomputes_when_over_the_limit_and_reports_infeasible():
+    case = softmax("f32", 37, 70)
+    template = templates(case)[-1]
+    kernel = generate(case.graph, case.nodes, template)
+    plan = kernel.smem_plan
+    assert plan and plan.total_bytes >= 70 * 4 and "smem0" in str(plan)
+    # Too little room for the cached exp: it is recomputed by its consumers instead.
+    tight = generate(case.graph, case.nodes, template, smem_limit=512)
+    assert tight.smem_plan.recomputed and tight.cuda_source.count("expf(") == 2
+    got = tight.simulate(_inputs_for(case, tight))[0]
+    assert_close(got, _expected(case, tight)[0], DType.F32, False, "recomputed")
+    # An output cached in shared memory cannot be dropped: below its size nothing fits.
+    pattern = resolve_pattern(case.graph, case.nodes)
+    reductions = sub_roots(pattern)
+    output_cached = composed_template(pattern, reductions, 128, warp_rows=None, shared=[pattern.outputs[0].name])
+    with pytest.raises(CodegenError, match="shared memory: needs .* over the .*-byte limit"):
+        generate(case.graph, case.nodes, output_cached, smem_limit=512)
