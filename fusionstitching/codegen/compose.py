@@ -25,13 +25,14 @@ both nodes, so whatever lowers is correct by construction.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fusionstitching.codegen import kernel_ir as K
 from fusionstitching.codegen.values import CodegenError, ValueEmitter, combine, reduce_identity, register_type
-from fusionstitching.codegen.vectorize import affine
+from fusionstitching.codegen.vectorize import affine, pack_lanes
 from fusionstitching.graph.graph import Layout, Node
 from fusionstitching.schedule.template import Level, Schedule, tile_extents
 
@@ -110,8 +111,10 @@ def _level_extents(group: Group, level: Level) -> list[int]:
 
 
 class Composer:
-    def __init__(self, em: ValueEmitter, groups: list[Group], threads: int, blocks: int, guard_tails: bool) -> None:
+    def __init__(self, em: ValueEmitter, groups: list[Group], threads: int, blocks: int, guard_tails: bool,
+                 vectorize: bool = True) -> None:
         self.em, self.groups, self.threads, self.blocks = em, groups, threads, blocks
+        self.vectorize = vectorize
         self.guard_tails = guard_tails
         self.warp_mode = any(_level_extents(g, Level.WARP) for g in groups)
         self.ranges: dict[str, int] = {}  # register → exclusive upper bound (factor registers)
@@ -198,6 +201,8 @@ class Composer:
         return stmts
 
     def _groups(self) -> list[K.Stmt]:
+        if self._can_fuse():
+            return self._fused_groups()
         out: list[K.Stmt] = []
         for group in self.groups:
             self.em.stmts = []
@@ -206,6 +211,72 @@ class Composer:
             stmts = self._cross_thread(group) if group.cross_thread else self._parallel(group)
             out.extend(stmts)
         return out
+
+    # -- register composition: all groups in one straight-line body -------------------------------
+    def _local(self, group: Group) -> list[tuple[int, Level, int]]:
+        return [(f.dim, f.level, f.extent) for f in group.factors if f.level in (Level.CTA, Level.THREAD)]
+
+    def _can_fuse(self) -> bool:
+        """Whether every group tiles its thread-level dims identically, with no tails, one CTA
+        iteration per thread and few THREAD elements: then each thread keeps its elements in
+        registers from one group to the next (a row is read from memory once)."""
+        first = self._local(self.groups[0])
+        count = WARP if self.warp_mode else self.threads
+        for g in self.groups:
+            if self._local(g) != first:
+                return False
+            for d, size in enumerate(g.space):
+                if math.prod(f.extent for f in g.factors if f.dim == d) != size:
+                    return False
+        cta = math.prod(e for _, level, e in first if level == Level.CTA)
+        serial = math.prod(e for _, level, e in first if level == Level.THREAD)
+        return cta == count and serial <= 64
+
+    def _fused_groups(self) -> list[K.Stmt]:
+        em = self.em
+        lead = self.groups[0]
+        c_var = em.fresh("cta", em.index_type)
+        em.stmts = [K.Let(c_var, self._special("lane" if self.warp_mode else "tid"))]
+        em.stmts += self._decompose([f for f in lead.factors if f.level == Level.CTA], c_var)
+        for g in self.groups[1:]:
+            self._share(g, Level.CTA, [f for f in lead.factors if f.level == Level.CTA])
+        serial = [(f.dim, f.extent) for f in lead.factors if f.level == Level.THREAD]
+        combos = list(itertools.product(*[range(e) for _, e in serial]))
+        for group in self.groups:
+            em.current = group.root.name
+            em.stmts.append(K.Comment(f"group {group.root.name}: {group.sched} (registers)"))
+            thread_factors = [f for f in group.factors if f.level == Level.THREAD]
+            if group.cross_thread:
+                root = group.root
+                kind, rtype = root.attrs["kind"], register_type(root.dtype)
+                acc = em.fresh("acc", rtype)
+                em.stmts.append(K.Let(acc, reduce_identity(kind, root.dtype)))
+                for combo in combos:
+                    for f, value in zip(thread_factors, combo):
+                        f.var = em.idx(value)
+                    index, _ = self._index(group)
+                    value = em.value(root.operands[0], tuple(index))
+                    em.stmts.append(K.Assign(acc, combine(kind, acc, value, rtype)))
+                em.stmts.extend(self._finish_reduction(group, acc))
+                continue
+            buffer = self._shared_buffer(group) if group.shared else None
+            for combo in combos:
+                for f, value in zip(thread_factors, combo):
+                    f.var = em.idx(value)
+                index, _ = self._index(group)
+                value = em.value(group.root, tuple(index))
+                if group.output is not None:
+                    name, layout = group.output
+                    store = K.Cast(value, group.root.dtype.value) if group.root.dtype.is_half else value
+                    em.stmts.append(K.Store(name, em.linear(index, layout.strides), store))
+                if buffer is not None:
+                    em.stmts.append(K.Store(buffer.name, self._local_index(group, index), value))
+            if buffer is not None:
+                em.stmts.append(K.Barrier())
+                self._register_shared_reader(group, buffer)
+        lanes = serial[-1][1] if serial and serial[-1][0] == len(lead.space) - 1 else 1
+        stmts = em.stmts
+        return pack_lanes(stmts, em.definitions, lanes) if lanes > 1 and self.vectorize else stmts
 
     # -- per-thread loops ----------------------------------------------------------------------------
     def _thread_loops(self, group: Group, body) -> list[K.Stmt]:
@@ -301,7 +372,15 @@ class Composer:
             em.stmts.extend([K.If(guard, update)] if guard is not None else update)
 
         stmts += self._thread_loops(group, body)
-        stmts += self._butterfly(acc, kind, rtype)
+        return stmts + self._finish_reduction(group, acc)
+
+    def _finish_reduction(self, group: Group, acc: K.Var) -> list[K.Stmt]:
+        """Combine the threads' partial results; every thread (lane) ends with the result."""
+        em = self.em
+        root = group.root
+        kind = root.attrs["kind"]
+        rtype = register_type(root.dtype)
+        stmts = self._butterfly(acc, kind, rtype)
         if not self.warp_mode and self.threads > WARP:
             stmts += self._across_warps(acc, kind, root)
         result = acc

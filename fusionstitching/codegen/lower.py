@@ -140,7 +140,7 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
         order = {n.name: k for k, n in enumerate(pattern.nodes)}
         stores_by_root = {o.name: (out_names[k], output_layouts[k]) for k, o in enumerate(pattern.outputs)}
         composer = Composer(emitter, make_groups(schedule.schedules, by_name, stores_by_root, order),
-                            launch.threads, launch.blocks, guard_tails)
+                            launch.threads, launch.blocks, guard_tails, vectorize_access)
         smem_plan = composer.plan_shared(graph, pattern.nodes, smem_limit)
         emitter.reader = composer.read
         body = composer.lower()

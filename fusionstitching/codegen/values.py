@@ -67,11 +67,20 @@ class ValueEmitter:
         return K.Var(f"{base}{self._counter}", dtype)
 
     def let(self, base: str, value: K.Expr) -> K.Expr:
+        """Bind ``value`` to a register; an identical pure expression bound earlier in scope is reused."""
         if isinstance(value, (K.Const, K.Var, K.Special)):
             return value
+        key = ("let", value)
+        reusable = _pure(value)
+        if reusable:
+            for scope in reversed(self._scopes):
+                if key in scope:
+                    return scope[key]
         var = self.fresh(base, value.dtype)
         self.stmts.append(K.Let(var, value))
         self.definitions[var.name] = value
+        if reusable:
+            self._scopes[-1][key] = var
         return var
 
     def nested(self, body: Callable[[], K.Expr | None]) -> tuple[list[K.Stmt], K.Expr | None]:
@@ -293,6 +302,24 @@ class ValueEmitter:
         if node.dtype == DType.F32:
             return self.let("u", uniform)
         return self._round(node, K.Cast(uniform, register_type(node.dtype)))
+
+
+def _pure(e: K.Expr) -> bool:
+    """Whether an expression's value depends only on its operands' registers: no shuffles, no reads
+    of shared memory (rewritten between barriers), no accumulators (reassigned in loops)."""
+    if isinstance(e, K.Shuffle):
+        return False
+    if isinstance(e, K.Load) and e.buffer.startswith(("smem_", "red_")):
+        return False
+    if isinstance(e, K.Var) and e.name.startswith(("acc", "p")):
+        return False
+    for child in vars(e).values():
+        if isinstance(child, tuple):
+            if any(hasattr(c, "dtype") and not _pure(c) for c in child):
+                return False
+        elif hasattr(child, "dtype") and not isinstance(child, str) and not _pure(child):
+            return False
+    return True
 
 
 def _row_major(shape: Sequence[int]) -> tuple[int, ...]:

@@ -16,6 +16,9 @@ sub-roots by a template; the default recomputes them).
   GRID (in warp mode the last of them is ``GRID-WARP_8``: a row per warp); the reduced dims are
   CTA (the last one; across lanes in warp mode, across the block otherwise) and THREAD (the
   others). Warp mode is chosen when the reduced length is at most 1024, block mode otherwise.
+  When the row divides evenly, the last reduced dim is ``THREAD_k-CTA-THREAD_v``: each thread
+  keeps k 16-byte vectors of the row in registers, from which every group reads (the row is
+  loaded from memory once; lowering's register composition).
 
 ``feasible`` asks the code generator itself: it lowers the default template and returns it, or
 the reason lowering gave (block locality, shared memory, an unsupported op), so that whatever it
@@ -35,6 +38,8 @@ DEFAULT_THREADS = 256
 MAX_BLOCKS = 65535
 WARP_ROWS = 8
 WARP_MODE_MAX_LENGTH = 1024
+WARP_SIZE = 32
+MAX_REGISTER_ELEMENTS = 32
 
 
 @dataclass(frozen=True)
@@ -96,24 +101,40 @@ def composed_template(pattern, reductions: list[Node], threads: int, warp_rows: 
     extra = [n for n in pattern.nodes if n.name in shared]
     reductions = list(reductions) + extra
     roots = [n for n in pattern.nodes if any(n is r for r in reductions) or any(n is o for o in pattern.outputs)]
+    lanes = WARP_SIZE if warp_mode else threads
+    itemsize = min([n.dtype.itemsize for n in pattern.inputs if len(n.shape) == rank] or [4])
+    reduced_tiles = _reduced_tiles(_space(reductions[0])[max(reduced_dims)], lanes, max(1, 16 // itemsize))
     schedules = []
     for root in roots:
         space = _space(root)
         if len(space) != rank:
             dims = tuple((Tile(Level.GRID),) for _ in space)  # let lowering report the mismatch
         else:
-            dims = _composed_dims(space, reduced_dims, kept, warp_rows if warp_mode else None)
+            dims = _composed_dims(space, reduced_dims, kept, warp_rows if warp_mode else None, reduced_tiles)
         schedules.append(Schedule(root.name, dims, shared=root.name in shared))
     grid = level_extent(schedules[0], _space(roots[0]), Level.GRID)
     return KernelSchedule(tuple(schedules), Launch(max(1, min(grid, MAX_BLOCKS)), threads))
 
 
-def _composed_dims(space, reduced_dims: set[int], kept: list[int], warp_rows: int | None):
+def _reduced_tiles(length: int, lanes: int, vector: int) -> tuple[Tile, ...]:
+    """Tiles of the last reduced dim: each thread holds ``k x vector`` elements in registers
+    (``THREAD_k-CTA_lanes-THREAD_vector``: 16-byte vectors, coalesced) when the row divides evenly
+    and stays small; otherwise a lane- or block-stride loop."""
+    for v in (vector, 1):
+        if length % (lanes * v) == 0 and length // lanes <= MAX_REGISTER_ELEMENTS:
+            k = length // (lanes * v)
+            tiles = ([Tile(Level.THREAD, k)] if k > 1 else []) + [Tile(Level.CTA, lanes)]
+            return tuple(tiles + ([Tile(Level.THREAD, v)] if v > 1 else []))
+    return (Tile(Level.CTA),)
+
+
+def _composed_dims(space, reduced_dims: set[int], kept: list[int], warp_rows: int | None,
+                   reduced_tiles: tuple[Tile, ...] = (Tile(Level.CTA),)):
     dims: list[tuple[Tile, ...]] = []
     last_reduced = max(reduced_dims)
     for d in range(len(space)):
         if d in reduced_dims:
-            dims.append((Tile(Level.CTA),) if d == last_reduced else (Tile(Level.THREAD),))
+            dims.append(reduced_tiles if d == last_reduced else (Tile(Level.THREAD),))
         elif warp_rows is not None and d == kept[-1]:
             dims.append((Tile(Level.GRID), Tile(Level.WARP, warp_rows)))
         else:

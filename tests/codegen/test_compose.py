@@ -34,7 +34,7 @@ from fusionstitching.schedule.grouping import composed_template, sub_roots
 from .cases import TORCH_DTYPES, Case, _numpy
 from .test_generate import _expected, _inputs_for, assert_close
 
-SHAPES = [(5, 20), (37, 70), (3, 1500), (1, 100), (50, 1)]
+SHAPES = [(5, 20), (37, 70), (3, 1500), (1, 100), (50, 1), (16, 128), (4, 2048), (24, 96)]
 
 
 @cache
@@ -287,3 +287,13 @@ def test_shared_memory_plan_recomputes_when_over_the_limit_and_reports_infeasibl
     output_cached = composed_template(pattern, reductions, 128, warp_rows=None, shared=[pattern.outputs[0].name])
     with pytest.raises(CodegenError, match="shared memory: needs .* over the .*-byte limit"):
         generate(case.graph, case.nodes, output_cached, smem_limit=512)
+
+
+def test_even_rows_are_kept_in_registers_and_read_once():
+    case = softmax("f32", 16, 128)
+    kernel = generate(case.graph, case.nodes, default_template(case.graph, case.nodes))
+    assert "CTA_32-THREAD_4" in str(kernel.template)
+    source = kernel.cuda_source
+    assert "(registers)" in source
+    assert source.count("float4 ") == 1 and source.count("expf(") == 4  # one load, exp once per element
+    assert "make_float4" in source
