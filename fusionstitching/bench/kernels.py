@@ -158,10 +158,10 @@ def layernorm(dtype: torch.dtype) -> Row:
     def fn(x, w, b):
         return F.layer_norm(x, (1024,), w, b, eps=1e-5)
 
-    candidates = (None, "reduce[GRID,CTA]; reduce_1[GRID,CTA]; add_1[GRID,CTA]; launch(blocks=16384,threads=256)",
-                  "reduce[GRID,CTA]; reduce_1[GRID,CTA]; add_1[GRID,CTA]; launch(blocks=16384,threads=512)",
-                  "reduce[GRID-WARP_4,CTA]; reduce_1[GRID-WARP_4,CTA]; add_1[GRID-WARP_4,CTA]; "
-                  "launch(blocks=4096,threads=128)")
+    block = "[GRID,CTA_256-THREAD_4]"
+    candidates = (None, f"reduce{block}; reduce_1{block}; {{out}}{block}; launch(blocks=16384,threads=256)",
+                  ("reduce[GRID-WARP_4,THREAD_8-CTA_32-THREAD_4]; reduce_1[GRID-WARP_4,THREAD_8-CTA_32-THREAD_4]; "
+                   "{out}[GRID-WARP_4,THREAD_8-CTA_32-THREAD_4]; launch(blocks=4096,threads=128)"))
     return compare(f"layernorm_{str(dtype).split('.')[1]}", fn, [x, w, b], 2 * x.numel() * x.element_size(),
                    candidates, flush=True)
 
@@ -173,8 +173,8 @@ def softmax() -> Row:
     def fn(x, mask):
         return torch.softmax(x * 0.125 + mask, dim=-1)
 
-    candidates = (None, "reduce[GRID,GRID,GRID-WARP_4,CTA]; reduce_1[GRID,GRID,GRID-WARP_4,CTA]; "
-                  "div[GRID,GRID,GRID-WARP_4,CTA]; launch(blocks=12288,threads=128)")
+    tiles = "[GRID,GRID,GRID-WARP_4,CTA_32-THREAD_4]"
+    candidates = (None, f"reduce{tiles}; reduce_1{tiles}; {{out}}{tiles}; launch(blocks=12288,threads=128)")
     return compare("softmax_scale_mask_f32", fn, [x, mask], 2 * x.numel() * 4, candidates, flush=True)
 
 
