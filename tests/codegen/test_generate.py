@@ -242,3 +242,13 @@ def _poisoned(shape, dtype):
 def test_kernel_ir_is_immutable():
     with pytest.raises(AttributeError):
         K.Const(1, "i32").value = 2
+
+
+def test_index_math_is_64_bit_when_sizes_need_it():
+    b = GraphBuilder("huge")
+    x = b.parameter((65536, 65536), DType.F32, "x")
+    out = b.unary("neg", x)
+    graph = b.build([out])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    source = generate(graph, nodes, default_template(graph, nodes)).cuda_source.split('extern "C"')[1]
+    assert "long long" in source
