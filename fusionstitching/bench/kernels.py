@@ -173,8 +173,9 @@ def softmax() -> Row:
     def fn(x, mask):
         return torch.softmax(x * 0.125 + mask, dim=-1)
 
-    tiles = "[GRID,GRID,GRID-WARP_4,CTA_32-THREAD_4]"
-    candidates = (None, f"reduce{tiles}; reduce_1{tiles}; {{out}}{tiles}; launch(blocks=12288,threads=128)")
+    one, four = "[GRID,GRID,GRID-WARP_8,CTA_32-THREAD_4]", "[GRID,GRID,GRID-WARP_8-THREAD_4,CTA_32-THREAD_4]"
+    candidates = (None, f"reduce{one}; reduce_1{one}; {{out}}{one}; launch(blocks=6144,threads=256)",
+                  f"reduce{four}; reduce_1{four}; {{out}}{four}; launch(blocks=1536,threads=256)")
     return compare("softmax_scale_mask_f32", fn, [x, mask], 2 * x.numel() * 4, candidates, flush=True)
 
 

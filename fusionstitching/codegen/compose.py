@@ -136,9 +136,9 @@ class Composer:
             raise CodegenError("WARP tiles need a multiple of 32 threads")
         for g in self.groups:
             for f in g.factors:
-                if g.cross_thread and f.dim not in g.reduced and f.level not in (Level.GRID, Level.WARP):
+                if g.cross_thread and f.dim not in g.reduced and f.level == Level.CTA:
                     raise CodegenError(f"{g.root.name}: a reduction across threads keeps dim {f.dim} tiled "
-                                       f"{f.level.value}; its kept dims must be GRID or WARP tiled")
+                                       f"{f.level.value}; its kept dims must be GRID, WARP or THREAD tiled")
                 if self.warp_mode and g.shared:
                     raise CodegenError(f"{g.root.name}: 'S' needs a block barrier, which warp loops cannot have")
             if g.cross_thread and not self.warp_mode and self.threads > WARP and self.threads & (self.threads - 1):
@@ -249,15 +249,22 @@ class Composer:
             if group.cross_thread:
                 root = group.root
                 kind, rtype = root.attrs["kind"], register_type(root.dtype)
-                acc = em.fresh("acc", rtype)
-                em.stmts.append(K.Let(acc, reduce_identity(kind, root.dtype)))
+                kept_thread = [f for f in thread_factors if f.dim not in group.reduced]
+                accs: dict[tuple, K.Var] = {}  # one accumulator per kept element this thread holds
                 for combo in combos:
                     for f, value in zip(thread_factors, combo):
                         f.var = em.idx(value)
+                    key = tuple(f.var.value for f in kept_thread)
+                    if key not in accs:
+                        accs[key] = em.fresh("acc", rtype)
+                        em.stmts.append(K.Let(accs[key], reduce_identity(kind, root.dtype)))
                     index, _ = self._index(group)
                     value = em.value(root.operands[0], tuple(index))
-                    em.stmts.append(K.Assign(acc, combine(kind, acc, value, rtype)))
-                em.stmts.extend(self._finish_reduction(group, acc))
+                    em.stmts.append(K.Assign(accs[key], combine(kind, accs[key], value, rtype)))
+                for key, acc in accs.items():
+                    for f, value in zip(kept_thread, key):
+                        f.var = em.idx(value)
+                    em.stmts.extend(self._finish_reduction(group, acc))
                 continue
             buffer = self._shared_buffer(group) if group.shared else None
             for combo in combos:
@@ -359,6 +366,10 @@ class Composer:
     def _cross_thread(self, group: Group) -> list[K.Stmt]:
         em = self.em
         root = group.root
+        for f in group.factors:
+            if f.dim not in group.reduced and f.level == Level.THREAD and f.extent > 1:
+                raise CodegenError(f"{root.name}: kept dim {f.dim} is THREAD tiled, which needs register "
+                                   "composition (identical thread tiling in all groups, no tails)")
         (operand,) = root.operands
         kind = root.attrs["kind"]
         rtype = register_type(root.dtype)
@@ -398,7 +409,9 @@ class Composer:
                 if covered > group.space[d] and self.guard_tails:
                     first = K.land(first, K.lt(i, em.idx(group.space[d])))
             stmts.append(K.If(first, (K.Store(name, em.linear(kept_index, layout.strides), value),)))
-        em.sub_roots[id(root)] = ("register", root, kept_index, result)
+        previous = em.sub_roots.get(id(root))
+        candidates = previous[2] if previous is not None and previous[0] == "register" else []
+        em.sub_roots[id(root)] = ("register", root, candidates + [(kept_index, result)])
         return stmts
 
     def _kept_index(self, group: Group, d: int) -> K.Expr:
@@ -512,14 +525,11 @@ class Composer:
         em = self.em
         kind, root = entry[0], entry[1]
         if kind == "register":
-            _, _, kept_index, result = entry
-            for d, (want, got, size) in enumerate(zip(kept_index, index, root.shape)):
-                if size == 1 and affine(got, em.definitions) == ({}, 0):
-                    continue  # the only element; the producer's tail guard keeps its index at 0
-                if affine(want, em.definitions) != affine(got, em.definitions) or affine(want, em.definitions) is None:
-                    raise CodegenError(f"block locality: {consumer} reads {root.name} at an element outside the "
-                                       f"block's footprint (kept dim {d})")
-            return result
+            for kept_index, result in entry[2]:
+                if self._same_element(kept_index, index, root.shape):
+                    return result
+            raise CodegenError(f"block locality: {consumer} reads {root.name} at an element outside the "
+                               "block's footprint (its kept index is not one this thread reduced)")
         _, _, bases, buffer = entry
         linear: K.Expr = em.idx(0)
         for d, ((base, extent), i) in enumerate(zip(bases, index)):
@@ -530,6 +540,16 @@ class Composer:
                                    "block's shared-memory footprint")
             linear = K.add(K.mul(linear, em.idx(extent)), local)
         return em.let("s", K.Load(buffer.name, linear, buffer.dtype))
+
+    def _same_element(self, kept_index, index, shape) -> bool:
+        defs = self.em.definitions
+        for want, got, size in zip(kept_index, index, shape):
+            if size == 1 and affine(got, defs) == ({}, 0):
+                continue  # the only element; the producer's tail guard keeps its index at 0
+            form = affine(want, defs)
+            if form is None or form != affine(got, defs):
+                return False
+        return True
 
     def _within(self, form, extent: int) -> bool:
         terms, constant = form

@@ -89,10 +89,12 @@ def _cross_thread_worthy(node: Node) -> bool:
 
 
 def composed_template(pattern, reductions: list[Node], threads: int, warp_rows: int | None,
-                      shared: Iterable[str] = ()) -> KernelSchedule:
+                      shared: Iterable[str] = (), rows_per_warp: int | None = None) -> KernelSchedule:
     """One tiling for all groups: kept dims on the grid (the last one ``GRID-WARP_<warp_rows>`` in
     warp mode), the last reduced dim across threads (lanes in warp mode), other reduced dims THREAD;
-    the nodes named in ``shared`` become ``S`` sub-roots."""
+    the nodes named in ``shared`` become ``S`` sub-roots. A warp takes ``rows_per_warp`` rows at a
+    time (a THREAD tile on the last kept dim; default: 2 for rows of at most 256 elements held in
+    registers, which gives each warp two independent reductions to overlap)."""
     reduced_dims = set(reductions[0].attrs["dims"])
     rank = len(_space(reductions[0]))
     kept = [d for d in range(rank) if d not in reduced_dims]
@@ -103,14 +105,20 @@ def composed_template(pattern, reductions: list[Node], threads: int, warp_rows: 
     roots = [n for n in pattern.nodes if any(n is r for r in reductions) or any(n is o for o in pattern.outputs)]
     lanes = WARP_SIZE if warp_mode else threads
     itemsize = min([n.dtype.itemsize for n in pattern.inputs if len(n.shape) == rank] or [4])
-    reduced_tiles = _reduced_tiles(_space(reductions[0])[max(reduced_dims)], lanes, max(1, 16 // itemsize))
+    length = _space(reductions[0])[max(reduced_dims)]
+    reduced_tiles = _reduced_tiles(length, lanes, max(1, 16 // itemsize))
+    if rows_per_warp is None:
+        in_registers = len(reduced_tiles) > 1 or reduced_tiles[0].size is not None
+        last_kept = _space(reductions[0])[kept[-1]] if kept else 1
+        rows_per_warp = 2 if warp_mode and in_registers and length <= 256 and last_kept % (2 * warp_rows) == 0 else 1
     schedules = []
     for root in roots:
         space = _space(root)
         if len(space) != rank:
             dims = tuple((Tile(Level.GRID),) for _ in space)  # let lowering report the mismatch
         else:
-            dims = _composed_dims(space, reduced_dims, kept, warp_rows if warp_mode else None, reduced_tiles)
+            dims = _composed_dims(space, reduced_dims, kept, warp_rows if warp_mode else None, reduced_tiles,
+                                  rows_per_warp)
         schedules.append(Schedule(root.name, dims, shared=root.name in shared))
     grid = level_extent(schedules[0], _space(roots[0]), Level.GRID)
     return KernelSchedule(tuple(schedules), Launch(max(1, min(grid, MAX_BLOCKS)), threads))
@@ -129,14 +137,15 @@ def _reduced_tiles(length: int, lanes: int, vector: int) -> tuple[Tile, ...]:
 
 
 def _composed_dims(space, reduced_dims: set[int], kept: list[int], warp_rows: int | None,
-                   reduced_tiles: tuple[Tile, ...] = (Tile(Level.CTA),)):
+                   reduced_tiles: tuple[Tile, ...] = (Tile(Level.CTA),), rows_per_warp: int = 1):
     dims: list[tuple[Tile, ...]] = []
     last_reduced = max(reduced_dims)
     for d in range(len(space)):
         if d in reduced_dims:
             dims.append(reduced_tiles if d == last_reduced else (Tile(Level.THREAD),))
         elif warp_rows is not None and d == kept[-1]:
-            dims.append((Tile(Level.GRID), Tile(Level.WARP, warp_rows)))
+            extra = (Tile(Level.THREAD, rows_per_warp),) if rows_per_warp > 1 else ()
+            dims.append((Tile(Level.GRID), Tile(Level.WARP, warp_rows)) + extra)
         else:
             dims.append((Tile(Level.GRID),))
     return tuple(dims)

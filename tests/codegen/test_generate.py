@@ -154,7 +154,7 @@ def test_errors_name_the_node():
     with pytest.raises(CodegenError, match="iteration space"):
         generate(case.graph, case.nodes, f"{root}[GRID]; launch(blocks=1,threads=32)")
     col = C.hand_built(DType.F32, "column_sum")
-    with pytest.raises(CodegenError, match="keeps dim 1 tiled CTA; its kept dims must be GRID or WARP"):
+    with pytest.raises(CodegenError, match="keeps dim 1 tiled CTA; its kept dims must be GRID, WARP or THREAD"):
         generate(col.graph, col.nodes, "reduce[CTA,CTA]; launch(blocks=1,threads=64)")
     # A column reduced across the threads of a block is legal (block composition).
     kernel = generate(col.graph, col.nodes, "reduce[CTA,GRID]; launch(blocks=70,threads=64)")
