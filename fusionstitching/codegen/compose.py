@@ -69,6 +69,27 @@ class ComposedKernel:
     smem_plan: object = None
 
 
+def decompose(em: ValueEmitter, fs: list[Factor], linear: K.Expr, ranges: dict[str, int] | None = None
+              ) -> list[K.Stmt]:
+    """Split a level's linear index into its factors' indices (mixed radix, first factor most
+    significant), binding each to a register; ``ranges`` records each register's extent."""
+    stmts: list[K.Stmt] = []
+    remaining = linear
+    for k in range(len(fs) - 1, -1, -1):
+        f = fs[k]
+        if f.extent == 1:
+            f.var = em.idx(0)
+            continue
+        value = remaining if k == 0 else K.rem(remaining, em.idx(f.extent))
+        var = em.fresh("f", em.index_type)
+        stmts.append(K.Let(var, value))
+        if ranges is not None:
+            ranges[var.name] = f.extent
+        f.var = var
+        remaining = K.div(remaining, em.idx(f.extent))
+    return stmts
+
+
 def iteration_space(node: Node) -> tuple[int, ...]:
     return node.operands[0].shape if node.op == "reduce" else node.shape
 
@@ -184,21 +205,7 @@ class Composer:
         return K.Cast(s, self.em.index_type) if self.em.index_type != "i32" else s
 
     def _decompose(self, fs: list[Factor], linear: K.Expr) -> list[K.Stmt]:
-        em = self.em
-        stmts: list[K.Stmt] = []
-        remaining = linear
-        for k in range(len(fs) - 1, -1, -1):
-            f = fs[k]
-            if f.extent == 1:
-                f.var = em.idx(0)
-                continue
-            value = remaining if k == 0 else K.rem(remaining, em.idx(f.extent))
-            var = em.fresh("f", em.index_type)
-            stmts.append(K.Let(var, value))
-            self.ranges[var.name] = f.extent
-            f.var = var
-            remaining = K.div(remaining, em.idx(f.extent))
-        return stmts
+        return decompose(self.em, fs, linear, self.ranges)
 
     def _groups(self) -> list[K.Stmt]:
         if self._can_fuse():

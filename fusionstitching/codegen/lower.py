@@ -23,7 +23,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fusionstitching.codegen import kernel_ir as K
-from fusionstitching.codegen.compose import Composer, make_groups, needs_composition
+from fusionstitching.codegen.compose import (
+    Composer,
+    Factor,
+    decompose,
+    iteration_space,
+    make_groups,
+    needs_composition,
+)
 from fusionstitching.codegen.values import (
     CodegenError,
     InputBuffer,
@@ -88,19 +95,6 @@ def resolve_pattern(graph: Graph, nodes: Iterable[Node | str]) -> Pattern:
     if not outputs:
         raise CodegenError("the pattern has no output")
     return Pattern(tuple(ordered), tuple(inputs), tuple(outputs))
-
-
-def iteration_space(node: Node) -> tuple[int, ...]:
-    """Output dims; input dims for a reduce (the dims a root's schedule tiles)."""
-    return node.operands[0].shape if node.op == "reduce" else node.shape
-
-
-@dataclass
-class _Factor:
-    dim: int
-    level: Level
-    extent: int
-    var: K.Expr | None = None
 
 
 def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *,
@@ -252,7 +246,7 @@ def _lower_group(em: ValueEmitter, sched: Schedule, stores, start: int, stop: in
     lead = stores[0][0]
     space = iteration_space(lead)
     reduced = set(lead.attrs["dims"]) if lead.op == "reduce" else set()
-    factors: list[_Factor] = []
+    factors: list[Factor] = []
     for d, (size, tiles) in enumerate(zip(space, sched.dims)):
         try:
             exts = tile_extents(size, tiles)
@@ -262,7 +256,7 @@ def _lower_group(em: ValueEmitter, sched: Schedule, stores, start: int, stop: in
             if d in reduced and tile.level != Level.THREAD:
                 raise CodegenError(f"{lead.name}: reduced dim {d} is tiled {tile.level.value}; reductions "
                                    "across threads need warp or block composition")
-            factors.append(_Factor(d, tile.level, ext))
+            factors.append(Factor(d, tile.level, ext))
     if sched.shared:
         raise CodegenError(f"{lead.name}: 'S' (shared-memory result) needs block composition")
     has_warp = any(f.level == Level.WARP for f in factors)
@@ -279,7 +273,7 @@ def _lower_group(em: ValueEmitter, sched: Schedule, stores, start: int, stop: in
         fs = [f for f in factors if f.level == level]
         total = math.prod(f.extent for f in fs)
         var = em.fresh(level.value.lower(), it)
-        body = _decompose(em, fs, var) + inner()
+        body = decompose(em, fs, var) + inner()
         if count >= total:
             return [K.Let(var, first), K.If(K.lt(var, em.idx(total)), tuple(body))]
         return [K.For(var, first, em.idx(total), step, tuple(body), kind)]
@@ -307,24 +301,7 @@ def _lower_group(em: ValueEmitter, sched: Schedule, stores, start: int, stop: in
     return [K.Comment(f"{', '.join(r.name for r, _, _ in stores)}")] + nest
 
 
-def _decompose(em: ValueEmitter, fs: list[_Factor], linear: K.Expr) -> list[K.Stmt]:
-    """Split a level's linear index into its factors' indices (mixed radix, first factor most significant)."""
-    stmts: list[K.Stmt] = []
-    remaining = linear
-    for k in range(len(fs) - 1, -1, -1):
-        f = fs[k]
-        if f.extent == 1:
-            f.var = em.idx(0)
-            continue
-        value = remaining if k == 0 else K.rem(remaining, em.idx(f.extent))
-        var = em.fresh("f", em.index_type)
-        stmts.append(K.Let(var, value))
-        f.var = var
-        remaining = K.div(remaining, em.idx(f.extent))
-    return stmts
-
-
-def _serial(em: ValueEmitter, fs: list[_Factor], inner) -> list[K.Stmt]:
+def _serial(em: ValueEmitter, fs: list[Factor], inner) -> list[K.Stmt]:
     """Nested serial loops over THREAD factors (unrolled when short), then ``inner``."""
     if not fs:
         return inner()
@@ -338,7 +315,7 @@ def _serial(em: ValueEmitter, fs: list[_Factor], inner) -> list[K.Stmt]:
     return [K.For(var, em.idx(0), em.idx(f.extent), em.idx(1), tuple(body), "unroll" if f.extent <= 8 else "serial")]
 
 
-def _dim_index(em: ValueEmitter, factors: list[_Factor], d: int) -> K.Expr:
+def _dim_index(em: ValueEmitter, factors: list[Factor], d: int) -> K.Expr:
     index: K.Expr = em.idx(0)
     for f in factors:
         if f.dim == d:
@@ -346,7 +323,7 @@ def _dim_index(em: ValueEmitter, factors: list[_Factor], d: int) -> K.Expr:
     return index
 
 
-def _vector_lane(factors: list[_Factor], space, stores, reduced) -> _Factor | None:
+def _vector_lane(factors: list[Factor], space, stores, reduced) -> Factor | None:
     """The innermost THREAD factor whose lanes are unrolled for vector accesses, if any.
 
     It must be the last tile of the last dim, that dim a multiple of the lane count (so one guard
@@ -362,8 +339,8 @@ def _vector_lane(factors: list[_Factor], space, stores, reduced) -> _Factor | No
     return last
 
 
-def _element(em: ValueEmitter, stores, factors: list[_Factor], space, reduced, red_factors,
-             lane: _Factor | None = None, vectorize_access: bool = False,
+def _element(em: ValueEmitter, stores, factors: list[Factor], space, reduced, red_factors,
+             lane: Factor | None = None, vectorize_access: bool = False,
              guard_tails: bool = True) -> list[K.Stmt]:
     """The body at one point of the iteration space (or the lanes of a vector): compute, store."""
     saved = em.stmts
@@ -434,7 +411,7 @@ def _reduce_root(em: ValueEmitter, root: Node, index, factors, space, red_factor
     return acc
 
 
-def _serial_into(em: ValueEmitter, fs: list[_Factor], body) -> None:
+def _serial_into(em: ValueEmitter, fs: list[Factor], body) -> None:
     def inner() -> list[K.Stmt]:
         stmts, _ = em.nested(body)
         return stmts

@@ -31,6 +31,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from fusionstitching.codegen.compose import iteration_space as _space
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.schedule.template import KernelSchedule, Launch, Level, Schedule, Tile, level_extent
 
@@ -53,10 +54,6 @@ class Reason:
 
     def __str__(self) -> str:
         return self.message
-
-
-def _space(node: Node) -> tuple[int, ...]:
-    return node.operands[0].shape if node.op == "reduce" else node.shape
 
 
 def sub_roots(pattern) -> list[Node]:
