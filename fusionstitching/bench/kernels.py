@@ -179,6 +179,19 @@ def softmax() -> Row:
     return compare("softmax_scale_mask_f32", fn, [x, mask], 2 * x.numel() * 4, candidates, flush=True)
 
 
+def din_attention() -> Row:
+    from fusionstitching.bench.workloads import DINAttention
+
+    batch, history, dim = 256, 50, 36
+    query = torch.randn(batch, 1, dim, device="cuda")
+    keys = torch.randn(batch, history, dim, device="cuda")
+    lengths = torch.randint(1, history + 1, (batch,), device="cuda")
+    mask = torch.arange(history, device="cuda")[None, :] < lengths[:, None]
+    module = DINAttention()
+    moved = (query.numel() + keys.numel() + batch * dim) * 4 + mask.numel()
+    return compare("din_attention_256x50x36", module, [query, keys, mask], moved, flush=True)
+
+
 def packed_updates(count: int = 40) -> dict:
     """``p.mul_(0.9).add_(g)`` over ``count`` tensors of 1K–1M elements: one kernel vs eager."""
     generator = torch.Generator().manual_seed(0)
@@ -237,7 +250,7 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     rows = [bias_gelu(torch.float32), bias_gelu(torch.bfloat16), relu_transpose(), layernorm(torch.float32),
-            layernorm(torch.bfloat16), softmax()]
+            layernorm(torch.bfloat16), softmax(), din_attention()]
     print(f"device: {device}")
     print("| case | ours µs | eager µs | inductor µs | copy µs | ours/copy | ours/inductor |")
     print("|---|---|---|---|---|---|---|")

@@ -31,7 +31,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fusionstitching.codegen import kernel_ir as K
-from fusionstitching.codegen.values import CodegenError, ValueEmitter, combine, reduce_identity, register_type
+from fusionstitching.codegen.values import (
+    CodegenError,
+    ValueEmitter,
+    combine,
+    is_reduction,
+    reduce_identity,
+    reduced_dims,
+    reduction_kind,
+    reduction_space,
+    register_type,
+)
 from fusionstitching.codegen.vectorize import affine, pack_lanes
 from fusionstitching.graph.graph import Layout, Node
 from fusionstitching.schedule.template import Level, Schedule, tile_extents
@@ -91,7 +101,8 @@ def decompose(em: ValueEmitter, fs: list[Factor], linear: K.Expr, ranges: dict[s
 
 
 def iteration_space(node: Node) -> tuple[int, ...]:
-    return node.operands[0].shape if node.op == "reduce" else node.shape
+    """The dims a root's schedule tiles: its output dims, or ``reduction_space`` for a reduction."""
+    return reduction_space(node) if is_reduction(node) else node.shape
 
 
 def needs_composition(schedules: Sequence[Schedule], outputs: dict[str, Node], nodes: dict[str, Node]) -> bool:
@@ -99,8 +110,8 @@ def needs_composition(schedules: Sequence[Schedule], outputs: dict[str, Node], n
         if sched.root not in outputs or sched.shared:
             return True
         root = nodes[sched.root]
-        if root.op == "reduce":
-            reduced = set(root.attrs["dims"])
+        if is_reduction(root):
+            reduced = set(reduced_dims(root))
             if any(t.level != Level.THREAD for d, tiles in enumerate(sched.dims) if d in reduced for t in tiles):
                 return True
     return False
@@ -122,7 +133,7 @@ def make_groups(schedules: Sequence[Schedule], nodes: dict[str, Node], outputs: 
             except ValueError as err:
                 raise CodegenError(f"{root.name}: dim {d}: {err}") from None
             factors += [Factor(d, t.level, e) for t, e in zip(tiles, extents)]
-        reduced = set(root.attrs["dims"]) if root.op == "reduce" else set()
+        reduced = set(reduced_dims(root)) if is_reduction(root) else set()
         groups.append(Group(sched, root, space, factors, reduced, outputs.get(root.name), sched.shared))
     return groups
 
@@ -255,7 +266,7 @@ class Composer:
             thread_factors = [f for f in group.factors if f.level == Level.THREAD]
             if group.cross_thread:
                 root = group.root
-                kind, rtype = root.attrs["kind"], register_type(root.dtype)
+                kind, rtype = reduction_kind(root), register_type(root.dtype)
                 kept_thread = [f for f in thread_factors if f.dim not in group.reduced]
                 accs: dict[tuple, K.Var] = {}  # one accumulator per kept element this thread holds
                 for combo in combos:
@@ -266,7 +277,7 @@ class Composer:
                         accs[key] = em.fresh("acc", rtype)
                         em.stmts.append(K.Let(accs[key], reduce_identity(kind, root.dtype)))
                     index, _ = self._index(group)
-                    value = em.value(root.operands[0], tuple(index))
+                    value = em.term(root, index)
                     em.stmts.append(K.Assign(accs[key], combine(kind, accs[key], value, rtype)))
                 for key, acc in accs.items():
                     for f, value in zip(kept_thread, key):
@@ -293,15 +304,16 @@ class Composer:
         return pack_lanes(stmts, em.definitions, lanes) if lanes > 1 and self.vectorize else stmts
 
     # -- per-thread loops ----------------------------------------------------------------------------
-    def _thread_loops(self, group: Group, body) -> list[K.Stmt]:
-        """The CTA (or lane) loop and the THREAD loops of ``group`` around ``body()``."""
+    def _thread_loops(self, group: Group, body, skip_dims: frozenset[int] = frozenset()) -> list[K.Stmt]:
+        """The CTA (or lane) loop and the THREAD loops of ``group`` (but those of ``skip_dims``)
+        around ``body()``."""
         em = self.em
         cta = [f for f in group.factors if f.level == Level.CTA]
         total = math.prod(f.extent for f in cta)
         c_var = em.fresh("cta", em.index_type)
         first, step, count = ((self._special("lane"), em.idx(WARP), WARP) if self.warp_mode
                               else (self._special("tid"), self._special("ntid"), self.threads))
-        serial = [f for f in group.factors if f.level == Level.THREAD]
+        serial = [f for f in group.factors if f.level == Level.THREAD and f.dim not in skip_dims]
         inner = self._decompose(cta, c_var) + self._serial(serial, body)
         if count >= total:
             return [K.Let(c_var, first), K.If(K.lt(c_var, em.idx(total)), tuple(inner))]
@@ -322,10 +334,13 @@ class Composer:
         return [K.For(var, self.em.idx(0), self.em.idx(f.extent), self.em.idx(1), tuple(inner),
                       "unroll" if f.extent <= 8 else "serial")]
 
-    def _index(self, group: Group) -> tuple[list[K.Expr], K.Expr | None]:
+    def _index(self, group: Group, dims: Sequence[int] | None = None) -> tuple[list[K.Expr], K.Expr | None]:
         em = self.em
         index, guard = [], None
         for d, size in enumerate(group.space):
+            if dims is not None and d not in dims:
+                index.append(em.idx(0))
+                continue
             expr: K.Expr = em.idx(0)
             for f in group.factors:
                 if f.dim == d:
@@ -343,18 +358,21 @@ class Composer:
         root = group.root
         buffer = self._shared_buffer(group) if group.shared else None
 
+        kept = [d for d in range(len(group.space)) if d not in group.reduced]
+
         def body() -> None:
-            index, guard = self._index(group)
-            if group.reduced:
-                raise CodegenError(f"{root.name}: reductions inside a composed kernel must be cross-thread "
-                                   "or sub-roots of their own group")
+            index, guard = self._index(group, kept)
 
             def compute() -> None:
-                value = em.value(root, tuple(index))
+                if group.reduced:
+                    value = self._serial_reduction(group, index)
+                    out_index = [index[d] for d in kept]
+                else:
+                    value, out_index = em.value(root, tuple(index)), index
                 if group.output is not None:
                     name, layout = group.output
                     store = K.Cast(value, root.dtype.value) if root.dtype.is_half else value
-                    em.stmts.append(K.Store(name, em.linear(index, layout.strides), store))
+                    em.stmts.append(K.Store(name, em.linear(out_index, layout.strides), store))
                 if buffer is not None:
                     em.stmts.append(K.Store(buffer.name, self._local_index(group, index), value))
 
@@ -364,11 +382,32 @@ class Composer:
             else:
                 em.stmts.extend(stmts)
 
-        stmts = self._thread_loops(group, body)
+        stmts = self._thread_loops(group, body, frozenset(group.reduced))
         if buffer is not None:
             stmts.append(K.Barrier())
             self._register_shared_reader(group, buffer)
         return stmts
+
+    def _serial_reduction(self, group: Group, index: list[K.Expr]) -> K.Expr:
+        """A reduction whose reduced dims are all THREAD tiled: each thread loops over them."""
+        em = self.em
+        root = group.root
+        kind, rtype = reduction_kind(root), register_type(root.dtype)
+        acc = em.fresh("acc", rtype)
+        em.stmts.append(K.Let(acc, reduce_identity(kind, root.dtype)))
+        reduced = [f for f in group.factors if f.dim in group.reduced]
+
+        def body() -> None:
+            inner, guard = self._index(group, sorted(group.reduced))
+            point = [inner[d] if d in group.reduced else index[d] for d in range(len(group.space))]
+            stmts, value = em.nested(lambda: em.term(root, point))
+            update = tuple(stmts) + (K.Assign(acc, combine(kind, acc, value, rtype)),)
+            em.stmts.extend([K.If(guard, update)] if guard is not None else update)
+
+        em.stmts.extend(self._serial(reduced, body))
+        if root.dtype.is_half:
+            return em.let("v", K.Cast(K.Cast(acc, root.dtype.value), "f32"))
+        return acc
 
     def _cross_thread(self, group: Group) -> list[K.Stmt]:
         em = self.em
@@ -377,15 +416,14 @@ class Composer:
             if f.dim not in group.reduced and f.level == Level.THREAD and f.extent > 1:
                 raise CodegenError(f"{root.name}: kept dim {f.dim} is THREAD tiled, which needs register "
                                    "composition (identical thread tiling in all groups, no tails)")
-        (operand,) = root.operands
-        kind = root.attrs["kind"]
+        kind = reduction_kind(root)
         rtype = register_type(root.dtype)
         acc = em.fresh("acc", rtype)
         stmts: list[K.Stmt] = [K.Let(acc, reduce_identity(kind, root.dtype))]
 
         def body() -> None:
             index, guard = self._index(group)
-            inner, value = em.nested(lambda: em.value(operand, tuple(index)))
+            inner, value = em.nested(lambda: em.term(root, index))
             update = tuple(inner) + (K.Assign(acc, combine(kind, acc, value, rtype)),)
             em.stmts.extend([K.If(guard, update)] if guard is not None else update)
 
@@ -396,7 +434,7 @@ class Composer:
         """Combine the threads' partial results; every thread (lane) ends with the result."""
         em = self.em
         root = group.root
-        kind = root.attrs["kind"]
+        kind = reduction_kind(root)
         rtype = register_type(root.dtype)
         stmts = self._butterfly(acc, kind, rtype)
         if not self.warp_mode and self.threads > WARP:
@@ -447,7 +485,7 @@ class Composer:
             K.If(K.Binary("eq", lane, em.idx(0), "bool"), (K.Store(buffer.name, self._special("warp"), acc),)),
             K.Barrier(),
             K.Assign(acc, K.Select(K.lt(lane, em.idx(warps)), K.Load(buffer.name, lane, rtype),
-                                   reduce_identity(root.attrs["kind"], root.dtype), rtype)),
+                                   reduce_identity(reduction_kind(root), root.dtype), rtype)),
         ]
         stmts += self._butterfly(acc, kind, rtype)
         stmts.append(K.Barrier())  # the buffer is free again for the next reduction
@@ -496,6 +534,8 @@ class Composer:
         """Per dim: (GRID factors, the local factors below them); GRID must come first in a dim."""
         result = []
         for d in range(len(group.space)):
+            if d in group.reduced:
+                continue
             fs = [f for f in group.factors if f.dim == d]
             grid = [f for f in fs if f.level == Level.GRID]
             if grid and fs[: len(grid)] != grid:
@@ -509,7 +549,8 @@ class Composer:
     def _local_index(self, group: Group, index: Sequence[K.Expr]) -> K.Expr:
         em = self.em
         linear: K.Expr = em.idx(0)
-        for (grid, local), i in zip(self._footprint(group), index):
+        kept = [i for d, i in enumerate(index) if d not in group.reduced]
+        for (grid, local), i in zip(self._footprint(group), kept):
             extent = math.prod(f.extent for f in local)
             part: K.Expr = em.idx(0)
             for f in local:

@@ -36,7 +36,10 @@ from fusionstitching.codegen.values import (
     InputBuffer,
     ValueEmitter,
     combine,
+    is_reduction,
     reduce_identity,
+    reduced_dims,
+    reduction_kind,
     register_type,
 )
 from fusionstitching.codegen.vectorize import pack_lanes
@@ -75,8 +78,6 @@ def resolve_pattern(graph: Graph, nodes: Iterable[Node | str]) -> Pattern:
             raise CodegenError(f"{item!r} is not a node of graph {graph.name}")
         if node.category in _NOT_COMPUTED:
             raise CodegenError(f"node {node.name} ({node.op}) cannot be computed inside a kernel")
-        if node.op == "dot_general":
-            raise CodegenError(f"node {node.name}: dot_general is not lowered by thread composition")
         chosen.add(id(node))
     if not chosen:
         raise CodegenError("empty pattern")
@@ -205,8 +206,8 @@ def _group_schedules(schedule: KernelSchedule, outputs: dict[str, Node]):
                                f"{list(space)} has {len(space)}")
         for other, members in groups:
             lead = members[0]
-            if (other.dims == sched.dims and iteration_space(lead) == space and lead.op != "reduce"
-                    and root.op != "reduce" and not sched.shared):
+            if (other.dims == sched.dims and iteration_space(lead) == space and not is_reduction(lead)
+                    and not is_reduction(root) and not sched.shared):
                 members.append(root)
                 break
         else:
@@ -245,7 +246,7 @@ def _lower_group(em: ValueEmitter, sched: Schedule, stores, start: int, stop: in
                  packed: bool, vectorize_access: bool, guard_tails: bool) -> list[K.Stmt]:
     lead = stores[0][0]
     space = iteration_space(lead)
-    reduced = set(lead.attrs["dims"]) if lead.op == "reduce" else set()
+    reduced = set(reduced_dims(lead)) if is_reduction(lead) else set()
     factors: list[Factor] = []
     for d, (size, tiles) in enumerate(zip(space, sched.dims)):
         try:
@@ -368,7 +369,7 @@ def _element(em: ValueEmitter, stores, factors: list[Factor], space, reduced, re
                 lane.var = em.idx(j)
                 at = point()
             for root, buffer, layout in stores:
-                if root.op == "reduce" and reduced:
+                if is_reduction(root) and reduced:
                     value = _reduce_root(em, root, at, factors, space, red_factors)
                     out_index = [at[d] for d in range(len(space)) if d not in reduced]
                 else:
@@ -388,19 +389,19 @@ def _element(em: ValueEmitter, stores, factors: list[Factor], space, reduced, re
 
 
 def _reduce_root(em: ValueEmitter, root: Node, index, factors, space, red_factors) -> K.Expr:
-    (x,) = root.operands
-    kind = root.attrs["kind"]
+    kind = reduction_kind(root)
     rtype = register_type(root.dtype)
     acc = em.fresh("acc", rtype)
     em.stmts.append(K.Let(acc, reduce_identity(kind, root.dtype)))
 
     def body() -> None:
-        point = [_dim_index(em, factors, d) if d in root.attrs["dims"] else index[d] for d in range(len(space))]
+        dims = reduced_dims(root)
+        point = [_dim_index(em, factors, d) if d in dims else index[d] for d in range(len(space))]
         guard = None
-        for d in root.attrs["dims"]:
+        for d in dims:
             if math.prod(f.extent for f in factors if f.dim == d) > space[d]:
                 guard = K.land(guard, K.lt(point[d], em.idx(space[d])))
-        inner, value = em.nested(lambda: em.value(x, tuple(point)))
+        inner, value = em.nested(lambda: em.term(root, point))
         update = tuple(inner) + (K.Assign(acc, combine(kind, acc, value, rtype)),)
         em.stmts.extend([K.If(guard, update)] if guard is not None else update)
 

@@ -258,25 +258,51 @@ class ValueEmitter:
 
         return piece(0, 0)
 
-    def _op_reduce(self, node: Node, index):
+    def term(self, node: Node, point: Sequence[K.Expr]) -> K.Expr:
+        """The element a reduction folds in at ``point`` of its iteration space (``reduction_space``)."""
+        if node.op == "reduce":
+            return self.value(node.operands[0], tuple(point))
+        lhs, rhs = node.operands
+        a = node.attrs
+        n_batch, n_out = len(a["lhs_batch"]), len(node.shape)
+        lhs_free = [d for d in range(len(lhs.shape)) if d not in a["lhs_batch"] + a["lhs_contract"]]
+        rhs_free = [d for d in range(len(rhs.shape)) if d not in a["rhs_batch"] + a["rhs_contract"]]
+        contract = point[n_out:]
+        lhs_index: list[K.Expr] = [self.idx(0)] * len(lhs.shape)
+        rhs_index: list[K.Expr] = [self.idx(0)] * len(rhs.shape)
+        for k, (dl, dr) in enumerate(zip(a["lhs_batch"], a["rhs_batch"])):
+            lhs_index[dl] = rhs_index[dr] = point[k]
+        for k, d in enumerate(lhs_free):
+            lhs_index[d] = point[n_batch + k]
+        for k, d in enumerate(rhs_free):
+            rhs_index[d] = point[n_batch + len(lhs_free) + k]
+        for k, (dl, dr) in enumerate(zip(a["lhs_contract"], a["rhs_contract"])):
+            lhs_index[dl] = rhs_index[dr] = contract[k]
+        product = K.Binary("mul", self.value(lhs, tuple(lhs_index)), self.value(rhs, tuple(rhs_index)),
+                           register_type(node.dtype))
+        return self.let("m", product)
+
+    def _reduction(self, node: Node, index):
         """A reduction used inside a thread: a sequential loop over the reduced dims."""
-        (x,) = node.operands
-        dims, kind = node.attrs["dims"], node.attrs["kind"]
+        space, dims, kind = reduction_space(node), reduced_dims(node), reduction_kind(node)
         rtype = register_type(node.dtype)
         acc = self.fresh("acc", rtype)
         self.stmts.append(K.Let(acc, reduce_identity(kind, node.dtype)))
         loop_vars = {d: self.fresh(f"r{d}_", self.index_type) for d in dims}
         it = iter(index)
-        inner = tuple(loop_vars[d] if d in loop_vars else next(it) for d in range(len(x.shape)))
+        point = tuple(loop_vars[d] if d in loop_vars else next(it) for d in range(len(space)))
 
         def body() -> None:
-            self.stmts.append(K.Assign(acc, combine(kind, acc, self.value(x, inner), rtype)))
+            self.stmts.append(K.Assign(acc, combine(kind, acc, self.term(node, point), rtype)))
 
         stmts, _ = self.nested(body)
         for d in reversed(dims):
-            stmts = [K.For(loop_vars[d], self.idx(0), self.idx(x.shape[d]), self.idx(1), tuple(stmts))]
+            stmts = [K.For(loop_vars[d], self.idx(0), self.idx(space[d]), self.idx(1), tuple(stmts))]
         self.stmts.extend(stmts)
         return self._round(node, acc)
+
+    _op_reduce = _reduction
+    _op_dot_general = _reduction
 
     def _op_rng_uniform(self, node: Node, index):
         seed_node, offset_node = node.operands
@@ -328,6 +354,30 @@ def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(step)
         step *= size
     return tuple(reversed(strides))
+
+
+def is_reduction(node: Node) -> bool:
+    """Reductions in the wide sense: ``reduce``, and ``dot_general`` (a sum over its contracting dims)."""
+    return node.op in ("reduce", "dot_general")
+
+
+def reduction_space(node: Node) -> tuple[int, ...]:
+    """The iteration space of a reduction: the operand's dims for a reduce; for a dot, its output dims
+    followed by its contracting dims."""
+    if node.op == "reduce":
+        return node.operands[0].shape
+    lhs = node.operands[0]
+    return node.shape + tuple(lhs.shape[d] for d in node.attrs["lhs_contract"])
+
+
+def reduced_dims(node: Node) -> tuple[int, ...]:
+    if node.op == "reduce":
+        return tuple(node.attrs["dims"])
+    return tuple(range(len(node.shape), len(node.shape) + len(node.attrs["lhs_contract"])))
+
+
+def reduction_kind(node: Node) -> str:
+    return node.attrs["kind"] if node.op == "reduce" else "sum"
 
 
 def reduce_identity(kind: str, dtype: DType) -> K.Const:

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fusionstitching.codegen.compose import iteration_space as _space
+from fusionstitching.codegen.values import is_reduction, reduced_dims
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.schedule.template import KernelSchedule, Launch, Level, Schedule, Tile, level_extent
 
@@ -61,13 +62,16 @@ def sub_roots(pattern) -> list[Node]:
     inside = {id(n) for n in pattern.nodes}
     used = {id(o) for n in pattern.nodes for o in n.operands if id(o) in inside}
     outputs = {id(o) for o in pattern.outputs}
-    return [n for n in pattern.nodes if n.op == "reduce" and id(n) in used and id(n) not in outputs]
+    return [n for n in pattern.nodes if is_reduction(n) and id(n) in used and id(n) not in outputs]
 
 
 def choose_template(pattern, threads: int = DEFAULT_THREADS) -> KernelSchedule:
-    reductions = sub_roots(pattern) + [o for o in pattern.outputs if o.op == "reduce" and _cross_thread_worthy(o)]
+    reductions = sub_roots(pattern) + [o for o in pattern.outputs if is_reduction(o) and _cross_thread_worthy(o)]
+    spaces = {_space(r) for r in reductions} | {_space(o) for o in pattern.outputs}
+    if reductions and (any(r.op == "dot_general" for r in reductions) or len({len(x) for x in spaces}) > 1):
+        return batched_template(pattern, reductions)
     if reductions:
-        length = math.prod(_space(reductions[0])[d] for d in reductions[0].attrs["dims"])
+        length = math.prod(_space(reductions[0])[d] for d in reduced_dims(reductions[0]))
         warp_rows = WARP_ROWS if length <= WARP_MODE_MAX_LENGTH else None
         return composed_template(pattern, reductions, threads, warp_rows)
     return _packed_template(pattern, threads)
@@ -75,8 +79,8 @@ def choose_template(pattern, threads: int = DEFAULT_THREADS) -> KernelSchedule:
 
 def _cross_thread_worthy(node: Node) -> bool:
     """A reduction output is reduced across threads when its rows are long and its kept part small."""
-    space = node.operands[0].shape
-    reduced = math.prod(space[d] for d in node.attrs["dims"])
+    space = _space(node)
+    reduced = math.prod(space[d] for d in reduced_dims(node))
     return reduced >= 32 and node.size < reduced * 64
 
 
@@ -92,9 +96,9 @@ def composed_template(pattern, reductions: list[Node], threads: int, warp_rows: 
     the nodes named in ``shared`` become ``S`` sub-roots. A warp takes ``rows_per_warp`` rows at a
     time (a THREAD tile on the last kept dim; default: 2 for rows of at most 256 elements held in
     registers, which gives each warp two independent reductions to overlap)."""
-    reduced_dims = set(reductions[0].attrs["dims"])
+    reduced = set(reduced_dims(reductions[0]))
     rank = len(_space(reductions[0]))
-    kept = [d for d in range(rank) if d not in reduced_dims]
+    kept = [d for d in range(rank) if d not in reduced]
     warp_mode = warp_rows is not None and kept
     shared = set(shared)
     extra = [n for n in pattern.nodes if n.name in shared]
@@ -102,7 +106,7 @@ def composed_template(pattern, reductions: list[Node], threads: int, warp_rows: 
     roots = [n for n in pattern.nodes if any(n is r for r in reductions) or any(n is o for o in pattern.outputs)]
     lanes = WARP_SIZE if warp_mode else threads
     itemsize = min([n.dtype.itemsize for n in pattern.inputs if len(n.shape) == rank] or [4])
-    length = _space(reductions[0])[max(reduced_dims)]
+    length = _space(reductions[0])[max(reduced)]
     reduced_tiles = _reduced_tiles(length, lanes, max(1, 16 // itemsize))
     if rows_per_warp is None:
         in_registers = len(reduced_tiles) > 1 or reduced_tiles[0].size is not None
@@ -114,7 +118,7 @@ def composed_template(pattern, reductions: list[Node], threads: int, warp_rows: 
         if len(space) != rank:
             dims = tuple((Tile(Level.GRID),) for _ in space)  # let lowering report the mismatch
         else:
-            dims = _composed_dims(space, reduced_dims, kept, warp_rows if warp_mode else None, reduced_tiles,
+            dims = _composed_dims(space, reduced, kept, warp_rows if warp_mode else None, reduced_tiles,
                                   rows_per_warp)
         schedules.append(Schedule(root.name, dims, shared=root.name in shared))
     grid = level_extent(schedules[0], _space(roots[0]), Level.GRID)
@@ -133,12 +137,12 @@ def _reduced_tiles(length: int, lanes: int, vector: int) -> tuple[Tile, ...]:
     return (Tile(Level.CTA),)
 
 
-def _composed_dims(space, reduced_dims: set[int], kept: list[int], warp_rows: int | None,
+def _composed_dims(space, reduced: set[int], kept: list[int], warp_rows: int | None,
                    reduced_tiles: tuple[Tile, ...] = (Tile(Level.CTA),), rows_per_warp: int = 1):
     dims: list[tuple[Tile, ...]] = []
-    last_reduced = max(reduced_dims)
+    last_reduced = max(reduced)
     for d in range(len(space)):
-        if d in reduced_dims:
+        if d in reduced:
             dims.append(reduced_tiles if d == last_reduced else (Tile(Level.THREAD),))
         elif warp_rows is not None and d == kept[-1]:
             extra = (Tile(Level.THREAD, rows_per_warp),) if rows_per_warp > 1 else ()
@@ -146,6 +150,37 @@ def _composed_dims(space, reduced_dims: set[int], kept: list[int], warp_rows: in
         else:
             dims.append((Tile(Level.GRID),))
     return tuple(dims)
+
+
+def batched_template(pattern, reductions: list[Node]) -> KernelSchedule:
+    """Groups of different shapes sharing leading batch dims (small batched dots with a softmax in
+    between, e.g. DIN attention): a block per batch element; in each group the last reduced dim of
+    a reduce goes across the threads, a dot's contracting dims are THREAD loops and its last other
+    dim goes across the threads; dots read by other groups are cached in shared memory (``S``)."""
+    roots = [n for n in pattern.nodes if any(n is r for r in reductions) or any(n is o for o in pattern.outputs)]
+    spaces = [_space(r) for r in roots]
+    batch = 0
+    while all(len(x) > batch for x in spaces) and len({x[batch] for x in spaces}) == 1 \
+            and all(batch not in set(reduced_dims(r)) for r in roots if is_reduction(r)):
+        batch += 1
+    inside = {id(n) for n in pattern.nodes}
+    used = {id(o) for n in pattern.nodes for o in n.operands if id(o) in inside}
+    schedules, widest = [], 1
+    for root, space in zip(roots, spaces):
+        reduced = set(reduced_dims(root)) if is_reduction(root) else set()
+        across = max(reduced) if root.op == "reduce" else max([d for d in range(batch, len(space))
+                                                               if d not in reduced] or [len(space) - 1])
+        dims = []
+        for d in range(len(space)):
+            level = Level.GRID if d < batch else Level.CTA if d == across else Level.THREAD
+            dims.append((Tile(level),))
+        if across >= batch:
+            widest = max(widest, space[across])
+        shared = root.op == "dot_general" and id(root) in used
+        schedules.append(Schedule(root.name, tuple(dims), shared=shared))
+    threads = min(DEFAULT_THREADS, max(WARP_SIZE, 1 << (widest - 1).bit_length()))
+    blocks = math.prod(spaces[0][:batch]) if batch else 1
+    return KernelSchedule(tuple(schedules), Launch(max(1, min(blocks, MAX_BLOCKS)), threads))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,7 +195,7 @@ def _packed_template(pattern, threads: int) -> KernelSchedule:
     seen: list[tuple] = []
     for sched, root in zip(schedules, pattern.outputs):
         key = (sched.dims, _space(root))
-        if key in seen and root.op != "reduce":
+        if key in seen and not is_reduction(root):
             continue
         seen.append(key)
         total += level_extent(sched, _space(root), Level.GRID)
@@ -182,7 +217,7 @@ def _reads_transposed(pattern) -> bool:
 
 def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedule:
     space = _space(root)
-    reduced = set(root.attrs["dims"]) if root.op == "reduce" else set()
+    reduced = set(reduced_dims(root)) if is_reduction(root) else set()
     if transposed and not reduced and threads == 256 and len(space) >= 2 and space[-2] >= 32 \
             and space[-1] >= 32 and space[-1] % 4 == 0:
         # 32 x 32 tiles: a warp reads 32 consecutive rows of the output's column for the transposed
@@ -198,7 +233,7 @@ def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedu
     vector = max(1, 16 // root.dtype.itemsize)
     for position, d in enumerate(reversed(kept)):
         size = space[d]
-        if position == 0 and root.op != "reduce" and size % vector == 0 and size >= vector * threads:
+        if position == 0 and not is_reduction(root) and size % vector == 0 and size >= vector * threads:
             dims[d] = (Tile(Level.GRID), Tile(Level.CTA, threads), Tile(Level.THREAD, vector))
             break
         if size <= remaining:

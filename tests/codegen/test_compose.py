@@ -62,6 +62,17 @@ def row_sum(dtype: str, rows: int, cols: int) -> Case:
     return _case(f"row_sum_{dtype}_{rows}x{cols}", fn, [_rand((rows, cols), dtype)])
 
 
+@cache
+def din_attention(dtype: str, batch: int, history: int, dim: int = 36) -> Case:
+    """DIN target attention: bmm(q, keysᵀ), masked softmax over the history, bmm with the keys."""
+    from fusionstitching.bench.workloads import DINAttention
+
+    lengths = torch.randint(1, history + 1, (batch,), generator=torch.Generator().manual_seed(2))
+    mask = torch.arange(history)[None, :] < lengths[:, None]
+    inputs = [_rand((batch, 1, dim), dtype), _rand((batch, history, dim), dtype, 1), mask]
+    return _case(f"din_{dtype}_{batch}x{history}x{dim}", DINAttention(), inputs)
+
+
 def _rand(shape, dtype, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(TORCH_DTYPES[dtype])
 
@@ -74,6 +85,8 @@ def _case(name, fn, inputs) -> Case:
 
 
 def templates(case: Case) -> list:
+    if case.name.startswith("din"):
+        return [default_template(case.graph, case.nodes)]
     pattern = resolve_pattern(case.graph, case.nodes)
     reductions = sub_roots(pattern) + [o for o in pattern.outputs if o.op == "reduce"]
     result = [default_template(case.graph, case.nodes),
@@ -87,6 +100,8 @@ def templates(case: Case) -> list:
 
 MATRIX = [(f"{make.__name__}_{d}_{r}x{c}", make, d, r, c)
           for make in (softmax, layernorm, row_sum) for d in ("f32", "bf16") for r, c in SHAPES]
+MATRIX += [(f"din_attention_{d}_{b}x{t}", din_attention, d, b, t) for d in ("f32", "bf16")
+           for b, t in ((4, 50), (3, 7), (2, 100))]
 
 
 @pytest.fixture(scope="module")
