@@ -17,7 +17,7 @@ from fusionstitching.codegen import default_template, generate
 from fusionstitching.frontend.torch_fx import capture
 from fusionstitching.graph import reference
 
-DEMO_WORKLOADS = ("bias_gelu", "softmax_scale_mask", "layernorm", "adam_step")
+DEMO_WORKLOADS = ("bias_gelu", "softmax_scale_mask", "layernorm", "din_attention", "adam_step")
 
 
 def kernel_demo(name: str, show_source: bool = False) -> float:
