@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fusionstitching import capture
+from fusionstitching.bench.check import relative_error
 from fusionstitching.codegen import default_template, generate
 from fusionstitching.codegen import kernel_ir as K
 from fusionstitching.codegen.lower import resolve_pattern
@@ -226,12 +227,15 @@ def random_patterns(draw):
     y = b.parameter((rows, cols), DType.F32, "y")
     values = [x, y]
     for _ in range(draw(st.integers(1, 6))):
-        kind = draw(st.sampled_from(["unary", "binary", "rowsum", "rowmax"]))
+        kind = draw(st.sampled_from(["unary", "binary", "rowsum", "rowmax", "colsum"]))
         a = draw(st.sampled_from(values))
         if kind == "unary":
             values.append(b.unary(draw(st.sampled_from(_OPS)), a))
         elif kind == "binary":
             values.append(b.binary(draw(st.sampled_from(["add", "mul", "sub"])), a, draw(st.sampled_from(values))))
+        elif kind == "colsum":
+            r = b.reduce(b.unary("tanh", a), [0], "sum")
+            values.append(b.binary("add", a, b.broadcast(r, (rows, cols), (1,))))
         else:
             r = b.reduce(b.unary("tanh", a), [1], "sum" if kind == "rowsum" else "max")
             values.append(b.binary("add", a, b.broadcast(r, (rows, cols), (0,))))
@@ -240,7 +244,7 @@ def random_patterns(draw):
     return graph, [rng.standard_normal((rows, cols)).astype(np.float32) for _ in range(2)]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_patterns())
 def test_whatever_feasible_accepts_simulates_correctly(sample):
     graph, arrays = sample
@@ -254,7 +258,9 @@ def test_whatever_feasible_accepts_simulates_correctly(sample):
     got = kernel.simulate([by_name[n] for n in kernel.inputs])
     want = dict(zip([o.name for o in graph.outputs], reference.evaluate(graph, arrays)))
     for name, g in zip(kernel.outputs, got):
-        np.testing.assert_allclose(g, want[name], rtol=2e-5, atol=2e-5)
+        # Relative to the output's largest magnitude: summation orders differ (lanes vs NumPy), and a
+        # row sum off by a few ulps shifts every element that adds it.
+        assert relative_error(g, want[name]) < 2e-5
 
 
 # ----------------------------------------------------------------------------------------------
