@@ -192,6 +192,68 @@ def din_attention() -> Row:
     return compare("din_attention_256x50x36", module, [query, keys, mask], moved, flush=True)
 
 
+def layernorm_backward(rows: int = 16384, cols: int = 1024, parts: int = 128) -> Row:
+    """dx (row reductions, one kernel), dgamma/dbeta as per-block partial column sums (one kernel,
+    ``split_reduction``) and a small final reduction (one kernel): three generated kernels."""
+    from fusionstitching.graph.graph import Graph
+    from fusionstitching.graph.transforms import split_reduction
+
+    def fn(dy, x, mean, rstd, w, b):
+        return torch.ops.aten.native_layer_norm_backward(dy, x, [cols], mean, rstd, w, b, [True, True, True])
+
+    x = torch.randn(rows, cols, device="cuda")
+    w, b = torch.randn(cols, device="cuda"), torch.randn(cols, device="cuda")
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [cols], w, b, 1e-5)
+    inputs = [torch.randn(rows, cols, device="cuda"), x, mean, rstd, w, b]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(fn, *[t.cpu() for t in inputs], name="layernorm_backward").forward
+    for node in [n for n in graph.nodes if n.op == "reduce" and n.attrs["dims"] == (0,)]:
+        graph = split_reduction(graph, node.name, parts)
+    partials = [n for n in graph.nodes if n.name.endswith("_partial")]
+    dx, finals = graph.outputs[0], graph.outputs[1:]
+    kernels = []
+    for outputs in ([dx], partials, finals):
+        sub = Graph(graph.parameters, outputs, name=graph.name)
+        done = {id(n) for n in partials} if outputs is finals else set()
+        nodes = [n for n in sub.nodes if n.op != "parameter" and (outputs is not finals or id(n) not in done
+                                                                  and _after(n, partials))]
+        kernels.append(generate(sub, nodes, default_template(sub, nodes)))
+    values = {p.name: t for p, t in zip(graph.parameters, inputs)}
+
+    def run():
+        env = dict(values)
+        for k in kernels:
+            env.update(zip(k.outputs, call_generated(k, [env[n] for n in k.inputs])))
+        return [env[o.name] for o in graph.outputs]
+
+    for got, want in zip(run(), fn(*inputs)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    for k in kernels:
+        print(f"  layernorm_backward: {k.template}")
+    ours = gpu_time_us(run, flush=True)
+    eager = gpu_time_us(lambda: fn(*inputs), flush=True)
+    compiled = torch.compile(fn)
+    inductor = gpu_time_us(lambda: compiled(*inputs), flush=True)
+    src = torch.empty(3 * rows * cols * 4 // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy = gpu_time_us(lambda: dst.copy_(src), flush=True)
+    return Row(f"layernorm_backward_{rows}x{cols} (3 kernels)", ours, eager, inductor, copy)
+
+
+def _after(node, partials) -> bool:
+    """Whether ``node`` depends on one of ``partials`` (it belongs to the final reduction)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if any(n is p for p in partials):
+            return True
+        if id(n) not in seen:
+            seen.add(id(n))
+            stack.extend(n.operands)
+    return False
+
+
 def packed_updates(count: int = 40) -> dict:
     """``p.mul_(0.9).add_(g)`` over ``count`` tensors of 1K–1M elements: one kernel vs eager."""
     generator = torch.Generator().manual_seed(0)
@@ -250,7 +312,7 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
     rows = [bias_gelu(torch.float32), bias_gelu(torch.bfloat16), relu_transpose(), layernorm(torch.float32),
-            layernorm(torch.bfloat16), softmax(), din_attention()]
+            layernorm(torch.bfloat16), softmax(), din_attention(), layernorm_backward()]
     print(f"device: {device}")
     print("| case | ours µs | eager µs | inductor µs | copy µs | ours/copy | ours/inductor |")
     print("|---|---|---|---|---|---|---|")
