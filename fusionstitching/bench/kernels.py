@@ -195,9 +195,6 @@ def din_attention() -> Row:
 def layernorm_backward(rows: int = 16384, cols: int = 1024, parts: int = 128) -> Row:
     """dx (row reductions, one kernel), dgamma/dbeta as per-block partial column sums (one kernel,
     ``split_reduction``) and a small final reduction (one kernel): three generated kernels."""
-    from fusionstitching.graph.graph import Graph
-    from fusionstitching.graph.transforms import split_reduction
-
     def fn(dy, x, mean, rstd, w, b):
         return torch.ops.aten.native_layer_norm_backward(dy, x, [cols], mean, rstd, w, b, [True, True, True])
 
@@ -208,17 +205,7 @@ def layernorm_backward(rows: int = 16384, cols: int = 1024, parts: int = 128) ->
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = capture(fn, *[t.cpu() for t in inputs], name="layernorm_backward").forward
-    for node in [n for n in graph.nodes if n.op == "reduce" and n.attrs["dims"] == (0,)]:
-        graph = split_reduction(graph, node.name, parts)
-    partials = [n for n in graph.nodes if n.name.endswith("_partial")]
-    dx, finals = graph.outputs[0], graph.outputs[1:]
-    kernels = []
-    for outputs in ([dx], partials, finals):
-        sub = Graph(graph.parameters, outputs, name=graph.name)
-        done = {id(n) for n in partials} if outputs is finals else set()
-        nodes = [n for n in sub.nodes if n.op != "parameter" and (outputs is not finals or id(n) not in done
-                                                                  and _after(n, partials))]
-        kernels.append(generate(sub, nodes, default_template(sub, nodes)))
+    graph, kernels = column_partial_kernels(graph, parts)
     values = {p.name: t for p, t in zip(graph.parameters, inputs)}
 
     def run():
@@ -239,6 +226,26 @@ def layernorm_backward(rows: int = 16384, cols: int = 1024, parts: int = 128) ->
     dst = torch.empty_like(src)
     copy = gpu_time_us(lambda: dst.copy_(src), flush=True)
     return Row(f"layernorm_backward_{rows}x{cols} (3 kernels)", ours, eager, inductor, copy)
+
+
+def column_partial_kernels(graph, parts: int):
+    """Split every column reduction of ``graph`` into per-block partials (``split_reduction``) and
+    generate three kernels: the first output (e.g. dx, with its row reductions), the partial sums,
+    and the final reductions. Returns the split graph and the kernels in launch order."""
+    from fusionstitching.graph.graph import Graph
+    from fusionstitching.graph.transforms import split_reduction
+
+    for node in [n for n in graph.nodes if n.op == "reduce" and n.attrs["dims"] == (0,)]:
+        graph = split_reduction(graph, node.name, parts)
+    partials = [n for n in graph.nodes if n.name.endswith("_partial")]
+    first, finals = graph.outputs[0], graph.outputs[1:]
+    kernels = []
+    for outputs in ([first], partials, finals):
+        sub = Graph(graph.parameters, outputs, name=graph.name)
+        nodes = [n for n in sub.nodes if n.op != "parameter"
+                 and (outputs is not finals or (not any(n is p for p in partials) and _after(n, partials)))]
+        kernels.append(generate(sub, nodes, default_template(sub, nodes)))
+    return graph, kernels
 
 
 def _after(node, partials) -> bool:

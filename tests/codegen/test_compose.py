@@ -319,3 +319,26 @@ def test_even_rows_are_kept_in_registers_and_read_once():
     # Two rows per warp: one 16-byte load per row, exp once per element.
     assert source.count("float4 ") == 2 and source.count("expf(") == 8
     assert "make_float4" in source
+
+
+def test_layernorm_backward_as_row_kernel_partials_and_final_matches_reference():
+    from fusionstitching.bench.kernels import column_partial_kernels
+
+    rows, cols = 64, 128
+
+    def fn(dy, x, mean, rstd, w, b):
+        return torch.ops.aten.native_layer_norm_backward(dy, x, [cols], mean, rstd, w, b, [True, True, True])
+
+    x, w, b = _rand((rows, cols), "f32"), _rand((cols,), "f32", 1), _rand((cols,), "f32", 2)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [cols], w, b, 1e-5)
+    inputs = [_rand((rows, cols), "f32", 3), x, mean, rstd, w, b]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(fn, *inputs).forward
+    graph, kernels = column_partial_kernels(graph, parts=8)
+    assert len(kernels) == 3 and [k.outputs for k in kernels][1] == ["reduce_2_partial", "reduce_3_partial"]
+    env = {p.name: t.numpy() for p, t in zip(graph.parameters, inputs)}
+    for kernel in kernels:
+        env.update(zip(kernel.outputs, kernel.simulate([env[n] for n in kernel.inputs])))
+    for node, want in zip(graph.outputs, fn(*inputs)):
+        assert relative_error(env[node.name], want.numpy()) < 1e-5
