@@ -52,8 +52,16 @@ def flush_l2() -> None:
     _FLUSH[0].zero_()
 
 
+HOLD_CYCLES = 2_000_000  # about 1 ms: long enough for the host to enqueue any call measured here
+
+
 def gpu_time_us(fn: Callable[[], object], repeats: int = 50, warmup: int = 5, flush: bool = False) -> float:
-    """Median GPU time of one call, by CUDA events around each call (L2 flushed before each if asked)."""
+    """Median GPU time of one call, by CUDA events around each call (L2 flushed before each if asked).
+
+    A GPU-side sleep precedes each measured call, so the host has enqueued the whole call (every
+    kernel of a multi-kernel implementation) before the GPU reaches the start event: the time is
+    the kernels' execution, not the host's launch overhead between them.
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -61,6 +69,7 @@ def gpu_time_us(fn: Callable[[], object], repeats: int = 50, warmup: int = 5, fl
     for _ in range(repeats):
         if flush:
             flush_l2()
+        torch.cuda._sleep(HOLD_CYCLES)
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
