@@ -274,7 +274,7 @@ class Composer:
                         f.var = em.idx(value)
                     key = tuple(f.var.value for f in kept_thread)
                     if key not in accs:
-                        accs[key] = em.fresh("acc", rtype)
+                        accs[key] = em.accumulator("acc", rtype)
                         em.stmts.append(K.Let(accs[key], reduce_identity(kind, root.dtype)))
                     index, _ = self._index(group)
                     value = em.term(root, index)
@@ -393,7 +393,7 @@ class Composer:
         em = self.em
         root = group.root
         kind, rtype = reduction_kind(root), register_type(root.dtype)
-        acc = em.fresh("acc", rtype)
+        acc = em.accumulator("acc", rtype)
         em.stmts.append(K.Let(acc, reduce_identity(kind, root.dtype)))
         reduced = [f for f in group.factors if f.dim in group.reduced]
 
@@ -418,7 +418,7 @@ class Composer:
                                    "composition (identical thread tiling in all groups, no tails)")
         kind = reduction_kind(root)
         rtype = register_type(root.dtype)
-        acc = em.fresh("acc", rtype)
+        acc = em.accumulator("acc", rtype)
         stmts: list[K.Stmt] = [K.Let(acc, reduce_identity(kind, root.dtype))]
 
         def body() -> None:
@@ -518,6 +518,7 @@ class Composer:
             self.groups = [g for g in self.groups if g.root.name != name]
         buffers = {b.name: K.Buffer(f"smem_{b.name}", "f32", b.bytes // 4, space="shared") for b in plan.buffers}
         self.shared.extend(buffers.values())
+        self.em.shared_buffers.update(b.name for b in buffers.values())
         self.placement = {node: buffers[name] for node, name in plan.placement.items()}
         return plan
 
@@ -528,6 +529,7 @@ class Composer:
                 return b
         buffer = K.Buffer(name, rtype, WARP, space="shared")
         self.shared.append(buffer)
+        self.em.shared_buffers.add(name)
         return buffer
 
     def _footprint(self, group: Group) -> list[tuple[list[Factor], list[Factor]]]:

@@ -22,7 +22,9 @@ class GeneratedKernel:
     template: KernelSchedule
     cuda_source: str
     _scalar_variant: GeneratedKernel | None = field(default=None, repr=False)
-    _launchers: dict = field(default_factory=dict, repr=False)
+    _modules: dict = field(default_factory=dict, repr=False)  # arch → loaded kernel
+    _launchers: dict = field(default_factory=dict, repr=False)  # device → loaded kernel, ready to launch
+    _checked_signature: list | None = field(default=None, repr=False)  # inputs' last checked metadata
 
     @property
     def name(self) -> str:

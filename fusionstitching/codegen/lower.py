@@ -391,7 +391,7 @@ def _element(em: ValueEmitter, stores, factors: list[Factor], space, reduced, re
 def _reduce_root(em: ValueEmitter, root: Node, index, factors, space, red_factors) -> K.Expr:
     kind = reduction_kind(root)
     rtype = register_type(root.dtype)
-    acc = em.fresh("acc", rtype)
+    acc = em.accumulator("acc", rtype)
     em.stmts.append(K.Let(acc, reduce_identity(kind, root.dtype)))
 
     def body() -> None:

@@ -58,6 +58,8 @@ class ValueEmitter:
     sub_roots: dict[int, tuple] = field(default_factory=dict)  # results of earlier groups (composition)
     reader: Callable | None = None  # reads a sub-root's result: reader(entry, index, consumer)
     current: str = ""  # the group being emitted, for error messages
+    mutable: set[str] = field(default_factory=set)  # registers assigned after their Let (accumulators)
+    shared_buffers: set[str] = field(default_factory=set)  # rewritten between barriers
     _scopes: list[dict] = field(default_factory=lambda: [{}])
     _counter: int = 0
 
@@ -66,12 +68,18 @@ class ValueEmitter:
         self._counter += 1
         return K.Var(f"{base}{self._counter}", dtype)
 
+    def accumulator(self, base: str, dtype: str) -> K.Var:
+        """A register that is assigned again after its Let (so never reused by ``let``)."""
+        var = self.fresh(base, dtype)
+        self.mutable.add(var.name)
+        return var
+
     def let(self, base: str, value: K.Expr) -> K.Expr:
         """Bind ``value`` to a register; an identical pure expression bound earlier in scope is reused."""
         if isinstance(value, (K.Const, K.Var, K.Special)):
             return value
         key = ("let", value)
-        reusable = _pure(value)
+        reusable = self._pure(value)
         if reusable:
             for scope in reversed(self._scopes):
                 if key in scope:
@@ -82,6 +90,21 @@ class ValueEmitter:
         if reusable:
             self._scopes[-1][key] = var
         return var
+
+    def _pure(self, e: K.Expr) -> bool:
+        """Whether an expression's value depends only on registers that never change: no shuffles,
+        no shared-memory reads (rewritten between barriers), no accumulators."""
+        if isinstance(e, K.Shuffle):
+            return False
+        if isinstance(e, K.Load) and e.buffer in self.shared_buffers:
+            return False
+        if isinstance(e, K.Var) and e.name in self.mutable:
+            return False
+        for child in vars(e).values():
+            children = child if isinstance(child, tuple) else (child,)
+            if any(hasattr(c, "dtype") and not isinstance(c, str) and not self._pure(c) for c in children):
+                return False
+        return True
 
     def nested(self, body: Callable[[], K.Expr | None]) -> tuple[list[K.Stmt], K.Expr | None]:
         """Run ``body`` collecting its statements in a new scope; returns them and its result."""
@@ -216,7 +239,7 @@ class ValueEmitter:
 
     def _guarded(self, node: Node, cond: K.Expr, inside: Callable[[], K.Expr], otherwise: Callable[[], K.Expr]):
         """``cond ? inside() : otherwise()`` with each side evaluated only where it is taken."""
-        result = self.fresh("p", register_type(node.dtype))
+        result = self.accumulator("p", register_type(node.dtype))
         then_stmts, then_value = self.nested(inside)
         else_stmts, else_value = self.nested(otherwise)
         self.stmts.append(K.Let(result, K.Const(0, result.dtype) if result.dtype != "bool" else K.Const(False, "bool")))
@@ -286,7 +309,7 @@ class ValueEmitter:
         """A reduction used inside a thread: a sequential loop over the reduced dims."""
         space, dims, kind = reduction_space(node), reduced_dims(node), reduction_kind(node)
         rtype = register_type(node.dtype)
-        acc = self.fresh("acc", rtype)
+        acc = self.accumulator("acc", rtype)
         self.stmts.append(K.Let(acc, reduce_identity(kind, node.dtype)))
         loop_vars = {d: self.fresh(f"r{d}_", self.index_type) for d in dims}
         it = iter(index)
@@ -328,24 +351,6 @@ class ValueEmitter:
         if node.dtype == DType.F32:
             return self.let("u", uniform)
         return self._round(node, K.Cast(uniform, register_type(node.dtype)))
-
-
-def _pure(e: K.Expr) -> bool:
-    """Whether an expression's value depends only on its operands' registers: no shuffles, no reads
-    of shared memory (rewritten between barriers), no accumulators (reassigned in loops)."""
-    if isinstance(e, K.Shuffle):
-        return False
-    if isinstance(e, K.Load) and e.buffer.startswith(("smem_", "red_")):
-        return False
-    if isinstance(e, K.Var) and e.name.startswith(("acc", "p")):
-        return False
-    for child in vars(e).values():
-        if isinstance(child, tuple):
-            if any(hasattr(c, "dtype") and not _pure(c) for c in child):
-                return False
-        elif hasattr(child, "dtype") and not isinstance(child, str) and not _pure(child):
-            return False
-    return True
 
 
 def _row_major(shape: Sequence[int]) -> tuple[int, ...]:

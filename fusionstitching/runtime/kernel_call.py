@@ -29,12 +29,12 @@ def _launcher(kernel, arch: str):
     from fusionstitching.runtime.launch import LoadedKernel
     from fusionstitching.runtime.nvrtc import compile_cuda
 
-    launcher = kernel._launchers.get(arch)
+    launcher = kernel._modules.get(arch)
     if launcher is None:
         ir = kernel.lowered.kernel
         module = compile_cuda(kernel.cuda_source, arch, name=f"{ir.name}.cu")
         launcher = LoadedKernel(module.cubin, ir.name, len(ir.params), ir.blocks, ir.threads)
-        kernel._launchers[arch] = launcher
+        kernel._modules[arch] = launcher
     return launcher
 
 
@@ -79,9 +79,9 @@ def call_generated(kernel, tensors: Sequence[Any], outputs: Sequence[Any] | None
     are compared in one list comparison with those of the last call that passed the full check.
     """
     signature = _signature(tensors)
-    if signature != kernel._launchers.get("signature"):
+    if signature != kernel._checked_signature:
         check_inputs(kernel, tensors)
-        kernel._launchers["signature"] = signature
+        kernel._checked_signature = signature
     if outputs is None:
         outputs = allocate_outputs(kernel, tensors)
     arguments = list(outputs) + list(tensors)
