@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 import warnings
@@ -201,9 +202,9 @@ def din_attention() -> Row:
     return compare("din_attention_256x50x36", module, [query, keys, mask], moved, flush=True)
 
 
-def layernorm_backward(rows: int = 16384, cols: int = 1024, parts: int = 128) -> Row:
-    """dx (row reductions, one kernel), dgamma/dbeta as per-block partial column sums (one kernel,
-    ``split_reduction``) and a small final reduction (one kernel): three generated kernels."""
+def layernorm_backward(rows: int = 16384, cols: int = 1024) -> Row:
+    """dx with its row reductions and per-block dgamma/dbeta partials in one kernel, then a small
+    kernel for the final column sums (``column_partial_kernels``)."""
     def fn(dy, x, mean, rstd, w, b):
         return torch.ops.aten.native_layer_norm_backward(dy, x, [cols], mean, rstd, w, b, [True, True, True])
 
@@ -214,7 +215,7 @@ def layernorm_backward(rows: int = 16384, cols: int = 1024, parts: int = 128) ->
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = capture(fn, *[t.cpu() for t in inputs], name="layernorm_backward").forward
-    graph, kernels = column_partial_kernels(graph, parts)
+    graph, kernels = column_partial_kernels(graph)
     values = {p.name: t for p, t in zip(graph.parameters, inputs)}
 
     def run():
@@ -234,26 +235,39 @@ def layernorm_backward(rows: int = 16384, cols: int = 1024, parts: int = 128) ->
     src = torch.empty(3 * rows * cols * 4 // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     copy = gpu_time_us(lambda: dst.copy_(src), flush=True)
-    return Row(f"layernorm_backward_{rows}x{cols} (3 kernels)", ours, eager, inductor, copy)
+    return Row(f"layernorm_backward_{rows}x{cols} (2 kernels)", ours, eager, inductor, copy)
 
 
-def column_partial_kernels(graph, parts: int):
-    """Split every column reduction of ``graph`` into per-block partials (``split_reduction``) and
-    generate three kernels: the first output (e.g. dx, with its row reductions), the partial sums,
-    and the final reductions. Returns the split graph and the kernels in launch order."""
+def column_partial_kernels(graph):
+    """LayerNorm-backward-like graphs: the first output has row reductions (dx), the others are
+    column reductions (dgamma, dbeta). The column reductions are split (``split_reduction``) into
+    per-block partials over exactly the rows a block of the first output's kernel handles, and
+    reduced across that block's warps inside the same kernel; a small second kernel sums the
+    partials. Returns the split graph and the two kernels in launch order."""
     from fusionstitching.graph.graph import Graph
     from fusionstitching.graph.transforms import split_reduction
+    from fusionstitching.schedule.template import KernelSchedule, Level, Schedule, Tile
 
+    first = Graph(graph.parameters, [graph.outputs[0]], name=graph.name)
+    base = default_template(first, [n for n in first.nodes if n.op != "parameter"])
+    row, col = base.schedules[0].dims
+    if row[0].level != Level.GRID:
+        raise ValueError(f"{graph.name}: the row kernel's template does not start with GRID rows: {base}")
+    rows_per_block = math.prod(t.size for t in row[1:])
+    rows = graph.outputs[0].shape[0]
     for node in [n for n in graph.nodes if n.op == "reduce" and n.attrs["dims"] == (0,)]:
-        graph = split_reduction(graph, node.name, parts)
+        graph = split_reduction(graph, node.name, rows // rows_per_block)
     partials = [n for n in graph.nodes if n.name.endswith("_partial")]
-    first, finals = graph.outputs[0], graph.outputs[1:]
-    kernels = []
-    for outputs in ([first], partials, finals):
-        sub = Graph(graph.parameters, outputs, name=graph.name)
-        nodes = [n for n in sub.nodes if n.op != "parameter"
-                 and (outputs is not finals or (not any(n is p for p in partials) and _after(n, partials)))]
-        kernels.append(generate(sub, nodes, default_template(sub, nodes)))
+    finals = graph.outputs[1:]
+    fused = Graph(graph.parameters, [graph.outputs[0]] + partials, name=graph.name)
+    schedules = list(base.schedules) + [Schedule(p.name, ((Tile(Level.GRID),), tuple(row[1:]), col))
+                                        for p in partials]
+    kernels = [generate(fused, [n for n in fused.nodes if n.op != "parameter"],
+                        KernelSchedule(tuple(schedules), base.launch))]
+    last = Graph(graph.parameters, finals, name=graph.name)
+    nodes = [n for n in last.nodes if n.op != "parameter" and not any(n is p for p in partials)
+             and _after(n, partials)]
+    kernels.append(generate(last, nodes, default_template(last, nodes)))
     return graph, kernels
 
 

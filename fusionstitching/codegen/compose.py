@@ -69,7 +69,13 @@ class Group:
 
     @property
     def cross_thread(self) -> bool:
-        return any(f.dim in self.reduced and f.level != Level.THREAD for f in self.factors)
+        """Reduced across the lanes of a warp or the threads of a block (CTA tiles on reduced dims)."""
+        return any(f.dim in self.reduced and f.level == Level.CTA for f in self.factors)
+
+    @property
+    def cross_warp(self) -> bool:
+        """Reduced across the warps of a block (WARP tiles on reduced dims), kept dims on the lanes."""
+        return not self.cross_thread and any(f.dim in self.reduced and f.level == Level.WARP for f in self.factors)
 
 
 @dataclass
@@ -226,8 +232,12 @@ class Composer:
             self.em.stmts = []
             self.em.current = group.root.name
             out.append(K.Comment(f"group {group.root.name}: {group.sched}"))
-            stmts = self._cross_thread(group) if group.cross_thread else self._parallel(group)
-            out.extend(stmts)
+            if group.cross_thread:
+                out.extend(self._cross_thread(group))
+            elif group.cross_warp:
+                out.extend(self._cross_warp(group))
+            else:
+                out.extend(self._parallel(group))
         return out
 
     # -- register composition: all groups in one straight-line body -------------------------------
@@ -238,9 +248,12 @@ class Composer:
         """Whether every group tiles its thread-level dims identically, with no tails, one CTA
         iteration per thread and few THREAD elements: then each thread keeps its elements in
         registers from one group to the next (a row is read from memory once)."""
-        first = self._local(self.groups[0])
+        groups = self._register_groups()
+        if not groups:
+            return False
+        first = self._local(groups[0])
         count = WARP if self.warp_mode else self.threads
-        for g in self.groups:
+        for g in groups:
             if self._local(g) != first:
                 return False
             for d, size in enumerate(g.space):
@@ -250,17 +263,23 @@ class Composer:
         serial = math.prod(e for _, level, e in first if level == Level.THREAD)
         return cta == count and serial <= 64
 
+    def _register_groups(self) -> list[Group]:
+        """The groups register composition covers; reductions across warps follow them (they only
+        write the kernel's outputs, so nothing in the register body waits for them)."""
+        return [g for g in self.groups if not g.cross_warp]
+
     def _fused_groups(self) -> list[K.Stmt]:
         em = self.em
-        lead = self.groups[0]
+        groups = self._register_groups()
+        lead = groups[0]
         c_var = em.fresh("cta", em.index_type)
         em.stmts = [K.Let(c_var, self._special("lane" if self.warp_mode else "tid"))]
         em.stmts += self._decompose([f for f in lead.factors if f.level == Level.CTA], c_var)
-        for g in self.groups[1:]:
+        for g in groups[1:]:
             self._share(g, Level.CTA, [f for f in lead.factors if f.level == Level.CTA])
         serial = [(f.dim, f.extent) for f in lead.factors if f.level == Level.THREAD]
         combos = list(itertools.product(*[range(e) for _, e in serial]))
-        for group in self.groups:
+        for group in groups:
             em.current = group.root.name
             em.stmts.append(K.Comment(f"group {group.root.name}: {group.sched} (registers)"))
             thread_factors = [f for f in group.factors if f.level == Level.THREAD]
@@ -301,7 +320,14 @@ class Composer:
                 self._register_shared_reader(group, buffer)
         lanes = serial[-1][1] if serial and serial[-1][0] == len(lead.space) - 1 else 1
         stmts = em.stmts
-        return pack_lanes(stmts, em.definitions, lanes) if lanes > 1 and self.vectorize else stmts
+        if lanes > 1 and self.vectorize:
+            stmts = pack_lanes(stmts, em.definitions, lanes)
+        for group in self.groups:
+            if group.cross_warp:
+                em.stmts = []
+                em.current = group.root.name
+                stmts = stmts + [K.Comment(f"group {group.root.name}: {group.sched}")] + self._cross_warp(group)
+        return stmts
 
     # -- per-thread loops ----------------------------------------------------------------------------
     def _thread_loops(self, group: Group, body, skip_dims: frozenset[int] = frozenset()) -> list[K.Stmt]:
@@ -395,7 +421,7 @@ class Composer:
         kind, rtype = reduction_kind(root), register_type(root.dtype)
         acc = em.accumulator("acc", rtype)
         em.stmts.append(K.Let(acc, reduce_identity(kind, root.dtype)))
-        reduced = [f for f in group.factors if f.dim in group.reduced]
+        reduced = [f for f in group.factors if f.dim in group.reduced and f.level == Level.THREAD]
 
         def body() -> None:
             inner, guard = self._index(group, sorted(group.reduced))
@@ -408,6 +434,95 @@ class Composer:
         if root.dtype.is_half:
             return em.let("v", K.Cast(K.Cast(acc, root.dtype.value), "f32"))
         return acc
+
+    def _cross_warp(self, group: Group) -> list[K.Stmt]:
+        """Each warp folds its slice of the reduced dims for every kept element its lanes hold and
+        writes it to shared memory; after a barrier the block's threads sum the warps' slices."""
+        em = self.em
+        root = group.root
+        warps = [f for f in group.factors if f.level == Level.WARP]
+        if not self.warp_mode or math.prod(f.extent for f in warps) != self.threads // WARP:
+            raise CodegenError(f"{root.name}: a reduction across warps needs one WARP tile per warp of the block")
+        if any(f.dim not in group.reduced for f in warps):
+            raise CodegenError(f"{root.name}: a reduction across warps keeps its WARP tiles on reduced dims only")
+        if group.output is None:
+            raise CodegenError(f"{root.name}: a reduction across warps must be an output of the kernel; "
+                               "other groups cannot read it")
+        footprint = self._footprint(group)
+        local_extents = [math.prod(f.extent for f in local) for _, local in footprint]
+        count = math.prod(local_extents)
+        slots = self.threads // WARP
+        buffer = self._cross_warp_buffer(slots * count, register_type(root.dtype))
+        warp_index: K.Expr = em.idx(0)
+        for f in warps:
+            warp_index = K.add(K.mul(warp_index, em.idx(f.extent)), f.var)
+        kept = [d for d in range(len(group.space)) if d not in group.reduced]
+
+        def body() -> None:
+            index, guard = self._index(group, kept)
+
+            def compute() -> None:
+                value = self._serial_reduction(group, index)
+                slot = K.add(K.mul(warp_index, em.idx(count)), self._local_index(group, index))
+                em.stmts.append(K.Store(buffer.name, slot, value))
+
+            stmts, _ = em.nested(compute)
+            em.stmts.extend([K.If(guard, tuple(stmts))] if guard is not None else stmts)
+
+        stmts = self._thread_loops(group, body, frozenset(group.reduced)) + [K.Barrier()]
+        stmts += self._sum_slots(group, buffer, slots, count, footprint, local_extents)
+        return stmts + [K.Barrier()]
+
+    def _sum_slots(self, group, buffer, slots, count, footprint, local_extents) -> list[K.Stmt]:
+        em = self.em
+        root = group.root
+        kind, rtype = reduction_kind(root), register_type(root.dtype)
+        j = em.fresh("j", em.index_type)
+        v = em.fresh("w", em.index_type)
+        acc = em.accumulator("acc", rtype)
+        fold = K.For(v, em.idx(0), em.idx(slots), em.idx(1), (K.Assign(acc, combine(
+            kind, acc, K.Load(buffer.name, K.add(K.mul(v, em.idx(count)), j), rtype), rtype)),), "unroll")
+        body: list[K.Stmt] = [K.Let(acc, reduce_identity(kind, root.dtype)), fold]
+        # j → kept index: per kept dim, the grid part of this block plus the local offset.
+        remaining: K.Expr = j
+        offsets = []
+        for k in range(len(local_extents) - 1, -1, -1):
+            extent = local_extents[k]
+            offsets.append(remaining if k == 0 else K.rem(remaining, em.idx(extent)))
+            remaining = K.div(remaining, em.idx(extent))
+        offsets.reverse()
+        index, guard = [], None
+        kept_dims = [d for d in range(len(group.space)) if d not in group.reduced]
+        for d, (grid, _), extent, offset in zip(kept_dims, footprint, local_extents, offsets):
+            base: K.Expr = em.idx(0)
+            for f in grid:
+                base = K.add(K.mul(base, em.idx(f.extent)), f.var)
+            i = em.fresh("i", em.index_type)
+            body.append(K.Let(i, K.add(K.mul(base, em.idx(extent)), offset)))
+            index.append(i)
+            if math.prod(f.extent for f in group.factors if f.dim == d) > group.space[d]:
+                guard = K.land(guard, K.lt(i, em.idx(group.space[d])))
+        value: K.Expr = acc
+        if root.dtype.is_half:
+            value = K.Cast(acc, root.dtype.value)
+        name, layout = group.output
+        store = K.Store(name, em.linear(index, layout.strides), value)
+        body.append(K.If(guard, (store,)) if guard is not None else store)
+        return [K.For(j, self._special("tid"), em.idx(count), self._special("ntid"), tuple(body), "block_stride")]
+
+    def _cross_warp_buffer(self, size: int, rtype: str) -> K.Buffer:
+        name = f"xw_{rtype}"
+        for b in self.shared:
+            if b.name == name:
+                if b.extent < size:
+                    index = self.shared.index(b)
+                    self.shared[index] = K.Buffer(name, rtype, size, space="shared")
+                    return self.shared[index]
+                return b
+        buffer = K.Buffer(name, rtype, size, space="shared")
+        self.shared.append(buffer)
+        self.em.shared_buffers.add(name)
+        return buffer
 
     def _cross_thread(self, group: Group) -> list[K.Stmt]:
         em = self.em

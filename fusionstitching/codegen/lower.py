@@ -42,6 +42,7 @@ from fusionstitching.codegen.values import (
     reduction_kind,
     register_type,
 )
+from fusionstitching.codegen.vectorize import ITEM_BYTES as _ITEM_BYTES
 from fusionstitching.codegen.vectorize import pack_lanes
 from fusionstitching.graph.graph import Graph, Layout, Node, contiguous_strides
 from fusionstitching.graph.ops import Category
@@ -140,6 +141,11 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
         emitter.reader = composer.read
         body = composer.lower()
         shared = composer.shared
+        used = sum(b.extent * _ITEM_BYTES[b.dtype] for b in shared)
+        if used > smem_limit:
+            raise CodegenError(f"shared memory: the kernel needs {used} bytes "
+                               f"({', '.join(f'{b.name} {b.extent * _ITEM_BYTES[b.dtype]}' for b in shared)}) "
+                               f"over the {smem_limit}-byte limit")
     else:
         body = _lower_packed(emitter, schedule, pattern, out_names, output_layouts, vectorize_access, guard_tails)
 
