@@ -25,24 +25,22 @@ both nodes, so whatever lowers is correct by construction.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fusionstitching.codegen import kernel_ir as K
+from fusionstitching.codegen.reductions import Reductions
+from fusionstitching.codegen.registers import RegisterComposition
 from fusionstitching.codegen.values import (
     CodegenError,
     ValueEmitter,
-    combine,
     is_reduction,
-    reduce_identity,
     reduced_dims,
-    reduction_kind,
     reduction_space,
     register_type,
 )
-from fusionstitching.codegen.vectorize import affine, pack_lanes
+from fusionstitching.codegen.vectorize import affine
 from fusionstitching.graph.graph import Layout, Node
 from fusionstitching.schedule.template import Level, Schedule, tile_extents
 
@@ -148,7 +146,7 @@ def _level_extents(group: Group, level: Level) -> list[int]:
     return [f.extent for f in group.factors if f.level == level]
 
 
-class Composer:
+class Composer(Reductions, RegisterComposition):
     def __init__(self, em: ValueEmitter, groups: list[Group], threads: int, blocks: int, guard_tails: bool,
                  vectorize: bool = True) -> None:
         self.em, self.groups, self.threads, self.blocks = em, groups, threads, blocks
@@ -240,95 +238,6 @@ class Composer:
                 out.extend(self._parallel(group))
         return out
 
-    # -- register composition: all groups in one straight-line body -------------------------------
-    def _local(self, group: Group) -> list[tuple[int, Level, int]]:
-        return [(f.dim, f.level, f.extent) for f in group.factors if f.level in (Level.CTA, Level.THREAD)]
-
-    def _can_fuse(self) -> bool:
-        """Whether every group tiles its thread-level dims identically, with no tails, one CTA
-        iteration per thread and few THREAD elements: then each thread keeps its elements in
-        registers from one group to the next (a row is read from memory once)."""
-        groups = self._register_groups()
-        if not groups:
-            return False
-        first = self._local(groups[0])
-        count = WARP if self.warp_mode else self.threads
-        for g in groups:
-            if self._local(g) != first:
-                return False
-            for d, size in enumerate(g.space):
-                if math.prod(f.extent for f in g.factors if f.dim == d) != size:
-                    return False
-        cta = math.prod(e for _, level, e in first if level == Level.CTA)
-        serial = math.prod(e for _, level, e in first if level == Level.THREAD)
-        return cta == count and serial <= 64
-
-    def _register_groups(self) -> list[Group]:
-        """The groups register composition covers; reductions across warps follow them (they only
-        write the kernel's outputs, so nothing in the register body waits for them)."""
-        return [g for g in self.groups if not g.cross_warp]
-
-    def _fused_groups(self) -> list[K.Stmt]:
-        em = self.em
-        groups = self._register_groups()
-        lead = groups[0]
-        c_var = em.fresh("cta", em.index_type)
-        em.stmts = [K.Let(c_var, self._special("lane" if self.warp_mode else "tid"))]
-        em.stmts += self._decompose([f for f in lead.factors if f.level == Level.CTA], c_var)
-        for g in groups[1:]:
-            self._share(g, Level.CTA, [f for f in lead.factors if f.level == Level.CTA])
-        serial = [(f.dim, f.extent) for f in lead.factors if f.level == Level.THREAD]
-        combos = list(itertools.product(*[range(e) for _, e in serial]))
-        for group in groups:
-            em.current = group.root.name
-            em.stmts.append(K.Comment(f"group {group.root.name}: {group.sched} (registers)"))
-            thread_factors = [f for f in group.factors if f.level == Level.THREAD]
-            if group.cross_thread:
-                root = group.root
-                kind, rtype = reduction_kind(root), register_type(root.dtype)
-                kept_thread = [f for f in thread_factors if f.dim not in group.reduced]
-                accs: dict[tuple, K.Var] = {}  # one accumulator per kept element this thread holds
-                for combo in combos:
-                    for f, value in zip(thread_factors, combo):
-                        f.var = em.idx(value)
-                    key = tuple(f.var.value for f in kept_thread)
-                    if key not in accs:
-                        accs[key] = em.accumulator("acc", rtype)
-                        em.stmts.append(K.Let(accs[key], reduce_identity(kind, root.dtype)))
-                    index, _ = self._index(group)
-                    value = em.term(root, index)
-                    em.stmts.append(K.Assign(accs[key], combine(kind, accs[key], value, rtype)))
-                for key, acc in accs.items():
-                    for f, value in zip(kept_thread, key):
-                        f.var = em.idx(value)
-                    em.stmts.extend(self._finish_reduction(group, acc))
-                continue
-            buffer = self._shared_buffer(group) if group.shared else None
-            for combo in combos:
-                for f, value in zip(thread_factors, combo):
-                    f.var = em.idx(value)
-                index, _ = self._index(group)
-                value = em.value(group.root, tuple(index))
-                if group.output is not None:
-                    name, layout = group.output
-                    store = K.Cast(value, group.root.dtype.value) if group.root.dtype.is_half else value
-                    em.stmts.append(K.Store(name, em.linear(index, layout.strides), store))
-                if buffer is not None:
-                    em.stmts.append(K.Store(buffer.name, self._local_index(group, index), value))
-            if buffer is not None:
-                em.stmts.append(K.Barrier())
-                self._register_shared_reader(group, buffer)
-        lanes = serial[-1][1] if serial and serial[-1][0] == len(lead.space) - 1 else 1
-        stmts = em.stmts
-        if lanes > 1 and self.vectorize:
-            stmts = pack_lanes(stmts, em.definitions, lanes)
-        for group in self.groups:
-            if group.cross_warp:
-                em.stmts = []
-                em.current = group.root.name
-                stmts = stmts + [K.Comment(f"group {group.root.name}: {group.sched}")] + self._cross_warp(group)
-        return stmts
-
     # -- per-thread loops ----------------------------------------------------------------------------
     def _thread_loops(self, group: Group, body, skip_dims: frozenset[int] = frozenset()) -> list[K.Stmt]:
         """The CTA (or lane) loop and the THREAD loops of ``group`` (but those of ``skip_dims``)
@@ -414,198 +323,6 @@ class Composer:
             self._register_shared_reader(group, buffer)
         return stmts
 
-    def _serial_reduction(self, group: Group, index: list[K.Expr]) -> K.Expr:
-        """A reduction whose reduced dims are all THREAD tiled: each thread loops over them."""
-        em = self.em
-        root = group.root
-        kind, rtype = reduction_kind(root), register_type(root.dtype)
-        acc = em.accumulator("acc", rtype)
-        em.stmts.append(K.Let(acc, reduce_identity(kind, root.dtype)))
-        reduced = [f for f in group.factors if f.dim in group.reduced and f.level == Level.THREAD]
-
-        def body() -> None:
-            inner, guard = self._index(group, sorted(group.reduced))
-            point = [inner[d] if d in group.reduced else index[d] for d in range(len(group.space))]
-            stmts, value = em.nested(lambda: em.term(root, point))
-            update = tuple(stmts) + (K.Assign(acc, combine(kind, acc, value, rtype)),)
-            em.stmts.extend([K.If(guard, update)] if guard is not None else update)
-
-        em.stmts.extend(self._serial(reduced, body))
-        if root.dtype.is_half:
-            return em.let("v", K.Cast(K.Cast(acc, root.dtype.value), "f32"))
-        return acc
-
-    def _cross_warp(self, group: Group) -> list[K.Stmt]:
-        """Each warp folds its slice of the reduced dims for every kept element its lanes hold and
-        writes it to shared memory; after a barrier the block's threads sum the warps' slices."""
-        em = self.em
-        root = group.root
-        warps = [f for f in group.factors if f.level == Level.WARP]
-        if not self.warp_mode or math.prod(f.extent for f in warps) != self.threads // WARP:
-            raise CodegenError(f"{root.name}: a reduction across warps needs one WARP tile per warp of the block")
-        if any(f.dim not in group.reduced for f in warps):
-            raise CodegenError(f"{root.name}: a reduction across warps keeps its WARP tiles on reduced dims only")
-        if group.output is None:
-            raise CodegenError(f"{root.name}: a reduction across warps must be an output of the kernel; "
-                               "other groups cannot read it")
-        footprint = self._footprint(group)
-        local_extents = [math.prod(f.extent for f in local) for _, local in footprint]
-        count = math.prod(local_extents)
-        slots = self.threads // WARP
-        buffer = self._cross_warp_buffer(slots * count, register_type(root.dtype))
-        warp_index: K.Expr = em.idx(0)
-        for f in warps:
-            warp_index = K.add(K.mul(warp_index, em.idx(f.extent)), f.var)
-        kept = [d for d in range(len(group.space)) if d not in group.reduced]
-
-        def body() -> None:
-            index, guard = self._index(group, kept)
-
-            def compute() -> None:
-                value = self._serial_reduction(group, index)
-                slot = K.add(K.mul(warp_index, em.idx(count)), self._local_index(group, index))
-                em.stmts.append(K.Store(buffer.name, slot, value))
-
-            stmts, _ = em.nested(compute)
-            em.stmts.extend([K.If(guard, tuple(stmts))] if guard is not None else stmts)
-
-        stmts = self._thread_loops(group, body, frozenset(group.reduced)) + [K.Barrier()]
-        stmts += self._sum_slots(group, buffer, slots, count, footprint, local_extents)
-        return stmts + [K.Barrier()]
-
-    def _sum_slots(self, group, buffer, slots, count, footprint, local_extents) -> list[K.Stmt]:
-        em = self.em
-        root = group.root
-        kind, rtype = reduction_kind(root), register_type(root.dtype)
-        j = em.fresh("j", em.index_type)
-        v = em.fresh("w", em.index_type)
-        acc = em.accumulator("acc", rtype)
-        fold = K.For(v, em.idx(0), em.idx(slots), em.idx(1), (K.Assign(acc, combine(
-            kind, acc, K.Load(buffer.name, K.add(K.mul(v, em.idx(count)), j), rtype), rtype)),), "unroll")
-        body: list[K.Stmt] = [K.Let(acc, reduce_identity(kind, root.dtype)), fold]
-        # j → kept index: per kept dim, the grid part of this block plus the local offset.
-        remaining: K.Expr = j
-        offsets = []
-        for k in range(len(local_extents) - 1, -1, -1):
-            extent = local_extents[k]
-            offsets.append(remaining if k == 0 else K.rem(remaining, em.idx(extent)))
-            remaining = K.div(remaining, em.idx(extent))
-        offsets.reverse()
-        index, guard = [], None
-        kept_dims = [d for d in range(len(group.space)) if d not in group.reduced]
-        for d, (grid, _), extent, offset in zip(kept_dims, footprint, local_extents, offsets):
-            base: K.Expr = em.idx(0)
-            for f in grid:
-                base = K.add(K.mul(base, em.idx(f.extent)), f.var)
-            i = em.fresh("i", em.index_type)
-            body.append(K.Let(i, K.add(K.mul(base, em.idx(extent)), offset)))
-            index.append(i)
-            if math.prod(f.extent for f in group.factors if f.dim == d) > group.space[d]:
-                guard = K.land(guard, K.lt(i, em.idx(group.space[d])))
-        value: K.Expr = acc
-        if root.dtype.is_half:
-            value = K.Cast(acc, root.dtype.value)
-        name, layout = group.output
-        store = K.Store(name, em.linear(index, layout.strides), value)
-        body.append(K.If(guard, (store,)) if guard is not None else store)
-        return [K.For(j, self._special("tid"), em.idx(count), self._special("ntid"), tuple(body), "block_stride")]
-
-    def _cross_warp_buffer(self, size: int, rtype: str) -> K.Buffer:
-        name = f"xw_{rtype}"
-        for b in self.shared:
-            if b.name == name:
-                if b.extent < size:
-                    index = self.shared.index(b)
-                    self.shared[index] = K.Buffer(name, rtype, size, space="shared")
-                    return self.shared[index]
-                return b
-        buffer = K.Buffer(name, rtype, size, space="shared")
-        self.shared.append(buffer)
-        self.em.shared_buffers.add(name)
-        return buffer
-
-    def _cross_thread(self, group: Group) -> list[K.Stmt]:
-        em = self.em
-        root = group.root
-        for f in group.factors:
-            if f.dim not in group.reduced and f.level == Level.THREAD and f.extent > 1:
-                raise CodegenError(f"{root.name}: kept dim {f.dim} is THREAD tiled, which needs register "
-                                   "composition (identical thread tiling in all groups, no tails)")
-        kind = reduction_kind(root)
-        rtype = register_type(root.dtype)
-        acc = em.accumulator("acc", rtype)
-        stmts: list[K.Stmt] = [K.Let(acc, reduce_identity(kind, root.dtype))]
-
-        def body() -> None:
-            index, guard = self._index(group)
-            inner, value = em.nested(lambda: em.term(root, index))
-            update = tuple(inner) + (K.Assign(acc, combine(kind, acc, value, rtype)),)
-            em.stmts.extend([K.If(guard, update)] if guard is not None else update)
-
-        stmts += self._thread_loops(group, body)
-        return stmts + self._finish_reduction(group, acc)
-
-    def _finish_reduction(self, group: Group, acc: K.Var) -> list[K.Stmt]:
-        """Combine the threads' partial results; every thread (lane) ends with the result."""
-        em = self.em
-        root = group.root
-        kind = reduction_kind(root)
-        rtype = register_type(root.dtype)
-        stmts = self._butterfly(acc, kind, rtype)
-        if not self.warp_mode and self.threads > WARP:
-            stmts += self._across_warps(acc, kind, root)
-        result = acc
-        if root.dtype.is_half:
-            result = em.fresh("r", "f32")
-            stmts.append(K.Let(result, K.Cast(K.Cast(acc, root.dtype.value), "f32")))
-        kept = [d for d in range(len(group.space)) if d not in group.reduced]
-        kept_index = [self._kept_index(group, d) for d in kept]
-        if group.output is not None:
-            name, layout = group.output
-            value = K.Cast(result, root.dtype.value) if root.dtype.is_half else result
-            first: K.Expr = K.Binary("eq", self._special("lane" if self.warp_mode else "tid"), em.idx(0), "bool")
-            for d, i in zip(kept, kept_index):
-                covered = math.prod(f.extent for f in group.factors if f.dim == d)
-                if covered > group.space[d] and self.guard_tails:
-                    first = K.land(first, K.lt(i, em.idx(group.space[d])))
-            stmts.append(K.If(first, (K.Store(name, em.linear(kept_index, layout.strides), value),)))
-        previous = em.sub_roots.get(id(root))
-        candidates = previous[2] if previous is not None and previous[0] == "register" else []
-        em.sub_roots[id(root)] = ("register", root, candidates + [(kept_index, result)])
-        return stmts
-
-    def _kept_index(self, group: Group, d: int) -> K.Expr:
-        expr: K.Expr = self.em.idx(0)
-        for f in group.factors:
-            if f.dim == d:
-                expr = K.add(K.mul(expr, self.em.idx(f.extent)), f.var)
-        return expr
-
-    def _butterfly(self, acc: K.Var, kind: str, rtype: str) -> list[K.Stmt]:
-        stmts = []
-        offset = WARP // 2
-        while offset:
-            partner = K.Shuffle("xor", acc, K.Const(offset, "i32"), WARP, rtype)
-            stmts.append(K.Assign(acc, combine(kind, acc, partner, rtype)))
-            offset //= 2
-        return stmts
-
-    def _across_warps(self, acc: K.Var, kind: str, root: Node) -> list[K.Stmt]:
-        em = self.em
-        rtype = register_type(root.dtype)
-        warps = self.threads // WARP
-        buffer = self._reduction_buffer(rtype)
-        lane = self._special("lane")
-        stmts: list[K.Stmt] = [
-            K.If(K.Binary("eq", lane, em.idx(0), "bool"), (K.Store(buffer.name, self._special("warp"), acc),)),
-            K.Barrier(),
-            K.Assign(acc, K.Select(K.lt(lane, em.idx(warps)), K.Load(buffer.name, lane, rtype),
-                                   reduce_identity(reduction_kind(root), root.dtype), rtype)),
-        ]
-        stmts += self._butterfly(acc, kind, rtype)
-        stmts.append(K.Barrier())  # the buffer is free again for the next reduction
-        return stmts
-
     # -- shared memory -------------------------------------------------------------------------------
     def plan_shared(self, graph, pattern_nodes, limit: int):
         """Place the S sub-roots with ``schedule/smem.py``: sharing by dominance and liveness, and
@@ -636,16 +353,6 @@ class Composer:
         self.em.shared_buffers.update(b.name for b in buffers.values())
         self.placement = {node: buffers[name] for node, name in plan.placement.items()}
         return plan
-
-    def _reduction_buffer(self, rtype: str) -> K.Buffer:
-        name = f"red_{rtype}"
-        for b in self.shared:
-            if b.name == name:
-                return b
-        buffer = K.Buffer(name, rtype, WARP, space="shared")
-        self.shared.append(buffer)
-        self.em.shared_buffers.add(name)
-        return buffer
 
     def _footprint(self, group: Group) -> list[tuple[list[Factor], list[Factor]]]:
         """Per dim: (GRID factors, the local factors below them); GRID must come first in a dim."""

@@ -1,0 +1,238 @@
+"""Reductions inside composed kernels: per thread, across the lanes of a warp, across a block's warps.
+
+- thread-serial: every reduced dim is THREAD tiled; each thread loops over them;
+- across threads (CTA tiles on reduced dims): a register per thread, ``__shfl_xor_sync``
+  butterflies over the warp, and in block mode the warps' results through a small shared array,
+  a barrier and one more butterfly, so that every thread holds the result (warp / block
+  composition);
+- across warps (WARP tiles on reduced dims, kept dims on the lanes): each warp writes its slice
+  for every kept element to shared memory and, after a barrier, the block's threads sum the slices
+  (per-block partial column sums, e.g. LayerNorm backward's dgamma and dbeta).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from fusionstitching.codegen import kernel_ir as K
+from fusionstitching.codegen.values import (
+    CodegenError,
+    combine,
+    reduce_identity,
+    reduction_kind,
+    register_type,
+)
+from fusionstitching.schedule.template import Level
+
+if TYPE_CHECKING:
+    from fusionstitching.codegen.compose import Group
+    from fusionstitching.graph.graph import Node
+
+WARP = 32
+
+
+class Reductions:
+    """Mixin of ``compose.Composer``."""
+
+    def _serial_reduction(self, group: Group, index: list[K.Expr]) -> K.Expr:
+        """A reduction whose reduced dims are all THREAD tiled: each thread loops over them."""
+        em = self.em
+        root = group.root
+        kind, rtype = reduction_kind(root), register_type(root.dtype)
+        acc = em.accumulator("acc", rtype)
+        em.stmts.append(K.Let(acc, reduce_identity(kind, root.dtype)))
+        reduced = [f for f in group.factors if f.dim in group.reduced and f.level == Level.THREAD]
+
+        def body() -> None:
+            inner, guard = self._index(group, sorted(group.reduced))
+            point = [inner[d] if d in group.reduced else index[d] for d in range(len(group.space))]
+            stmts, value = em.nested(lambda: em.term(root, point))
+            update = tuple(stmts) + (K.Assign(acc, combine(kind, acc, value, rtype)),)
+            em.stmts.extend([K.If(guard, update)] if guard is not None else update)
+
+        em.stmts.extend(self._serial(reduced, body))
+        if root.dtype.is_half:
+            return em.let("v", K.Cast(K.Cast(acc, root.dtype.value), "f32"))
+        return acc
+
+    def _cross_warp(self, group: Group) -> list[K.Stmt]:
+        """Each warp folds its slice of the reduced dims for every kept element its lanes hold and
+        writes it to shared memory; after a barrier the block's threads sum the warps' slices."""
+        em = self.em
+        root = group.root
+        warps = [f for f in group.factors if f.level == Level.WARP]
+        if not self.warp_mode or math.prod(f.extent for f in warps) != self.threads // WARP:
+            raise CodegenError(f"{root.name}: a reduction across warps needs one WARP tile per warp of the block")
+        if any(f.dim not in group.reduced for f in warps):
+            raise CodegenError(f"{root.name}: a reduction across warps keeps its WARP tiles on reduced dims only")
+        if group.output is None:
+            raise CodegenError(f"{root.name}: a reduction across warps must be an output of the kernel; "
+                               "other groups cannot read it")
+        footprint = self._footprint(group)
+        local_extents = [math.prod(f.extent for f in local) for _, local in footprint]
+        count = math.prod(local_extents)
+        slots = self.threads // WARP
+        buffer = self._cross_warp_buffer(slots * count, register_type(root.dtype))
+        warp_index: K.Expr = em.idx(0)
+        for f in warps:
+            warp_index = K.add(K.mul(warp_index, em.idx(f.extent)), f.var)
+        kept = [d for d in range(len(group.space)) if d not in group.reduced]
+
+        def body() -> None:
+            index, guard = self._index(group, kept)
+
+            def compute() -> None:
+                value = self._serial_reduction(group, index)
+                slot = K.add(K.mul(warp_index, em.idx(count)), self._local_index(group, index))
+                em.stmts.append(K.Store(buffer.name, slot, value))
+
+            stmts, _ = em.nested(compute)
+            em.stmts.extend([K.If(guard, tuple(stmts))] if guard is not None else stmts)
+
+        stmts = self._thread_loops(group, body, frozenset(group.reduced)) + [K.Barrier()]
+        stmts += self._sum_slots(group, buffer, slots, count, footprint, local_extents)
+        return stmts + [K.Barrier()]
+
+    def _sum_slots(self, group, buffer, slots, count, footprint, local_extents) -> list[K.Stmt]:
+        em = self.em
+        root = group.root
+        kind, rtype = reduction_kind(root), register_type(root.dtype)
+        j = em.fresh("j", em.index_type)
+        v = em.fresh("w", em.index_type)
+        acc = em.accumulator("acc", rtype)
+        fold = K.For(v, em.idx(0), em.idx(slots), em.idx(1), (K.Assign(acc, combine(
+            kind, acc, K.Load(buffer.name, K.add(K.mul(v, em.idx(count)), j), rtype), rtype)),), "unroll")
+        body: list[K.Stmt] = [K.Let(acc, reduce_identity(kind, root.dtype)), fold]
+        # j → kept index: per kept dim, the grid part of this block plus the local offset.
+        remaining: K.Expr = j
+        offsets = []
+        for k in range(len(local_extents) - 1, -1, -1):
+            extent = local_extents[k]
+            offsets.append(remaining if k == 0 else K.rem(remaining, em.idx(extent)))
+            remaining = K.div(remaining, em.idx(extent))
+        offsets.reverse()
+        index, guard = [], None
+        kept_dims = [d for d in range(len(group.space)) if d not in group.reduced]
+        for d, (grid, _), extent, offset in zip(kept_dims, footprint, local_extents, offsets):
+            base: K.Expr = em.idx(0)
+            for f in grid:
+                base = K.add(K.mul(base, em.idx(f.extent)), f.var)
+            i = em.fresh("i", em.index_type)
+            body.append(K.Let(i, K.add(K.mul(base, em.idx(extent)), offset)))
+            index.append(i)
+            if math.prod(f.extent for f in group.factors if f.dim == d) > group.space[d]:
+                guard = K.land(guard, K.lt(i, em.idx(group.space[d])))
+        value: K.Expr = acc
+        if root.dtype.is_half:
+            value = K.Cast(acc, root.dtype.value)
+        name, layout = group.output
+        store = K.Store(name, em.linear(index, layout.strides), value)
+        body.append(K.If(guard, (store,)) if guard is not None else store)
+        return [K.For(j, self._special("tid"), em.idx(count), self._special("ntid"), tuple(body), "block_stride")]
+
+    def _cross_warp_buffer(self, size: int, rtype: str) -> K.Buffer:
+        name = f"xw_{rtype}"
+        for b in self.shared:
+            if b.name == name:
+                if b.extent < size:
+                    index = self.shared.index(b)
+                    self.shared[index] = K.Buffer(name, rtype, size, space="shared")
+                    return self.shared[index]
+                return b
+        buffer = K.Buffer(name, rtype, size, space="shared")
+        self.shared.append(buffer)
+        self.em.shared_buffers.add(name)
+        return buffer
+
+    def _cross_thread(self, group: Group) -> list[K.Stmt]:
+        em = self.em
+        root = group.root
+        for f in group.factors:
+            if f.dim not in group.reduced and f.level == Level.THREAD and f.extent > 1:
+                raise CodegenError(f"{root.name}: kept dim {f.dim} is THREAD tiled, which needs register "
+                                   "composition (identical thread tiling in all groups, no tails)")
+        kind = reduction_kind(root)
+        rtype = register_type(root.dtype)
+        acc = em.accumulator("acc", rtype)
+        stmts: list[K.Stmt] = [K.Let(acc, reduce_identity(kind, root.dtype))]
+
+        def body() -> None:
+            index, guard = self._index(group)
+            inner, value = em.nested(lambda: em.term(root, index))
+            update = tuple(inner) + (K.Assign(acc, combine(kind, acc, value, rtype)),)
+            em.stmts.extend([K.If(guard, update)] if guard is not None else update)
+
+        stmts += self._thread_loops(group, body)
+        return stmts + self._finish_reduction(group, acc)
+
+    def _finish_reduction(self, group: Group, acc: K.Var) -> list[K.Stmt]:
+        """Combine the threads' partial results; every thread (lane) ends with the result."""
+        em = self.em
+        root = group.root
+        kind = reduction_kind(root)
+        rtype = register_type(root.dtype)
+        stmts = self._butterfly(acc, kind, rtype)
+        if not self.warp_mode and self.threads > WARP:
+            stmts += self._across_warps(acc, kind, root)
+        result = acc
+        if root.dtype.is_half:
+            result = em.fresh("r", "f32")
+            stmts.append(K.Let(result, K.Cast(K.Cast(acc, root.dtype.value), "f32")))
+        kept = [d for d in range(len(group.space)) if d not in group.reduced]
+        kept_index = [self._kept_index(group, d) for d in kept]
+        if group.output is not None:
+            name, layout = group.output
+            value = K.Cast(result, root.dtype.value) if root.dtype.is_half else result
+            first: K.Expr = K.Binary("eq", self._special("lane" if self.warp_mode else "tid"), em.idx(0), "bool")
+            for d, i in zip(kept, kept_index):
+                covered = math.prod(f.extent for f in group.factors if f.dim == d)
+                if covered > group.space[d] and self.guard_tails:
+                    first = K.land(first, K.lt(i, em.idx(group.space[d])))
+            stmts.append(K.If(first, (K.Store(name, em.linear(kept_index, layout.strides), value),)))
+        previous = em.sub_roots.get(id(root))
+        candidates = previous[2] if previous is not None and previous[0] == "register" else []
+        em.sub_roots[id(root)] = ("register", root, candidates + [(kept_index, result)])
+        return stmts
+
+    def _kept_index(self, group: Group, d: int) -> K.Expr:
+        expr: K.Expr = self.em.idx(0)
+        for f in group.factors:
+            if f.dim == d:
+                expr = K.add(K.mul(expr, self.em.idx(f.extent)), f.var)
+        return expr
+
+    def _butterfly(self, acc: K.Var, kind: str, rtype: str) -> list[K.Stmt]:
+        stmts = []
+        offset = WARP // 2
+        while offset:
+            partner = K.Shuffle("xor", acc, K.Const(offset, "i32"), WARP, rtype)
+            stmts.append(K.Assign(acc, combine(kind, acc, partner, rtype)))
+            offset //= 2
+        return stmts
+
+    def _across_warps(self, acc: K.Var, kind: str, root: Node) -> list[K.Stmt]:
+        em = self.em
+        rtype = register_type(root.dtype)
+        warps = self.threads // WARP
+        buffer = self._reduction_buffer(rtype)
+        lane = self._special("lane")
+        stmts: list[K.Stmt] = [
+            K.If(K.Binary("eq", lane, em.idx(0), "bool"), (K.Store(buffer.name, self._special("warp"), acc),)),
+            K.Barrier(),
+            K.Assign(acc, K.Select(K.lt(lane, em.idx(warps)), K.Load(buffer.name, lane, rtype),
+                                   reduce_identity(reduction_kind(root), root.dtype), rtype)),
+        ]
+        stmts += self._butterfly(acc, kind, rtype)
+        stmts.append(K.Barrier())  # the buffer is free again for the next reduction
+        return stmts
+
+    def _reduction_buffer(self, rtype: str) -> K.Buffer:
+        name = f"red_{rtype}"
+        for b in self.shared:
+            if b.name == name:
+                return b
+        buffer = K.Buffer(name, rtype, WARP, space="shared")
+        self.shared.append(buffer)
+        self.em.shared_buffers.add(name)
+        return buffer

@@ -1,0 +1,122 @@
+"""Register composition: groups that tile a row alike share one straight-line body.
+
+When every group of a composed kernel tiles its thread-level dims identically, with no tails, one
+CTA iteration per thread and few THREAD elements, each thread keeps its elements in registers from
+one group to the next: a row is read from memory once, values like exp are computed once (let-CSE
+across groups), and the THREAD lanes of the last dim become 16-byte vector accesses. Reductions
+across warps (which only write outputs) follow the register body.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import TYPE_CHECKING
+
+from fusionstitching.codegen import kernel_ir as K
+from fusionstitching.codegen.values import (
+    combine,
+    reduce_identity,
+    reduction_kind,
+    register_type,
+)
+from fusionstitching.codegen.vectorize import pack_lanes
+from fusionstitching.schedule.template import Level
+
+if TYPE_CHECKING:
+    from fusionstitching.codegen.compose import Group
+
+WARP = 32
+
+
+class RegisterComposition:
+    """Mixin of ``compose.Composer``."""
+
+    def _local(self, group: Group) -> list[tuple[int, Level, int]]:
+        return [(f.dim, f.level, f.extent) for f in group.factors if f.level in (Level.CTA, Level.THREAD)]
+
+    def _can_fuse(self) -> bool:
+        """Whether every group tiles its thread-level dims identically, with no tails, one CTA
+        iteration per thread and few THREAD elements: then each thread keeps its elements in
+        registers from one group to the next (a row is read from memory once)."""
+        groups = self._register_groups()
+        if not groups:
+            return False
+        first = self._local(groups[0])
+        count = WARP if self.warp_mode else self.threads
+        for g in groups:
+            if self._local(g) != first:
+                return False
+            for d, size in enumerate(g.space):
+                if math.prod(f.extent for f in g.factors if f.dim == d) != size:
+                    return False
+        cta = math.prod(e for _, level, e in first if level == Level.CTA)
+        serial = math.prod(e for _, level, e in first if level == Level.THREAD)
+        return cta == count and serial <= 64
+
+    def _register_groups(self) -> list[Group]:
+        """The groups register composition covers; reductions across warps follow them (they only
+        write the kernel's outputs, so nothing in the register body waits for them)."""
+        return [g for g in self.groups if not g.cross_warp]
+
+    def _fused_groups(self) -> list[K.Stmt]:
+        em = self.em
+        groups = self._register_groups()
+        lead = groups[0]
+        c_var = em.fresh("cta", em.index_type)
+        em.stmts = [K.Let(c_var, self._special("lane" if self.warp_mode else "tid"))]
+        em.stmts += self._decompose([f for f in lead.factors if f.level == Level.CTA], c_var)
+        for g in groups[1:]:
+            self._share(g, Level.CTA, [f for f in lead.factors if f.level == Level.CTA])
+        serial = [(f.dim, f.extent) for f in lead.factors if f.level == Level.THREAD]
+        combos = list(itertools.product(*[range(e) for _, e in serial]))
+        for group in groups:
+            em.current = group.root.name
+            em.stmts.append(K.Comment(f"group {group.root.name}: {group.sched} (registers)"))
+            thread_factors = [f for f in group.factors if f.level == Level.THREAD]
+            if group.cross_thread:
+                root = group.root
+                kind, rtype = reduction_kind(root), register_type(root.dtype)
+                kept_thread = [f for f in thread_factors if f.dim not in group.reduced]
+                accs: dict[tuple, K.Var] = {}  # one accumulator per kept element this thread holds
+                for combo in combos:
+                    for f, value in zip(thread_factors, combo):
+                        f.var = em.idx(value)
+                    key = tuple(f.var.value for f in kept_thread)
+                    if key not in accs:
+                        accs[key] = em.accumulator("acc", rtype)
+                        em.stmts.append(K.Let(accs[key], reduce_identity(kind, root.dtype)))
+                    index, _ = self._index(group)
+                    value = em.term(root, index)
+                    em.stmts.append(K.Assign(accs[key], combine(kind, accs[key], value, rtype)))
+                for key, acc in accs.items():
+                    for f, value in zip(kept_thread, key):
+                        f.var = em.idx(value)
+                    em.stmts.extend(self._finish_reduction(group, acc))
+                continue
+            buffer = self._shared_buffer(group) if group.shared else None
+            for combo in combos:
+                for f, value in zip(thread_factors, combo):
+                    f.var = em.idx(value)
+                index, _ = self._index(group)
+                value = em.value(group.root, tuple(index))
+                if group.output is not None:
+                    name, layout = group.output
+                    store = K.Cast(value, group.root.dtype.value) if group.root.dtype.is_half else value
+                    em.stmts.append(K.Store(name, em.linear(index, layout.strides), store))
+                if buffer is not None:
+                    em.stmts.append(K.Store(buffer.name, self._local_index(group, index), value))
+            if buffer is not None:
+                em.stmts.append(K.Barrier())
+                self._register_shared_reader(group, buffer)
+        lanes = serial[-1][1] if serial and serial[-1][0] == len(lead.space) - 1 else 1
+        stmts = em.stmts
+        if lanes > 1 and self.vectorize:
+            stmts = pack_lanes(stmts, em.definitions, lanes)
+        for group in self.groups:
+            if group.cross_warp:
+                em.stmts = []
+                em.current = group.root.name
+                stmts = stmts + [K.Comment(f"group {group.root.name}: {group.sched}")] + self._cross_warp(group)
+        return stmts
+
