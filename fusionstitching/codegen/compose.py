@@ -42,9 +42,8 @@ from fusionstitching.codegen.values import (
 )
 from fusionstitching.codegen.vectorize import affine
 from fusionstitching.graph.graph import Layout, Node
+from fusionstitching.schedule.template import WARP_SIZE as WARP
 from fusionstitching.schedule.template import Level, Schedule, tile_extents
-
-WARP = 32
 
 
 @dataclass

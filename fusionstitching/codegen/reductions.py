@@ -23,13 +23,13 @@ from fusionstitching.codegen.values import (
     reduction_kind,
     register_type,
 )
+from fusionstitching.schedule.template import WARP_SIZE as WARP
 from fusionstitching.schedule.template import Level
 
 if TYPE_CHECKING:
     from fusionstitching.codegen.compose import Group
     from fusionstitching.graph.graph import Node
 
-WARP = 32
 
 
 class Reductions:

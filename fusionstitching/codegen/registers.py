@@ -21,12 +21,12 @@ from fusionstitching.codegen.values import (
     register_type,
 )
 from fusionstitching.codegen.vectorize import pack_lanes
+from fusionstitching.schedule.template import WARP_SIZE as WARP
 from fusionstitching.schedule.template import Level
 
 if TYPE_CHECKING:
     from fusionstitching.codegen.compose import Group
 
-WARP = 32
 
 
 class RegisterComposition:
