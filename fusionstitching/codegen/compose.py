@@ -180,35 +180,28 @@ class Composer(Reductions, RegisterComposition):
                 raise CodegenError(f"{g.root.name}: block reductions need a power-of-two thread count")
 
     def lower(self) -> list[K.Stmt]:
-        em = self.em
-        first = self.groups[0]
-        grid = [f for f in first.factors if f.level == Level.GRID]
-        total = math.prod(f.extent for f in grid)
-        g_var = em.fresh("grid", em.index_type)
-        decompose = self._decompose(grid, g_var)
-        for group in self.groups[1:]:
-            self._share(group, Level.GRID, grid)
-        inner = decompose + self._warp_level()
-        bid = self._special("bid")
-        if self.blocks >= total:
-            return [K.Let(g_var, bid), K.If(K.lt(g_var, em.idx(total)), tuple(inner))]
-        return [K.For(g_var, bid, em.idx(total), em.idx(self.blocks), tuple(inner), "grid_stride")]
+        return self._level_loop(Level.GRID, self._special("bid"), self.blocks, "grid_stride", self._warp_level)
 
     def _warp_level(self) -> list[K.Stmt]:
         if not self.warp_mode:
             return self._groups()
+        return self._level_loop(Level.WARP, self._special("warp"), self.threads // WARP, "warp_stride",
+                                self._groups)
+
+    def _level_loop(self, level: Level, first: K.Expr, count: int, kind: str, inner) -> list[K.Stmt]:
+        """The loop over ``level``'s space shared by all groups: its index is decomposed once and
+        every group uses the same factor registers. A single iteration is an ``If``."""
         em = self.em
-        warps = [f for f in self.groups[0].factors if f.level == Level.WARP]
-        total = math.prod(f.extent for f in warps)
-        w_var = em.fresh("warp", em.index_type)
-        decompose = self._decompose(warps, w_var)
+        factors = [f for f in self.groups[0].factors if f.level == level]
+        total = math.prod(f.extent for f in factors)
+        var = em.fresh(level.value.lower(), em.index_type)
+        decompose = self._decompose(factors, var)
         for group in self.groups[1:]:
-            self._share(group, Level.WARP, warps)
-        body = decompose + self._groups()
-        count = self.threads // WARP
+            self._share(group, level, factors)
+        body = decompose + inner()
         if count >= total:
-            return [K.Let(w_var, self._special("warp")), K.If(K.lt(w_var, em.idx(total)), tuple(body))]
-        return [K.For(w_var, self._special("warp"), em.idx(total), em.idx(count), tuple(body), "warp_stride")]
+            return [K.Let(var, first), K.If(K.lt(var, em.idx(total)), tuple(body))]
+        return [K.For(var, first, em.idx(total), em.idx(count), tuple(body), kind)]
 
     def _share(self, group: Group, level: Level, source: list[Factor]) -> None:
         for f, s in zip([f for f in group.factors if f.level == level], source):
