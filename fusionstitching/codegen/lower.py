@@ -71,24 +71,24 @@ class LoweredKernel:
 
 
 def resolve_pattern(graph: Graph, nodes: Iterable[Node | str]) -> Pattern:
-    by_name = {n.name: n for n in graph.nodes}
-    chosen: set[int] = set()
+    index = graph.index
+    chosen: set[Node] = set()
     for item in nodes:
-        node = by_name.get(item) if isinstance(item, str) else item
-        if node is None or by_name.get(node.name) is not node:
+        node = index.by_name.get(item) if isinstance(item, str) else item
+        if node is None or index.by_name.get(node.name) is not node:
             raise CodegenError(f"{item!r} is not a node of graph {graph.name}")
         if node.category in _NOT_COMPUTED:
             raise CodegenError(f"node {node.name} ({node.op}) cannot be computed inside a kernel")
-        chosen.add(id(node))
+        chosen.add(node)
     if not chosen:
         raise CodegenError("empty pattern")
-    ordered = [n for n in graph.nodes if id(n) in chosen]
-    used_outside = {id(o) for n in graph.nodes if id(n) not in chosen for o in n.operands}
-    used_outside |= {id(o) for o in graph.outputs if o is not None}
+    ordered = sorted(chosen, key=index.position.__getitem__)
+    used_outside = {id(n) for n in ordered
+                    if id(n) in index.output_ids or any(u not in chosen for u in index.users[n])}
     inputs: list[Node] = []
     for node in ordered:
         for operand in node.operands:
-            if id(operand) in chosen or any(operand is i for i in inputs):
+            if operand in chosen or any(operand is i for i in inputs):
                 continue
             if operand.op == "constant" and operand.attrs["value"].ndim == 0:
                 continue  # scalar constants are inlined

@@ -33,14 +33,7 @@ from fusionstitching.graph.ops import Category
 
 def users(graph: Graph) -> dict[Node, list[Node]]:
     """Each node's distinct users, in graph order (a node using an operand twice is listed once)."""
-    result: dict[Node, list[Node]] = {node: [] for node in graph.nodes}
-    for node in graph.nodes:
-        seen: set[int] = set()
-        for operand in node.operands:
-            if id(operand) not in seen:
-                seen.add(id(operand))
-                result[operand].append(node)
-    return result
+    return {node: list(u) for node, u in graph.index.users.items()}
 
 
 def topological_order(graph: Graph) -> list[Node]:

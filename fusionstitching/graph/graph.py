@@ -11,6 +11,7 @@ nodes and ``verify`` uses it to check nodes made any other way, naming the node 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -128,10 +129,43 @@ class Graph:
         return from_json(text)
 
     def node(self, name: str) -> Node:
-        for node in self.nodes:
-            if node.name == name:
-                return node
-        raise KeyError(f"graph {self.name} has no node {name!r}")
+        node = self.index.by_name.get(name)
+        if node is None:
+            raise KeyError(f"graph {self.name} has no node {name!r}")
+        return node
+
+    @functools.cached_property
+    def index(self) -> GraphIndex:
+        """Positions, names and users of the nodes, computed once: stages that ask many questions
+        of one graph (fusion exploration, lowering) need them without rescanning the graph."""
+        return GraphIndex.of(self)
+
+
+@dataclass(frozen=True)
+class GraphIndex:
+    """Lookups over one graph's nodes: ``position`` in ``Graph.nodes``, ``by_name``, each node's
+    distinct ``users`` in graph order, and the ids of the graph's outputs."""
+
+    position: Mapping[Node, int]
+    by_name: Mapping[str, Node]
+    users: Mapping[Node, tuple[Node, ...]]
+    output_ids: frozenset[int]
+
+    @staticmethod
+    def of(graph: Graph) -> GraphIndex:
+        users: dict[Node, list[Node]] = {node: [] for node in graph.nodes}
+        for node in graph.nodes:
+            seen: set[int] = set()
+            for operand in node.operands:
+                if id(operand) not in seen:
+                    seen.add(id(operand))
+                    users[operand].append(node)
+        return GraphIndex(
+            position={node: i for i, node in enumerate(graph.nodes)},
+            by_name={node.name: node for node in graph.nodes},
+            users={node: tuple(u) for node, u in users.items()},
+            output_ids=frozenset(id(o) for o in graph.outputs if o is not None),
+        )
 
 
 def _topological(parameters: Sequence[Node], outputs: Sequence[Node | None]) -> list[Node]:

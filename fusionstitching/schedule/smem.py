@@ -57,7 +57,6 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from fusionstitching.graph.analysis import users
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
 
@@ -161,14 +160,14 @@ class _Flow:
     """Positions, users inside the pattern, post-dominators and spans of one pattern, by node name."""
 
     def __init__(self, graph: Graph, pattern: Sequence[Node]) -> None:
-        index = {node: i for i, node in enumerate(graph.nodes)}
+        index = graph.index.position
         for node in pattern:
             if node not in index:
                 raise ValueError(f"pattern node {node.name} is not in graph {graph.name}")
         order = sorted(set(pattern), key=index.__getitem__)
         members = set(order)
-        all_users = users(graph)
-        outputs = {id(node) for node in graph.outputs if node is not None}
+        all_users = graph.index.users
+        outputs = graph.index.output_ids
         self.nodes = {node.name: node for node in order}
         self.pos = {node.name: i for i, node in enumerate(order)}
         self.end = len(order)
