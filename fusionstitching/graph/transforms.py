@@ -41,7 +41,7 @@ copy whose operands point at the copies, users of the reduce pointing at its rep
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from fusionstitching.graph.graph import Graph, Layout, Node, infer, verify
@@ -54,15 +54,23 @@ def split_reduction(graph: Graph, node: Node | str, parts: int) -> Graph:
     Raises ``ValueError`` for an unknown node, a node that is not a reduce, ``parts < 2``, or a
     largest reduced dim whose size is not a multiple of ``parts``.
     """
-    target = _find(graph, node)
-    dim = split_dim(target, parts)
+    return split_reductions(graph, {node: parts})
+
+
+def split_reductions(graph: Graph, splits: Mapping[Node | str, int]) -> Graph:
+    """``split_reduction`` of several reduces in one rebuild of the graph (same rules, same names)."""
+    targets: dict[int, tuple[Node, int, int]] = {}
+    for node, parts in splits.items():
+        target = _find(graph, node)
+        targets[id(target)] = (target, split_dim(target, parts), parts)
     names = _Names(n.name for n in graph.nodes)
     copies: dict[int, Node] = {id(p): p for p in graph.parameters}
     for old in graph.nodes:
         if id(old) in copies:
             continue
         operands = tuple(copies[id(x)] for x in old.operands)
-        if old is target:
+        if id(old) in targets:
+            _, dim, parts = targets[id(old)]
             copies[id(old)] = _split(old, operands[0], dim, parts, names)
         else:
             copies[id(old)] = dataclasses.replace(old, operands=operands)
