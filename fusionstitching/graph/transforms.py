@@ -27,6 +27,13 @@ changes f32 (and thus f16/bf16) sums and prods by rounding error only; integer s
 wrap identically, bool reductions (any/all) are exact. Half max/min need no widening: they select
 an input value, which the half type represents exactly, so the partial stays in the original dtype.
 
+``duplicate_broadcasts`` gives every user of a ``broadcast_in_dim`` or ``iota`` with several users
+its own copy. Such a node only computes an index: a copy per consumer costs no memory traffic, while
+a shared one must either be written to memory in full (a broadcast of a scalar to [8,128,768]
+becomes 3 MB of traffic) or force all its consumers into one kernel. The first user keeps the
+original; copies are named ``<name>_<k>``. XLA makes the same choice when it duplicates cheap
+producers into each consumer fusion.
+
 Naming. New nodes are named after the original: ``<name>_f32`` (the widening convert),
 ``<name>_split`` (the reshape), ``<name>_partial``, ``<name>_final`` (only when a convert follows
 it); a ``_N`` suffix is added if a name is taken. The node that replaces the original output (the
@@ -81,6 +88,43 @@ def split_reductions(graph: Graph, splits: Mapping[Node | str, int]) -> Graph:
         mutations=graph.mutations,
         output_layouts=graph.output_layouts,
     )
+    verify(result)
+    return result
+
+
+DUPLICATED_OPS = ("broadcast_in_dim", "iota")
+
+
+def duplicate_broadcasts(graph: Graph) -> Graph:
+    """A copy of ``graph`` where each broadcast or iota with k > 1 users is k nodes, one per user."""
+    users: dict[int, list[Node]] = {}
+    for node in graph.nodes:
+        for operand in dict.fromkeys(node.operands):
+            users.setdefault(id(operand), []).append(node)
+    outputs = {id(o) for o in graph.outputs if o is not None}
+    shared = {id(n) for n in graph.nodes
+              if n.op in DUPLICATED_OPS and len(users.get(id(n), ())) > 1 and id(n) not in outputs}
+    if not shared:
+        return graph
+    names = _Names(n.name for n in graph.nodes)
+    copies: dict[int, Node] = {id(p): p for p in graph.parameters}
+    first_user: dict[int, int] = {}
+    per_user: dict[tuple[int, int], Node] = {}  # (shared node, user) → that user's copy
+    for old in graph.nodes:
+        if id(old) in copies:
+            continue
+        operands = []
+        for x in old.operands:
+            copy = copies[id(x)]
+            if id(x) in shared and first_user.setdefault(id(x), id(old)) != id(old):
+                key = (id(x), id(old))
+                if key not in per_user:
+                    per_user[key] = dataclasses.replace(copy, name=names.new(x.name))
+                copy = per_user[key]
+            operands.append(copy)
+        copies[id(old)] = dataclasses.replace(old, operands=tuple(operands))
+    result = Graph(graph.parameters, [None if out is None else copies[id(out)] for out in graph.outputs],
+                   name=graph.name, mutations=graph.mutations, output_layouts=graph.output_layouts)
     verify(result)
     return result
 

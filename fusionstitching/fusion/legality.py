@@ -1,0 +1,191 @@
+"""Legality of a fusion pattern: yes or no, with the reason (DESIGN.md "Fusion exploration").
+
+A pattern is legal when contracting it keeps the graph acyclic (``graph.analysis.CycleChecker``)
+and the schedule stage can build it (``schedule.feasible``, which lowers the pattern under its
+default template [C §4.1]). Legality says nothing about whether fusing pays off; that is
+``score.py``'s question.
+
+Exploration asks about thousands of candidates, many of them copies of each other (the twelve
+layers of a transformer give twelve identical LayerNorm patterns), so answers of ``feasible`` are
+cached by the pattern's *structure*: each node's op, shape, dtype, attributes and operands (inside
+the pattern by position, outside by input number, shape, dtype and layout), which nodes are
+outputs and which outputs overwrite an input in place. Two patterns with one structure lower to
+the same kernel up to names, so a cached schedule is renamed onto the new pattern's nodes and a
+cached reason has its node names substituted.
+
+``Roles`` is the classification every plan starts from: graph inputs (parameters, constants),
+library calls (``library`` nodes and dots above the small-dot threshold of ``Options``, which run
+in the GEMM library) and the fusable rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fusionstitching.graph.analysis import CycleChecker
+from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.ops import Category
+from fusionstitching.options import Options
+from fusionstitching.schedule.grouping import Reason, feasible
+from fusionstitching.schedule.template import KernelSchedule
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a pattern is legal; ``schedule`` when it is, ``reason`` when it is not."""
+
+    legal: bool
+    reason: str = ""
+    schedule: KernelSchedule | None = None
+
+    def __bool__(self) -> bool:
+        return self.legal
+
+
+# ----------------------------------------------------------------------------------------------
+# Roles of nodes
+# ----------------------------------------------------------------------------------------------
+
+
+def dot_flops(node: Node) -> int:
+    """2·M·N·K of a ``dot_general``: twice the output size times the contracted length."""
+    lhs = node.operands[0]
+    contract = math.prod(lhs.shape[d] for d in node.attrs["lhs_contract"])
+    return 2 * node.size * contract
+
+
+def is_small_dot(node: Node, options: Options) -> bool:
+    """Whether a ``dot_general`` is fused by the code generator (Options' small-dot threshold)."""
+    lhs = node.operands[0]
+    batch = math.prod(lhs.shape[d] for d in node.attrs["lhs_batch"])
+    contract = math.prod(lhs.shape[d] for d in node.attrs["lhs_contract"])
+    per_batch = node.size // max(batch, 1)
+    return (dot_flops(node) <= options.small_dot_max_flops and per_batch <= options.small_dot_max_output
+            and contract <= options.small_dot_max_contract)
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Which nodes are graph inputs, which are library calls (with why), and which are fusable."""
+
+    inputs: frozenset[Node]
+    library: dict[Node, str]
+    fusable: tuple[Node, ...]  # in graph order
+
+    @staticmethod
+    def of(graph: Graph, options: Options) -> Roles:
+        inputs, library, fusable = set(), {}, []
+        for node in graph.nodes:
+            if node.category in (Category.PARAMETER, Category.CONSTANT):
+                inputs.add(node)
+            elif node.category == Category.LIBRARY:
+                library[node] = f"library op {node.attrs['target']}"
+            elif node.op == "dot_general" and not is_small_dot(node, options):
+                library[node] = (f"dot of {dot_flops(node) / 1e6:.1f} MFLOP is above the small-dot threshold "
+                                 "(GEMM library)")
+            else:
+                fusable.append(node)
+        return Roles(frozenset(inputs), library, tuple(fusable))
+
+
+# ----------------------------------------------------------------------------------------------
+# The legality checker
+# ----------------------------------------------------------------------------------------------
+
+
+class Legality:
+    """Answers "can these nodes be one kernel?" for one graph, caching ``feasible`` by structure."""
+
+    def __init__(self, graph: Graph, options: Options | None = None) -> None:
+        self.graph = graph
+        self.options = options or Options()
+        self.cycles = CycleChecker(graph)
+        self.index = graph.index
+        self._cache: dict[tuple, tuple[tuple[str, ...], KernelSchedule | Reason]] = {}
+        self.feasible_calls = 0
+        self.cache_hits = 0
+
+    def check(self, nodes: Iterable[Node]) -> Verdict:
+        members = sorted(set(nodes), key=self.index.position.__getitem__)
+        witness = self.cycles.witness(members)
+        if witness is not None:
+            path = " -> ".join(n.name for n in witness)
+            return Verdict(False, f"contracting the pattern creates a cycle through {path}")
+        return self.buildable(members)
+
+    def buildable(self, members: Sequence[Node]) -> Verdict:
+        """``schedule.feasible`` for ``members`` (sorted in graph order), through the cache."""
+        key = self._signature(members)
+        names = tuple(n.name for n in members)
+        cached = self._cache.get(key)
+        if cached is None:
+            self.feasible_calls += 1
+            result = feasible(self.graph, members)
+            self._cache[key] = (names, result)
+        else:
+            self.cache_hits += 1
+            result = _rename(cached[1], dict(zip(cached[0], names)))
+        if isinstance(result, Reason):
+            return Verdict(False, str(result))
+        return Verdict(True, schedule=result)
+
+    def _signature(self, members: Sequence[Node]) -> tuple:
+        local = {node: i for i, node in enumerate(members)}
+        inputs: dict[Node, int] = {}
+        aliased = self._aliased()
+        items = []
+        for node in members:
+            operands = []
+            for operand in node.operands:
+                if operand in local:
+                    operands.append(local[operand])
+                    continue
+                number = inputs.setdefault(operand, len(inputs))
+                scalar = operand.op == "constant" and operand.attrs["value"].ndim == 0
+                operands.append(("in", number, operand.shape, operand.dtype, operand.layout, scalar))
+            output = id(node) in self.index.output_ids or any(u not in local for u in self.index.users[node])
+            alias = aliased.get(node)
+            alias_key = inputs.get(alias, -1) if alias is not None else None
+            items.append((node.op, node.shape, node.dtype, _freeze(node.attrs), tuple(operands), output,
+                          alias_key, node.layout))
+        return tuple(items)
+
+    def _aliased(self) -> dict[Node, Node]:
+        """Graph outputs that overwrite a parameter in place → that parameter."""
+        if not hasattr(self, "_aliases"):
+            graph = self.graph
+            self._aliases = {graph.outputs[o]: graph.parameters[p] for o, p in graph.mutations.items()
+                             if graph.outputs[o] is not None}
+        return self._aliases
+
+
+def _freeze(attrs) -> tuple:
+    items = []
+    for key in sorted(attrs):
+        value = attrs[key]
+        if isinstance(value, np.ndarray):
+            value = (value.dtype.str, value.shape, value.tobytes())
+        elif isinstance(value, list):
+            value = tuple(value)
+        items.append((key, value))
+    return tuple(items)
+
+
+def _rename(result: KernelSchedule | Reason, names: dict[str, str]) -> KernelSchedule | Reason:
+    """A cached answer for a structurally identical pattern, with its node names replaced."""
+    if all(old == new for old, new in names.items()):
+        return result
+    if isinstance(result, Reason):
+        pattern = re.compile(r"\b(" + "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True)) + r")\b")
+        return Reason(pattern.sub(lambda m: names[m.group(1)], result.message))
+    schedules = tuple(dataclasses.replace(s, root=names[s.root]) for s in result.schedules)
+    return dataclasses.replace(result, schedules=schedules)
+
+
+__all__ = ["Legality", "Roles", "Verdict", "dot_flops", "is_small_dot"]

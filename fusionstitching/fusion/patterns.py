@@ -1,0 +1,301 @@
+"""Candidate patterns: substitution fusion with multi-step partition ops [B §4.2.1].
+
+Algorithm 1 of paper B walks the graph in topological order and collapses all ops between two
+adjacent *partition ops* into one pattern; a partition op starts the pattern that follows it. It is
+run once per step of a growing partition set, and every step's patterns go to the selector:
+
+  step 1  library calls (large GEMMs, library ops) — they are never fused, so they only cut;
+  step 2  + batched (small) dots;
+  step 3  + column reductions (the last dim is kept);
+  step 4  + scalar reductions (every dim reduced);
+  step 5  + row reductions;
+  step 6  + expensive elementwise ops.
+
+A range of a topological order is convex (a path between two of its nodes only visits nodes
+between them), so a segment, and each weakly connected component of it, contracts without a
+cycle. For each segment the generator proposes the whole segment (kernel packing of its
+independent parts) and each of its components; a proposal the schedule stage cannot build is
+retried without the ``reshape`` nodes on its boundary (they become views of the kernel's
+contiguous input or output, which often lets the rest share one iteration space). Proposals of
+one node are not made: every node not covered by a selected pattern becomes its own kernel.
+
+The paper lets a partition op open the pattern that follows it (a GEMM and its epilogue). For
+reductions the opposite is as useful (a reduction and the ops that feed it), so every step after
+the first is run both ways: partition ops opening runs and partition ops closing them.
+
+The paper's exploratory fusion [B §4.2.2] and the richer generators of DESIGN.md come later; the
+selector takes candidates from any generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from fusionstitching.codegen.values import is_reduction
+from fusionstitching.fusion.legality import Legality, Roles, Verdict
+from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.ops import Category
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A legal pattern proposed by a generator: its nodes in graph order and its schedule."""
+
+    nodes: tuple[Node, ...]
+    verdict: Verdict
+    origin: str
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n.name for n in self.nodes)
+
+
+@dataclass
+class Rejection:
+    """A proposal that is not legal, kept for the plan's explanations."""
+
+    nodes: tuple[Node, ...]
+    reason: str
+    origin: str
+
+
+def _column_reduction(node: Node) -> bool:
+    return node.op == "reduce" and len(node.operands[0].shape) - 1 not in node.attrs["dims"] and node.size > 1
+
+
+def _scalar_reduction(node: Node) -> bool:
+    return is_reduction(node) and node.op == "reduce" and node.size == 1
+
+
+def _row_reduction(node: Node) -> bool:
+    return node.op == "reduce" and not _column_reduction(node) and not _scalar_reduction(node)
+
+
+PARTITION_STEPS: tuple[tuple[str, Callable[[Node], bool]], ...] = (
+    ("library calls", lambda n: False),
+    ("batched dots", lambda n: n.op == "dot_general"),
+    ("column reductions", _column_reduction),
+    ("scalar reductions", _scalar_reduction),
+    ("row reductions", _row_reduction),
+    ("expensive ops", lambda n: n.category == Category.EXPENSIVE_ELEMENTWISE),
+)
+
+
+class SubstitutionFusion:
+    """Runs Algorithm 1 for every partition step and collects the legal, distinct candidates."""
+
+    def __init__(self, graph: Graph, roles: Roles, legality: Legality) -> None:
+        self.graph = graph
+        self.roles = roles
+        self.legality = legality
+        self.candidates: list[Candidate] = []
+        self.rejections: list[Rejection] = []
+        self.seen: set[frozenset[Node]] = set()
+
+    def run(self) -> list[Candidate]:
+        partition: list[Callable[[Node], bool]] = []
+        for label, predicate in PARTITION_STEPS:
+            partition.append(predicate)
+            origin = f"substitution fusion, partition at {label}"
+            for closing in (False, True) if len(partition) > 1 else (False,):
+                suffix = " (closing runs)" if closing else ""
+                for segment in self._segments(partition, closing):
+                    self._propose_segment(segment, origin + suffix)
+        return self.candidates
+
+    # -- Algorithm 1 ----------------------------------------------------------------------------
+    def _segments(self, partition: Sequence[Callable[[Node], bool]], closing: bool) -> list[list[Node]]:
+        """Runs of fusable nodes in graph order, cut at library calls and at every partition op: before
+        it (the op opens the next run, as in the paper) or, with ``closing``, after it (the op ends
+        its run, so that a reduction takes in its producers)."""
+        segments: list[list[Node]] = []
+        current: list[Node] = []
+        fusable = set(self.roles.fusable)
+        for node in self.graph.nodes:
+            if node in self.roles.library:
+                if current:
+                    segments.append(current)
+                current = []
+            elif node in fusable:
+                cut = any(p(node) for p in partition)
+                if cut and not closing and current:
+                    segments.append(current)
+                    current = []
+                current.append(node)
+                if cut and closing:
+                    segments.append(current)
+                    current = []
+        if current:
+            segments.append(current)
+        return segments
+
+    def _propose_segment(self, segment: list[Node], origin: str) -> None:
+        components = _components(segment)
+        if len(components) > 1:
+            self._propose(segment, origin + " (packed)")
+        for component in components:
+            self._propose(component, origin)
+
+    def _propose(self, nodes: Sequence[Node], origin: str) -> None:
+        if len(nodes) < 2:
+            return
+        key = frozenset(nodes)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        verdict = self.legality.buildable(list(nodes))
+        if verdict:
+            self.candidates.append(Candidate(tuple(nodes), verdict, origin))
+            return
+        trimmed = _strip_boundary_reshapes(nodes, self.graph)
+        if len(trimmed) < len(nodes):
+            retry = self.legality.buildable(trimmed) if len(trimmed) >= 2 else verdict
+            if retry:
+                key = frozenset(trimmed)
+                if key not in self.seen:
+                    self.seen.add(key)
+                    self.candidates.append(Candidate(tuple(trimmed), retry, origin + ", boundary reshapes as views"))
+                return
+        self.rejections.append(Rejection(tuple(nodes), verdict.reason, origin))
+
+
+def _components(segment: Sequence[Node]) -> list[list[Node]]:
+    """Weakly connected components of the segment's own edges, each in graph order."""
+    members = {node: i for i, node in enumerate(segment)}
+    parent = list(range(len(segment)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for node, i in members.items():
+        for operand in node.operands:
+            j = members.get(operand)
+            if j is not None:
+                a, b = find(i), find(j)
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[Node]] = {}
+    for node, i in members.items():
+        groups.setdefault(find(i), []).append(node)
+    return sorted(groups.values(), key=lambda g: members[g[0]])
+
+
+def _strip_boundary_reshapes(nodes: Sequence[Node], graph: Graph) -> list[Node]:
+    """The nodes without the reshapes that only read from outside or only feed outside, repeatedly
+    (a chain of reshapes at the boundary goes as a whole)."""
+    users = graph.index.users
+    kept = list(nodes)
+    while True:
+        members = set(kept)
+        boundary = {n for n in kept if n.op == "reshape"
+                    and (n.operands[0] not in members or all(u not in members for u in users[n]))}
+        if not boundary:
+            return kept
+        kept = [n for n in kept if n not in boundary]
+
+
+__all__ = ["PARTITION_STEPS", "Candidate", "Rejection", "SubstitutionFusion"]
+
+
+class NeighbourMerging:
+    """Exploratory fusion [B §4.2.2] seeded with a selected plan: each pattern (or leftover node) is
+    expanded by one neighbouring pattern along a producer→consumer edge. Substitution fusion never
+    fuses across a partition op, so ops that sit between different GEMMs in the topological order
+    (a gradient accumulated from two GEMMs' outputs) are only found this way. Each union is checked
+    for cycles and by the schedule stage like every candidate."""
+
+    def __init__(self, graph: Graph, roles: Roles, legality: Legality, seen: set[frozenset[Node]]) -> None:
+        self.graph = graph
+        self.roles = roles
+        self.legality = legality
+        self.seen = seen
+
+    def run(self, groups: Sequence[Sequence[Node]]) -> list[Candidate]:
+        fusable = set(self.roles.fusable)
+        owner: dict[Node, int] = {}
+        seeds = [tuple(g) for g in groups]
+        for k, group in enumerate(seeds):
+            for node in group:
+                owner[node] = k
+        for node in self.roles.fusable:
+            if node not in owner:
+                owner[node] = len(seeds)
+                seeds.append((node,))
+        pairs: dict[tuple[int, int], None] = {}
+        for node in self.roles.fusable:
+            for operand in node.operands:
+                if operand in fusable and owner[operand] != owner[node]:
+                    pairs[(owner[operand], owner[node])] = None
+        position = self.graph.index.position
+        found = []
+        for a, b in pairs:
+            union = sorted(set(seeds[a]) | set(seeds[b]), key=position.__getitem__)
+            key = frozenset(union)
+            if key in self.seen:
+                continue
+            self.seen.add(key)
+            verdict = self.legality.check(union)
+            if verdict:
+                found.append(Candidate(tuple(union), verdict, "exploratory fusion of neighbouring patterns"))
+        return found
+
+
+SINK_PACK_MAX_BYTES = 1 << 20
+SINK_PACK_MAX_PATTERNS = 32
+
+
+class SinkPacking:
+    """Kernel packing of small independent patterns at the ends of the graph (C §4.1's packing
+    scheme): the final reduces of split bias and LayerNorm gradients each read a few kilobytes and
+    feed only graph outputs (directly or through views). Nothing can depend on such a pattern, so
+    any number of them contract into one kernel without a cycle; they are proposed in groups of up
+    to ``SINK_PACK_MAX_PATTERNS`` (a bound on kernel parameters) of patterns with the same ops and
+shapes, in graph order (the packed template of the schedule stage handles equal shapes best)."""
+
+    def __init__(self, graph: Graph, roles: Roles, legality: Legality, seen: set[frozenset[Node]]) -> None:
+        self.graph = graph
+        self.roles = roles
+        self.legality = legality
+        self.seen = seen
+
+    def run(self, groups: Sequence[Sequence[Node]]) -> list[Candidate]:
+        by_shape: dict[tuple, list[tuple[Node, ...]]] = {}
+        for group in groups:
+            if self._is_small_sink(group):
+                by_shape.setdefault(tuple((n.op, n.shape, n.dtype) for n in group), []).append(tuple(group))
+        chunks = [sinks[start:start + SINK_PACK_MAX_PATTERNS] for sinks in by_shape.values()
+                  for start in range(0, len(sinks), SINK_PACK_MAX_PATTERNS)]
+        found = []
+        for chunk in chunks:
+            if len(chunk) < 2:
+                continue
+            union = sorted({n for g in chunk for n in g}, key=self.graph.index.position.__getitem__)
+            key = frozenset(union)
+            if key in self.seen:
+                continue
+            self.seen.add(key)
+            verdict = self.legality.check(union)
+            if verdict:
+                found.append(Candidate(tuple(union), verdict, "packing of small patterns that feed only outputs"))
+        return found
+
+    def _is_small_sink(self, group: Sequence[Node]) -> bool:
+        members = set(group)
+        users = self.graph.index.users
+        total = 0
+        for node in group:
+            total += node.size * node.dtype.itemsize
+            for user in users[node]:
+                if user not in members and not self._feeds_outputs_only(user):
+                    return False
+        return total <= SINK_PACK_MAX_BYTES
+
+    def _feeds_outputs_only(self, node: Node) -> bool:
+        """A shape op whose value only reaches graph outputs (through more shape ops)."""
+        if node.category != Category.SHAPE:
+            return False
+        return all(self._feeds_outputs_only(u) for u in self.graph.index.users[node])

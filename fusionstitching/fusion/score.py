@@ -1,0 +1,116 @@
+"""Scores of fusion patterns: how much time fusing them saves (DESIGN.md "Fusion exploration").
+
+Both scores compare the pattern run as one kernel with its ops run unfused, one kernel each
+(a ``reshape`` is a view of contiguous memory and costs nothing unfused).
+
+Delta evaluator [C §5.4]: ``f = T_reduced_mem + T_reduced_calls − T_penalty``, where
+
+- ``T_reduced_mem = Σ_ops M(bytes(op)) − M(bytes(P))``: the memory time of the unfused kernels
+  minus the fused kernel's, M being the bandwidth model of ``cost/bandwidth.py`` (which charges
+  every kernel its floor, so small kernels cost more than their bytes);
+- ``T_reduced_calls = (N − 1) φ``: launches saved, φ from the GPU spec (N = ops that would be
+  kernels);
+- ``T_penalty = max(0, L(P) − M(bytes(P)))``: how much longer than its memory time the fused
+  kernel is expected to run, by the simplified latency evaluator (``cost/latency.py``: fixed 16
+  registers per thread, launch dims of the schedule ``feasible`` chose, no shared-memory term).
+  This is what rejects, for example, a reduction whose composition leaves most of the GPU idle.
+
+Model-based score [B §4.3]: ``f = M(V) + (N − 1) φ`` with V the off-chip bytes saved.
+
+Patterns with a score ≤ 0 are dropped by the selector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fusionstitching.cost.bandwidth import BandwidthModel, bandwidth_model
+from fusionstitching.cost.gpu_spec import GpuSpec, gpu_spec
+from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us
+from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.options import Options
+from fusionstitching.schedule.template import KernelSchedule
+
+
+def _bytes(node: Node) -> int:
+    return node.size * node.dtype.itemsize
+
+
+def _is_scalar_constant(node: Node) -> bool:
+    return node.op == "constant" and node.size == 1
+
+
+def unfused_bytes(node: Node) -> int:
+    """Global-memory bytes of ``node`` run as its own kernel: distinct operands read, result written."""
+    if node.op == "reshape":
+        return 0
+    operands = {id(o): o for o in node.operands if not _is_scalar_constant(o)}
+    return _bytes(node) + sum(_bytes(o) for o in operands.values())
+
+
+def counts_as_kernel(node: Node) -> bool:
+    return node.op != "reshape"
+
+
+def pattern_bytes(graph: Graph, nodes: Sequence[Node]) -> int:
+    """Bytes the fused kernel reads (inputs from outside, once) and writes (outputs used outside)."""
+    members = set(nodes)
+    index = graph.index
+    inputs: dict[int, Node] = {}
+    total = 0
+    for node in nodes:
+        for operand in node.operands:
+            if operand not in members and not _is_scalar_constant(operand):
+                inputs[id(operand)] = operand
+        if id(node) in index.output_ids or any(u not in members for u in index.users[node]):
+            total += _bytes(node)
+    return total + sum(_bytes(o) for o in inputs.values())
+
+
+@dataclass(frozen=True)
+class Score:
+    value: float
+    reduced_mem_us: float
+    reduced_calls_us: float
+    penalty_us: float
+    saved_bytes: int
+    kernels_replaced: int
+
+    def __str__(self) -> str:
+        return (f"f={self.value:.2f}us (memory {self.reduced_mem_us:.2f} + launches {self.reduced_calls_us:.2f}"
+                f" - penalty {self.penalty_us:.2f}; {self.saved_bytes} bytes saved, "
+                f"{self.kernels_replaced} kernels -> 1)")
+
+
+class Scorer:
+    """Scores patterns of one graph for one device (``Options.device``) with ``Options.score``."""
+
+    def __init__(self, graph: Graph, options: Options) -> None:
+        self.graph = graph
+        self.options = options
+        self.spec: GpuSpec = gpu_spec(options.device)
+        self.memory: BandwidthModel = bandwidth_model(self.spec.name)
+        self.launch_us = self.memory.launch_us
+
+    def score(self, nodes: Sequence[Node], schedule: KernelSchedule | None) -> Score:
+        kernels = sum(1 for n in nodes if counts_as_kernel(n))
+        fused = pattern_bytes(self.graph, nodes)
+        unfused = sum(unfused_bytes(n) for n in nodes)
+        calls = max(kernels - 1, 0) * self.launch_us
+        if self.options.score == "model":
+            saved = max(unfused - fused, 0)
+            memory = self.memory.time_us(saved)
+            return Score(memory + calls, memory, calls, 0.0, saved, kernels)
+        memory = sum(self.memory.time_us(unfused_bytes(n)) for n in nodes if counts_as_kernel(n))
+        memory -= self.memory.time_us(fused)
+        penalty = self.penalty_us(nodes, schedule, fused)
+        return Score(memory + calls - penalty, memory, calls, penalty, unfused - fused, kernels)
+
+    def penalty_us(self, nodes: Sequence[Node], schedule: KernelSchedule | None, fused_bytes: int) -> float:
+        if schedule is None:
+            return 0.0
+        blocks, threads = schedule.launch.blocks, schedule.launch.threads
+        work = instructions_per_thread(list(nodes), blocks, threads)
+        latency = kernel_latency_us(self.spec, blocks, threads, work)
+        return max(0.0, latency - self.memory.time_us(fused_bytes))

@@ -1,0 +1,125 @@
+"""Plan selection: the ILP of [B §4.1], solved with HiGHS through ``scipy.optimize.milp``.
+
+One binary variable X_i per candidate pattern P_i with a positive score f(P_i):
+
+    maximize    Σ_i f(P_i) X_i
+    subject to  Σ_{i : v ∈ P_i} X_i ≤ 1     for every node v covered by two or more candidates
+
+Every candidate is acyclic on its own, but two chosen together can close a cycle (paper B
+Figure 3: a path leaves one chosen pattern, passes through another and comes back). After
+each solve the contracted graph is checked; for a cycle through chosen patterns P_a..P_k the
+constraint X_a + ... + X_k ≤ k − 1 is added and the ILP solved again [B §4.1, Figure 3(c)(d)],
+until the contracted graph is a DAG. HiGHS is deterministic for a given model, and the model is
+built in candidate order, so the plan is the same on every run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import csr_matrix
+
+from fusionstitching.graph.graph import Graph, Node
+
+MAX_CYCLE_ROUNDS = 100
+
+
+class SelectionError(RuntimeError):
+    pass
+
+
+@dataclass
+class Selection:
+    chosen: list[int]  # indices into the candidate list, ascending
+    objective: float
+    rounds: int
+    cycle_constraints: list[tuple[int, ...]] = field(default_factory=list)
+
+
+def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequence[float],
+               time_limit: float = 30.0) -> Selection:
+    """The best set of disjoint, jointly acyclic patterns among those with a positive score."""
+    usable = [i for i, s in enumerate(scores) if s > 0]
+    if not usable:
+        return Selection([], 0.0, 0)
+    rows, cols = [], []
+    covering: dict[Node, list[int]] = {}
+    for k, i in enumerate(usable):
+        for node in patterns[i]:
+            covering.setdefault(node, []).append(k)
+    row = 0
+    for ks in covering.values():
+        if len(ks) > 1:
+            rows += [row] * len(ks)
+            cols += ks
+            row += 1
+    upper = [1.0] * row
+    cycles: list[tuple[int, ...]] = []
+    objective = -np.asarray([scores[i] for i in usable], dtype=float)
+    for rounds in range(1, MAX_CYCLE_ROUNDS + 1):
+        constraints = []
+        if upper:
+            matrix = csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(upper), len(usable)))
+            constraints.append(LinearConstraint(matrix, -np.inf, np.asarray(upper)))
+        result = milp(objective, integrality=np.ones(len(usable)), bounds=Bounds(0, 1),
+                      constraints=constraints, options={"time_limit": time_limit})
+        if result.x is None:
+            raise SelectionError(f"HiGHS found no plan: {result.message}")
+        chosen = [k for k in range(len(usable)) if result.x[k] > 0.5]
+        cycle = contracted_cycle(graph, [patterns[usable[k]] for k in chosen])
+        if cycle is None:
+            return Selection(sorted(usable[k] for k in chosen), -float(result.fun), rounds,
+                             [tuple(usable[k] for k in c) for c in cycles])
+        members = tuple(sorted(chosen[j] for j in cycle))
+        cycles.append(members)
+        for k in members:
+            rows.append(len(upper))
+            cols.append(k)
+        upper.append(float(len(members) - 1))
+    raise SelectionError(f"the plan still has a cycle after {MAX_CYCLE_ROUNDS} rounds of cycle constraints")
+
+
+def contracted_cycle(graph: Graph, patterns: Sequence[Sequence[Node]]) -> list[int] | None:
+    """The patterns (positions in ``patterns``) on a cycle of the graph contracted by them, or None.
+
+    Kahn's algorithm on the contracted graph; when vertices remain, every one of them has a
+    predecessor among the remaining ones, so walking predecessors from any of them closes a cycle.
+    """
+    group: dict[Node, object] = {}
+    for k, nodes in enumerate(patterns):
+        for node in nodes:
+            group[node] = k
+    successors: dict[object, set] = {}
+    predecessors: dict[object, set] = {}
+    for node in graph.nodes:
+        target = group.get(node, node)
+        successors.setdefault(target, set())
+        predecessors.setdefault(target, set())
+        for operand in node.operands:
+            source = group.get(operand, operand)
+            if source != target:  # pattern numbers compare by value, nodes by identity
+                successors.setdefault(source, set()).add(target)
+                predecessors[target].add(source)
+    pending = {v: len(p) for v, p in predecessors.items()}
+    ready = [v for v, count in pending.items() if count == 0]
+    while ready:
+        vertex = ready.pop()
+        for user in successors[vertex]:
+            pending[user] -= 1
+            if pending[user] == 0:
+                ready.append(user)
+    remaining = {v for v, count in pending.items() if count > 0}
+    if not remaining:
+        return None
+    walk: list[object] = []
+    seen: dict[object, int] = {}
+    vertex = next(iter(remaining))
+    while vertex not in seen:
+        seen[vertex] = len(walk)
+        walk.append(vertex)
+        vertex = next(p for p in predecessors[vertex] if p in remaining)
+    cycle = walk[seen[vertex]:]
+    return sorted({v for v in cycle if isinstance(v, int)})

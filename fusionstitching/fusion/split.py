@@ -1,0 +1,121 @@
+"""The reduction-splitting pass that runs before exploration (DESIGN.md "Fusion exploration").
+
+A reduction the code generator runs with too few threads underfills the GPU: a bias gradient sums
+4096 rows into 768 columns, and with a thread per column only 768 threads loop 4096 times each.
+For every reduce the pass estimates, with the latency evaluator (``cost/latency.py``), the time
+of the reduction as one kernel and as a partial reduce over ``p`` chunks plus a final reduce (one
+more launch), for every ``p`` that divides the split dim (``graph.transforms.split_dim``) and
+leaves chunks of at least ``MIN_CHUNK`` elements; it splits with the best ``p`` when that saves at
+least ``MIN_GAIN`` of the time. Each kernel's time is the largest of its memory time (the bandwidth
+model), its latency estimate, and the time its threads wait on loads: a thread that reduces n
+elements issues n dependent global loads, of which about ``LOADS_IN_FLIGHT`` overlap (the loop is
+unrolled), each taking ``LOAD_LATENCY_CYCLES``. The latency evaluator's CPI counts issue cycles
+only, which is right for a full GPU whose warps hide each other's loads but far too optimistic for
+the 768 threads of an unsplit bias gradient, which is exactly the case this pass is for.
+
+How many threads a reduce gets follows the default template of the schedule stage: a warp per row
+when the last dim is reduced (up to 1024 long), a block per row beyond, one block for a reduction
+to a scalar, and a thread per output element when the last dim is kept (column reduction).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fusionstitching.cost.bandwidth import BandwidthModel
+from fusionstitching.cost.gpu_spec import GpuSpec
+from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us
+from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.transforms import split_dim, split_reductions
+
+THREADS = 256
+MIN_CHUNK = 8
+LOAD_LATENCY_CYCLES = 600  # a global load that misses the caches, H100-class GPUs
+LOADS_IN_FLIGHT = 4
+MIN_GAIN = 0.25
+WARP_ROW_MAX = 1024
+
+
+@dataclass(frozen=True)
+class SplitDecision:
+    node: str
+    parts: int
+    before_us: float
+    after_us: float
+
+    def __str__(self) -> str:
+        return (f"{self.node}: split in {self.parts} parts (estimated {self.before_us:.1f} us as one kernel, "
+                f"{self.after_us:.1f} us as partial + final)")
+
+
+def reduction_threads(node: Node) -> int:
+    """Threads the default template gives a reduce (see the module docstring)."""
+    operand = node.operands[0]
+    dims = set(node.attrs["dims"])
+    if node.size == 1:
+        return THREADS
+    if len(operand.shape) - 1 in dims:
+        length = math.prod(operand.shape[d] for d in dims)
+        return node.size * (32 if length <= WARP_ROW_MAX else THREADS)
+    return node.size
+
+
+class ReductionSplitter:
+    def __init__(self, spec: GpuSpec, memory: BandwidthModel) -> None:
+        self.spec = spec
+        self.memory = memory
+
+    def kernel_us(self, node: Node, threads: int) -> float:
+        blocks = max(1, math.ceil(threads / THREADS))
+        work = instructions_per_thread([node], blocks, THREADS)
+        latency = kernel_latency_us(self.spec, blocks, THREADS, work)
+        nbytes = (node.operands[0].size + node.size) * node.dtype.itemsize
+        loads = node.operands[0].size / threads * LOAD_LATENCY_CYCLES / LOADS_IN_FLIGHT / (self.spec.clock_ghz * 1e3)
+        return max(latency, self.memory.time_us(nbytes), loads)
+
+    def decide(self, node: Node) -> SplitDecision | None:
+        before = self.kernel_us(node, reduction_threads(node))
+        operand = node.operands[0]
+        dims = tuple(node.attrs["dims"])
+        dim = max(dims, key=lambda d: operand.shape[d])
+        size = operand.shape[dim]
+        best: tuple[float, int] | None = None
+        for parts in range(2, size // MIN_CHUNK + 1):
+            if size % parts:
+                continue
+            split_dim(node, parts)  # raises on a split the transform would refuse
+            partial_out = node.size * parts
+            partial = _shaped(node, operand.size, partial_out)
+            final = _shaped(node, partial_out, node.size)
+            after = (self.kernel_us(partial, _threads_like(node, partial_out)) + self.kernel_us(final, node.size)
+                     + self.memory.launch_us)
+            if best is None or after < best[0]:
+                best = (after, parts)
+        if best is None or best[0] > (1 - MIN_GAIN) * before:
+            return None
+        return SplitDecision(node.name, best[1], before, best[0])
+
+
+def _threads_like(node: Node, outputs: int) -> int:
+    """Threads of the partial reduce: its output elements, or warps of rows for row reductions."""
+    return reduction_threads(node) * outputs // max(node.size, 1)
+
+
+def _shaped(node: Node, input_size: int, output_size: int) -> Node:
+    """A stand-in reduce with the given input and output sizes, for the cost estimate only."""
+    operand = Node("in", "parameter", (), (input_size,), node.dtype, {"index": 0})
+    return Node(node.name, "reduce", (operand,), (output_size,), node.dtype, {"dims": (0,), "kind": "sum"})
+
+
+def split_underfilled_reductions(graph: Graph, spec: GpuSpec, memory: BandwidthModel
+                                 ) -> tuple[Graph, list[SplitDecision]]:
+    splitter = ReductionSplitter(spec, memory)
+    decisions = []
+    for node in graph.nodes:
+        decision = splitter.decide(node) if node.op == "reduce" else None
+        if decision is not None:
+            decisions.append(decision)
+    if not decisions:
+        return graph, []
+    return split_reductions(graph, {d.node: d.parts for d in decisions}), decisions

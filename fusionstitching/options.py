@@ -1,0 +1,31 @@
+"""Options: the one place where a compilation's choices live (DESIGN.md "Package layout").
+
+Every stage that needs a choice takes the ``Options`` it is given; nothing reads the environment.
+``device`` names a ``cost.gpu_spec`` entry (the GPU the plan is made for); the small-dot threshold
+decides which ``dot_general`` nodes are fused by the code generator and which go to the GEMM
+library (cuBLAS through PyTorch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Options:
+    device: str = "H100"
+    solver: str = "ilp"  # "ilp" (HiGHS) for fusion.explore
+    score: str = "delta"  # "delta" [C §5.4] or "model" [B §4.3]
+    # A dot_general is "small" (fused in generated kernels) when its FLOPs and its per-batch output
+    # stay under these; larger dots are library calls.
+    small_dot_max_flops: int = 1 << 24
+    small_dot_max_output: int = 4096  # elements of one batch element's output (M x N)
+    small_dot_max_contract: int = 1024  # contracted length K
+    split_reductions: bool = True  # the reduction-splitting pass before exploration
+    smem_limit: int = 48 * 1024  # bytes of shared memory a generated kernel may use per block
+
+    def __post_init__(self) -> None:
+        if self.solver not in ("ilp",):
+            raise ValueError(f"Options.solver: unknown solver {self.solver!r}; known: 'ilp'")
+        if self.score not in ("delta", "model"):
+            raise ValueError(f"Options.score: unknown score {self.score!r}; known: 'delta', 'model'")
