@@ -60,6 +60,18 @@ def bias_gelu(tokens: int = 32, hidden: int = 64, dtype: torch.dtype = torch.flo
     return Workload("bias_gelu", fn, (_rand(tokens, hidden, dtype=dtype), _rand(hidden, dtype=dtype, seed=1)))
 
 
+def bert_base_parameter_shapes(layers: int = 12, hidden: int = 768, vocab: int = 30522,
+                               positions: int = 512) -> tuple[tuple[int, ...], ...]:
+    """The parameter shapes of BERT-base in module order: embeddings, 16 tensors per layer, pooler."""
+    ffn = 4 * hidden
+    shapes = [(vocab, hidden), (positions, hidden), (2, hidden), (hidden,), (hidden,)]
+    for _ in range(layers):
+        for _ in range(4):  # query, key, value, attention output
+            shapes += [(hidden, hidden), (hidden,)]
+        shapes += [(hidden,), (hidden,), (ffn, hidden), (ffn,), (hidden, ffn), (hidden,), (hidden,), (hidden,)]
+    return tuple(shapes + [(hidden, hidden), (hidden,)])
+
+
 ADAM_SHAPES = ((64, 32), (32,), (32, 32), (32,), (16, 32), (16,), (8, 4, 3, 3), (8,), (100,), (7, 5), (3, 3, 3))
 
 
@@ -172,7 +184,7 @@ REAL_SIZES: dict[str, dict[str, Any]] = {
     "layernorm_train": {"batch": 16384, "hidden": 768},
     "softmax_scale_mask": {"batch": 32, "heads": 12, "seq": 128},
     "bias_gelu": {"tokens": 16384, "hidden": 3072},
-    "adam_step": {"shapes": tuple([(768, 768), (768,), (3072, 768), (3072,), (768, 3072)] * 4)},
+    "adam_step": {"shapes": bert_base_parameter_shapes()},
     "mlp_train": {"batch": 4096, "features": 512, "hidden": 1024, "classes": 1000},
     "din_attention": {"batch": 2048, "history": 50, "dim": 64},
     "bert": {"batch": 8, "seq": 128, "vocab": 30522},

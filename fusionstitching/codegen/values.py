@@ -167,8 +167,8 @@ class ValueEmitter:
         node = buf.node
         loaded = K.Load(buf.name, self.linear(index, buf.strides), node.dtype.value)
         if node.dtype.is_half:
-            return self.let("in", K.Cast(loaded, "f32"))
-        return self.let("in", loaded)
+            return self.let("ld", K.Cast(loaded, "f32"))
+        return self.let("ld", loaded)
 
     # -- per-op rules ---------------------------------------------------------------------------
     def _op_constant(self, node: Node, index):
