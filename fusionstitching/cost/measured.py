@@ -9,4 +9,34 @@ A GPU without an entry gets the datasheet estimate.
 
 from fusionstitching.cost.bandwidth import Measurement
 
-MEASUREMENTS: dict[str, Measurement] = {}
+MEASUREMENTS: dict[str, Measurement] = {
+    "H200": Measurement(
+        device_name="NVIDIA H200",
+        spec_key="H200",
+        date="2026-11-21",
+        floor_us=4.181,
+        bandwidth_gbs=4121.7,
+        launch_us=9.838,
+        points=(
+            (8192, 3.92),
+            (16384, 3.952),
+            (32768, 4.128),
+            (65536, 4.176),
+            (131072, 4.064),
+            (262144, 4.16),
+            (524288, 4.352),
+            (1048576, 4.56),
+            (2097152, 4.912),
+            (4194304, 5.696),
+            (8388608, 6.48),
+            (16777216, 8.8),
+            (33554432, 13.008),
+            (67108864, 21.04),
+            (134217728, 36.224),
+            (268435456, 68.256),
+            (536870912, 130.608),
+            (1073741824, 258.048),
+            (2147483648, 508.096),
+        ),
+    ),
+}
