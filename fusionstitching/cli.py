@@ -2,6 +2,9 @@
 
 ``fusionstitching graph WORKLOAD [--train] [--real] [--json FILE] [--text]`` captures a workload
 and prints its node count by category, the fusable fraction and the library ops by name.
+``fusionstitching plan WORKLOAD [--train] [--real] [--solver ilp] [--device H100] [--explain]`` plans
+the captured graphs: the patterns with their ops, the kernel counts of fusionstitching, of the
+XLA-like baseline and unfused, and the exploration time.
 ``fusionstitching demo`` captures every workload, checks the captured graphs against eager PyTorch
 with ``graph/reference.py`` and prints the summary table; then it generates one CUDA kernel per
 small workload, compiles it with NVRTC, checks the simulated kernel against the reference and, on
@@ -87,6 +90,42 @@ def _graph_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def unfused_op_count(graph) -> int:
+    """Kernels the graph runs with no fusion: every op but parameters, constants and reshapes (views)."""
+    from fusionstitching.graph.ops import Category
+
+    return sum(1 for n in graph.nodes
+               if n.category not in (Category.PARAMETER, Category.CONSTANT) and n.op != "reshape")
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    from fusionstitching.fusion import baseline, explore
+    from fusionstitching.options import Options
+
+    workload, captured = capture_workload(args.workload, train=args.train, real=args.real)
+    options = Options(device=args.device, solver=args.solver)
+    graphs = [("forward", captured.forward)]
+    if captured.backward is not None:
+        graphs.append(("backward", captured.backward))
+    header = ("| graph | ops | unfused kernels | baseline kernels | fusionstitching kernels | library calls "
+              "| exploration s |")
+    lines = [header, "|---|---|---|---|---|---|---|"]
+    for label, graph in graphs:
+        plan = explore(graph, solver=args.solver, options=options)
+        base = baseline(graph, options)
+        if args.explain:
+            print(plan.explain())
+        else:
+            print(f"{workload.name} {label}: {plan.kernel_count} kernels")
+            for k, pattern in enumerate(plan.patterns):
+                print(f"  kernel {k} ({len(pattern)} ops): {', '.join(pattern.nodes)}")
+        lines.append(f"| {label} | {len(graph.nodes)} | {unfused_op_count(graph)} | {base.kernel_count} "
+                     f"| {plan.kernel_count} | {plan.library_count} | {plan.seconds:.2f} |")
+    print()
+    print("\n".join(lines))
+    return 0
+
+
 def _demo_command(args: argparse.Namespace) -> int:
     from fusionstitching.bench.check import check_against_eager
     from fusionstitching.bench.workloads import WORKLOADS
@@ -118,6 +157,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     graph.add_argument("--json", metavar="FILE", help="write the forward graph (and FILE.backward) as JSON")
     graph.add_argument("--text", action="store_true", help="print the graphs as text")
     graph.set_defaults(run=_graph_command)
+    plan = sub.add_parser("plan", help="plan a workload's fusion and compare with the baseline")
+    plan.add_argument("workload")
+    plan.add_argument("--train", action="store_true", help="plan forward and backward")
+    plan.add_argument("--real", action="store_true", help="benchmark sizes instead of small test sizes")
+    plan.add_argument("--solver", default="ilp", choices=["ilp"], help="plan selection (default: ilp)")
+    plan.add_argument("--device", default="H100", help="GPU the plan is made for (cost model)")
+    plan.add_argument("--explain", action="store_true", help="print every decision of the plan")
+    plan.set_defaults(run=_plan_command)
     demo = sub.add_parser("demo", help="capture every workload and check it against eager PyTorch")
     demo.set_defaults(run=_demo_command)
     args = parser.parse_args(argv)
