@@ -23,3 +23,24 @@ def test_graph_command_prints_categories_and_writes_json(tmp_path, capsys):
 def test_graph_command_rejects_unknown_workloads(capsys):
     assert main(["graph", "no_such_workload"]) == 2
     assert "unknown workload 'no_such_workload'" in capsys.readouterr().err
+
+
+def test_plan_command_prints_patterns_and_kernel_counts(capsys):
+    assert main(["plan", "softmax_scale_mask"]) == 0
+    out = capsys.readouterr().out
+    assert "softmax_scale_mask forward: 1 kernels" in out
+    row = next(line for line in out.splitlines() if line.startswith("| forward"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    unfused, base, fused = int(cells[2]), int(cells[3]), int(cells[4])
+    assert fused == 1 and base > fused and unfused > base
+
+
+def test_plan_command_explains_training_plans(capsys):
+    assert main(["plan", "layernorm", "--train", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "plan for graph layernorm_train_backward: 1 kernels" in out and "kernel 0:" in out
+    assert main(["plan", "mlp_train", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "edges left unfused:" in out
+    edges = out.split("edges left unfused:")[1].split("fusionstitching (")[0].strip().splitlines()
+    assert edges and all(" -> " in e and e.split(": ", 1)[1].strip() for e in edges)

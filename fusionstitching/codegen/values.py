@@ -61,6 +61,7 @@ class ValueEmitter:
     mutable: set[str] = field(default_factory=set)  # registers assigned after their Let (accumulators)
     shared_buffers: set[str] = field(default_factory=set)  # rewritten between barriers
     _scopes: list[dict] = field(default_factory=lambda: [{}])
+    _pure_memo: dict = field(default_factory=dict)
     _counter: int = 0
 
     # -- statement plumbing -------------------------------------------------------------------
@@ -93,7 +94,17 @@ class ValueEmitter:
 
     def _pure(self, e: K.Expr) -> bool:
         """Whether an expression's value depends only on registers that never change: no shuffles,
-        no shared-memory reads (rewritten between barriers), no accumulators."""
+        no shared-memory reads (rewritten between barriers), no accumulators. Memoized per
+        expression object: a register is an accumulator from its creation on, and a shared buffer
+        is registered before anything loads from it, so an answer never changes."""
+        hit = self._pure_memo.get(id(e))
+        if hit is not None and hit[0] is e:
+            return hit[1]
+        result = self._pure_uncached(e)
+        self._pure_memo[id(e)] = (e, result)
+        return result
+
+    def _pure_uncached(self, e: K.Expr) -> bool:
         if isinstance(e, K.Shuffle):
             return False
         if isinstance(e, K.Load) and e.buffer in self.shared_buffers:

@@ -201,12 +201,18 @@ def _strip_boundary_reshapes(nodes: Sequence[Node], graph: Graph) -> list[Node]:
 __all__ = ["PARTITION_STEPS", "Candidate", "Rejection", "SubstitutionFusion"]
 
 
+MERGE_MAX_OPS = 64
+MERGE_SMALL_OPS = 4
+
+
 class NeighbourMerging:
     """Exploratory fusion [B §4.2.2] seeded with a selected plan: each pattern (or leftover node) is
     expanded by one neighbouring pattern along a producer→consumer edge. Substitution fusion never
     fuses across a partition op, so ops that sit between different GEMMs in the topological order
     (a gradient accumulated from two GEMMs' outputs) are only found this way. Each union is checked
-    for cycles and by the schedule stage like every candidate."""
+    for cycles and by the schedule stage like every candidate. Only unions where one side has at most
+    ``MERGE_SMALL_OPS`` ops and both at most ``MERGE_MAX_OPS`` are proposed: lowering is what
+    exploration time is spent on, and what this step exists for is the small leftovers."""
 
     def __init__(self, graph: Graph, roles: Roles, legality: Legality, seen: set[frozenset[Node]]) -> None:
         self.graph = graph
@@ -233,6 +239,8 @@ class NeighbourMerging:
         position = self.graph.index.position
         found = []
         for a, b in pairs:
+            if len(seeds[a]) + len(seeds[b]) > MERGE_MAX_OPS or min(len(seeds[a]), len(seeds[b])) > MERGE_SMALL_OPS:
+                continue
             union = sorted(set(seeds[a]) | set(seeds[b]), key=position.__getitem__)
             key = frozenset(union)
             if key in self.seen:

@@ -20,7 +20,7 @@ that made the selector keep them apart.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fusionstitching.fusion.legality import Legality, Roles
@@ -57,10 +57,19 @@ class FusionPlan:
     patterns: tuple[FusedPattern, ...]
     library: dict[str, str]  # node → why it is a library call
     views: dict[str, str]  # node → why it runs as a view
-    unfused: tuple[UnfusedEdge, ...]
+    edge_reasons: Callable[[], tuple[UnfusedEdge, ...]] = field(repr=False)
     strategy: str
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)  # pass-level decisions (splits, candidate counts)
+    _unfused: tuple[UnfusedEdge, ...] | None = field(default=None, repr=False)
+
+    @property
+    def unfused(self) -> tuple[UnfusedEdge, ...]:
+        """Every producer→consumer edge between different kernels, library calls or views, with the
+        reason; worked out on first use (it asks legality about the union of each pair of kernels)."""
+        if self._unfused is None:
+            self._unfused = self.edge_reasons()
+        return self._unfused
 
     @property
     def kernel_count(self) -> int:
@@ -135,8 +144,10 @@ def finalize(graph: Graph, roles: Roles, legality: Legality, scorer: Scorer | No
     group = {node: renumber[k] for node, k in group.items()}
     patterns = [patterns[k] for k in order]
     fused = tuple(FusedPattern(tuple(n.name for n in p.nodes), p.schedule, p.score, p.origin) for p in patterns)
-    unfused = _unfused_edges(graph, roles, legality, scorer, patterns, group, library_nodes, views)
-    return FusionPlan(graph, fused, library, views, unfused, strategy, notes=list(notes))
+    def edge_reasons() -> tuple[UnfusedEdge, ...]:
+        return _unfused_edges(graph, roles, legality, scorer, patterns, group, library_nodes, views)
+
+    return FusionPlan(graph, fused, library, views, edge_reasons, strategy, notes=list(notes))
 
 
 def _views(graph: Graph, roles: Roles, group: dict[Node, int], library: set[Node]) -> dict[str, str]:
@@ -144,7 +155,8 @@ def _views(graph: Graph, roles: Roles, group: dict[Node, int], library: set[Node
     feed library calls (users first), then reshapes of contiguous tensors (operands first)."""
     views: dict[str, str] = {}
     users = graph.index.users
-    leftover = [n for n in graph.nodes if n in set(roles.fusable) and n not in group and n.op in VIEW_OPS]
+    fusable = set(roles.fusable)
+    leftover = [n for n in graph.nodes if n in fusable and n not in group and n.op in VIEW_OPS]
     for node in reversed(leftover):
         node_users = users[node]
         if node_users and id(node) not in graph.index.output_ids \

@@ -20,8 +20,9 @@ sub-roots by a template; the default recomputes them).
   keeps k 16-byte vectors of the row in registers, from which every group reads (the row is
   loaded from memory once; lowering's register composition).
 
-``feasible`` asks the code generator itself: it lowers the default template and returns it, or
-the reason lowering gave (block locality, shared memory, an unsupported op), so that whatever it
+``feasible`` asks the code generator itself: it lowers the default template and returns it; when
+lowering refuses it, a composed pattern is tried with one row per warp at a time and then in block
+mode, and the first template that lowers is returned, else the reason lowering gave for the default (block locality, shared memory, an unsupported op), so that whatever it
 accepts, ``generate`` builds.
 """
 
@@ -65,10 +66,19 @@ def sub_roots(pattern) -> list[Node]:
     return [n for n in pattern.nodes if is_reduction(n) and id(n) in used and id(n) not in outputs]
 
 
-def choose_template(pattern, threads: int = DEFAULT_THREADS) -> KernelSchedule:
-    reductions = sub_roots(pattern) + [o for o in pattern.outputs if is_reduction(o) and _cross_thread_worthy(o)]
+def _crossing(pattern) -> list[Node]:
+    """The reductions whose results cross threads: sub-roots, and outputs worth a cross-thread reduce."""
+    return sub_roots(pattern) + [o for o in pattern.outputs if is_reduction(o) and _cross_thread_worthy(o)]
+
+
+def _batched(pattern, reductions: list[Node]) -> bool:
     spaces = {_space(r) for r in reductions} | {_space(o) for o in pattern.outputs}
-    if reductions and (any(r.op == "dot_general" for r in reductions) or len({len(x) for x in spaces}) > 1):
+    return bool(reductions) and (any(r.op == "dot_general" for r in reductions) or len({len(x) for x in spaces}) > 1)
+
+
+def choose_template(pattern, threads: int = DEFAULT_THREADS) -> KernelSchedule:
+    reductions = _crossing(pattern)
+    if _batched(pattern, reductions):
         return batched_template(pattern, reductions)
     if reductions:
         length = math.prod(_space(reductions[0])[d] for d in reduced_dims(reductions[0]))
@@ -260,10 +270,28 @@ def feasible(graph: Graph, nodes: Iterable[Node | str]) -> KernelSchedule | Reas
     nodes = list(nodes)
     try:
         pattern = resolve_pattern(graph, nodes)
-        template = choose_template(pattern)
-        lower(graph, nodes, template, vectorize_access=False)
     except CodegenError as err:
         return Reason(str(err))
-    except ValueError as err:  # a template the tiling rules refuse
-        return Reason(f"no valid template: {err}")
-    return template
+    reasons: list[Reason] = []
+    for make in _candidate_templates(pattern):
+        try:
+            template = make()
+            lower(graph, nodes, template, vectorize_access=False)
+        except CodegenError as err:
+            reasons.append(Reason(str(err)))
+            continue
+        except ValueError as err:  # a template the tiling rules refuse
+            reasons.append(Reason(f"no valid template: {err}"))
+            continue
+        return template
+    return reasons[0]  # the default template's reason
+
+
+def _candidate_templates(pattern):
+    """The default template first; for composed patterns, then one row per warp at a time (no THREAD
+    tile on the kept dim, which register composition needs to be exact), then block mode."""
+    yield lambda: choose_template(pattern)
+    reductions = _crossing(pattern)
+    if reductions and not _batched(pattern, reductions):
+        yield lambda: composed_template(pattern, reductions, DEFAULT_THREADS, WARP_ROWS, rows_per_warp=1)
+        yield lambda: composed_template(pattern, reductions, DEFAULT_THREADS, None)
