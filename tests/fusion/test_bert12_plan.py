@@ -1,0 +1,64 @@
+"""The 12-layer BERT (hidden 768, eager attention, random weights) training graphs at benchmark
+sizes: kernel counts against the baseline, exploration time, and every kernel of the plan
+compiled with NVRTC (no GPU needed)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+
+from fusionstitching.bench.workloads import make
+from fusionstitching.codegen.generate import generate
+from fusionstitching.frontend.torch_fx import capture
+from fusionstitching.fusion import baseline, explore
+from fusionstitching.options import Options
+
+nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+
+
+@pytest.fixture(scope="module")
+def bert12():
+    workload = make("bert_train", real=True, layers=12, hidden=768, heads=12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(workload.fn, *workload.inputs, train=True, name="bert12")
+    options = Options(device="H100")
+    plans, seconds = {}, {}
+    for label, graph in (("forward", captured.forward), ("backward", captured.backward)):
+        start = time.perf_counter()
+        plans[label] = explore(graph, options=options)
+        seconds[label] = time.perf_counter() - start
+    bases = {label: baseline(g, options) for label, g in (("forward", captured.forward),
+                                                          ("backward", captured.backward))}
+    return captured, plans, bases, seconds
+
+
+def test_kernel_counts_are_at_most_half_of_the_baseline(bert12):
+    captured, plans, bases, seconds = bert12
+    fused = {k: p.kernel_count for k, p in plans.items()}
+    base = {k: p.kernel_count for k, p in bases.items()}
+    summary = f"fusionstitching {fused}, baseline {base}, exploration {seconds}"
+    print(summary)
+    assert fused["forward"] <= 0.5 * base["forward"], summary
+    assert fused["forward"] + fused["backward"] <= 0.5 * (base["forward"] + base["backward"]), summary
+    assert plans["forward"].library_count == 97  # 6 GEMMs per layer x 12 + 12 x 2 attention bmm + 1
+
+
+def test_exploration_of_the_training_graph_is_fast(bert12):
+    _, _, _, seconds = bert12
+    # The target is 5 s on a 2-core machine (the note reports the measurement); the bound here
+    # leaves room for a loaded CI machine.
+    assert seconds["forward"] + seconds["backward"] < 15, seconds
+
+
+def test_every_kernel_of_the_plan_compiles(bert12):
+    _, plans, _, _ = bert12
+    compiled = 0
+    for plan in plans.values():
+        for pattern in plan.patterns:
+            kernel = generate(plan.graph, list(pattern.nodes), pattern.schedule)
+            kernel.compile("sm_90")
+            compiled += 1
+    assert compiled == sum(p.kernel_count for p in plans.values())
