@@ -1,11 +1,12 @@
 """fusionstitching: a just-in-time fusion compiler for memory-intensive deep-learning graphs.
 
-Public API: ``capture`` (PyTorch → IR graphs). See README.md and DESIGN.md for the pipeline.
+Public API: ``capture`` (PyTorch → IR graphs), ``Options``; ``fusionstitching.fusion.explore`` plans. See README.md and DESIGN.md for the pipeline.
 """
 
 from fusionstitching.frontend.torch_fx import Captured, capture
 from fusionstitching.graph.graph import Graph, GraphBuilder, Layout, Node
 from fusionstitching.graph.ops import Category, DType
+from fusionstitching.options import Options
 
-__all__ = ["Captured", "Category", "DType", "Graph", "GraphBuilder", "Layout", "Node", "capture"]
+__all__ = ["Captured", "Category", "DType", "Graph", "GraphBuilder", "Layout", "Node", "Options", "capture"]
 __version__ = "0.1.0"
