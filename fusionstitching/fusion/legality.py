@@ -126,7 +126,7 @@ class Legality:
         cached = self._cache.get(key)
         if cached is None:
             self.feasible_calls += 1
-            result = feasible(self.graph, members)
+            result = feasible(self.graph, members, self.options.smem_limit)
             self._cache[key] = (names, result)
         else:
             self.cache_hits += 1

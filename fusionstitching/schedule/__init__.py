@@ -28,8 +28,9 @@ __all__ = [
 ]
 
 
-def feasible(graph, nodes):
-    """A KernelSchedule that ``codegen.generate`` builds for ``nodes`` of ``graph``, or a falsy Reason."""
+def feasible(graph, nodes, smem_limit: int = 48 * 1024):
+    """A KernelSchedule that ``codegen.generate`` builds for ``nodes`` of ``graph`` within ``smem_limit``
+    bytes of shared memory per block, or a falsy Reason."""
     from fusionstitching.schedule.grouping import feasible as _feasible
 
-    return _feasible(graph, nodes)
+    return _feasible(graph, nodes, smem_limit)

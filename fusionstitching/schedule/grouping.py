@@ -262,7 +262,7 @@ def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedu
 # ----------------------------------------------------------------------------------------------
 
 
-def feasible(graph: Graph, nodes: Iterable[Node | str]) -> KernelSchedule | Reason:
+def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1024) -> KernelSchedule | Reason:
     """A template that ``generate`` builds for this pattern, or the Reason there is none."""
     from fusionstitching.codegen.lower import lower, resolve_pattern
     from fusionstitching.codegen.values import CodegenError
@@ -276,7 +276,7 @@ def feasible(graph: Graph, nodes: Iterable[Node | str]) -> KernelSchedule | Reas
     for make in _candidate_templates(pattern):
         try:
             template = make()
-            lower(graph, nodes, template, vectorize_access=False)
+            lower(graph, nodes, template, vectorize_access=False, smem_limit=smem_limit)
         except CodegenError as err:
             reasons.append(Reason(str(err)))
             continue
