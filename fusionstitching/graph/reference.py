@@ -61,6 +61,11 @@ def evaluate(graph: Graph, inputs: Sequence[Any]) -> list[np.ndarray | None]:
     return [None if out is None else np.array(values[out], order="C") for out in graph.outputs]
 
 
+def evaluate_node(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    """The value of one node given its operands' values (what ``evaluate`` does per node)."""
+    return _evaluate_node(node, args)
+
+
 def _evaluate_node(node: Node, args: list[np.ndarray]) -> np.ndarray:
     evaluator = _EVALUATORS.get(node.op)
     try:

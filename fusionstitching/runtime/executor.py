@@ -1,0 +1,313 @@
+"""CompiledGraph: a whole FusionPlan, run (DESIGN.md "Runtime").
+
+A plan becomes a list of steps in an order that respects every dependence of the contracted graph
+(Kahn's algorithm over the steps):
+
+- *kernel*: one generated kernel per pattern (``codegen.generate`` with the schedule the plan
+  carries); on a GPU it is launched through ``GeneratedKernel.__call__`` on the current stream, on
+  a CPU it runs in the NumPy simulator, so CI exercises the same plan and the same kernels;
+- *library*: a GEMM above the small-dot threshold (``torch.matmul`` on the operands permuted to
+  batch × M × K and batch × K × N, i.e. cuBLAS on a GPU), a library op (its ``torch.ops``
+  callable), or a node no kernel could be built for; on a CPU all of them go through
+  ``graph.reference``;
+- *view*: a reshape, transpose or broadcast executed as layout metadata (``reshape``, ``permute``,
+  ``expand``): no kernel, no copy.
+
+Inputs are the graph's parameters in order; outputs follow ``graph.outputs``. An output that
+overwrites an input (``graph.mutations``) is written into that input tensor, unless the kernel
+already wrote it in place. Outputs whose value is a view come back with the strides the graph
+promised (``graph.output_layouts``), copied into such a tensor when the view's strides differ.
+
+Counters (``CompiledGraph.counts``) record what ran: kernels, library calls, views and copies
+made because a kernel input was not laid out as the kernel expects.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fusionstitching.codegen.generate import GeneratedKernel, generate
+from fusionstitching.fusion.plan import FusionPlan
+from fusionstitching.graph import reference
+from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.ops import Category
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # "kernel", "library" or "view"
+    nodes: tuple[Node, ...]
+    kernel: GeneratedKernel | None = None
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        if self.kernel is not None:
+            return tuple(self.kernel.lowered.pattern.inputs)
+        return tuple(dict.fromkeys(self.nodes[0].operands))
+
+    @property
+    def outputs(self) -> tuple[Node, ...]:
+        if self.kernel is not None:
+            return tuple(self.kernel.lowered.pattern.outputs)
+        return self.nodes
+
+
+class CompiledGraph:
+    """The steps of a plan, runnable on NumPy arrays (``run_numpy``) or torch tensors (call)."""
+
+    def __init__(self, plan: FusionPlan) -> None:
+        self.plan = plan
+        self.graph: Graph = plan.graph
+        self.steps = _order_steps(self.graph, _make_steps(plan))
+        self.counts: Counter[str] = Counter()
+        self._constants: dict[Any, Any] = {}
+
+    @property
+    def kernels(self) -> list[GeneratedKernel]:
+        return [s.kernel for s in self.steps if s.kernel is not None]
+
+    # -- NumPy (CPU: simulated kernels) ------------------------------------------------------
+    def run_numpy(self, inputs: Sequence[Any]) -> list[np.ndarray | None]:
+        graph = self.graph
+        if len(inputs) != len(graph.parameters):
+            raise ValueError(f"{graph.name} takes {len(graph.parameters)} inputs, got {len(inputs)}")
+        values: dict[Node, np.ndarray] = {p: np.asarray(x) for p, x in zip(graph.parameters, inputs)}
+        for node in graph.nodes:
+            if node.op == "constant":
+                values[node] = np.asarray(node.attrs["value"])
+        for step in self.steps:
+            self.counts[step.kind] += 1
+            if step.kernel is not None:
+                results = step.kernel.simulate([values[x] for x in step.inputs])
+                values.update(zip(step.outputs, results))
+            else:
+                node = step.nodes[0]
+                with np.errstate(all="ignore"):
+                    values[node] = reference.evaluate_node(node, [values[x] for x in node.operands])
+        return [None if out is None else np.array(values[out], order="C") for out in graph.outputs]
+
+    # -- torch tensors -------------------------------------------------------------------------
+    def __call__(self, *tensors: Any) -> list[Any]:
+        import torch
+
+        graph = self.graph
+        if len(tensors) != len(graph.parameters):
+            raise ValueError(f"{graph.name} takes {len(graph.parameters)} inputs, got {len(tensors)}")
+        device = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0),
+                      torch.device("cpu"))
+        if device.type != "cuda":
+            return self._call_on_cpu(tensors)
+        values: dict[Node, Any] = dict(zip(graph.parameters, tensors))
+        for node in graph.nodes:
+            if node.op == "constant":
+                values[node] = self._constant(node, device)
+        for step in self.steps:
+            self.counts[step.kind] += 1
+            if step.kernel is not None:
+                args = [self._laid_out(values[x], x) for x in step.inputs]
+                values.update(zip(step.outputs, step.kernel(*args)))
+            elif step.kind == "view":
+                node = step.nodes[0]
+                values[node] = _torch_view(node, values[node.operands[0]])
+            else:
+                node = step.nodes[0]
+                values[node] = _torch_library(node, [values[x] for x in node.operands])
+        outputs = [None if out is None else values[out] for out in graph.outputs]
+        return self._finish(tensors, outputs)
+
+    def _call_on_cpu(self, tensors: Sequence[Any]) -> list[Any]:
+        import torch
+
+        from fusionstitching.frontend.context import DTYPE_TO_TORCH
+
+        arrays = [_to_numpy(t, p) for t, p in zip(tensors, self.graph.parameters)]
+        results = self.run_numpy(arrays)
+        outputs = []
+        for out, value in zip(self.graph.outputs, results):
+            if out is None:
+                outputs.append(None)
+                continue
+            tensor = torch.from_numpy(np.array(value, dtype=np.float32 if out.dtype.is_half else value.dtype))
+            outputs.append(tensor.to(DTYPE_TO_TORCH[out.dtype]))
+        return self._finish(tensors, outputs)
+
+    def _finish(self, tensors: Sequence[Any], outputs: list[Any]) -> list[Any]:
+        graph = self.graph
+        for out_index, param_index in graph.mutations.items():
+            target, value = tensors[param_index], outputs[out_index]
+            if value is not None and value is not target:
+                target.copy_(value)
+            outputs[out_index] = target
+        for k, layout in enumerate(graph.output_layouts):
+            value = outputs[k]
+            if layout is None or value is None or k in graph.mutations or value.dim() < 2:
+                continue
+            if tuple(value.stride()) != tuple(layout.strides) and value.numel() > 1:
+                import torch
+
+                strided = torch.empty_strided(value.shape, layout.strides, dtype=value.dtype, device=value.device)
+                strided.copy_(value)
+                outputs[k] = strided
+                self.counts["output copies"] += 1
+        return outputs
+
+    def _constant(self, node: Node, device: Any) -> Any:
+        key = (node.name, str(device))
+        if key not in self._constants:
+            self._constants[key] = _from_numpy(np.asarray(node.attrs["value"]), node).to(device)
+        return self._constants[key]
+
+    def _laid_out(self, tensor: Any, node: Node) -> Any:
+        """A kernel input as the kernel expects it: contiguous unless it is a strided parameter."""
+        if node.op == "parameter" and node.layout is not None:
+            return tensor
+        if not tensor.is_contiguous():
+            self.counts["input copies"] += 1
+            return tensor.contiguous()
+        return tensor
+
+
+# ----------------------------------------------------------------------------------------------
+# Steps
+# ----------------------------------------------------------------------------------------------
+
+
+def _make_steps(plan: FusionPlan) -> list[Step]:
+    graph = plan.graph
+    steps = []
+    for pattern in plan.patterns:
+        nodes = tuple(graph.node(n) for n in pattern.nodes)
+        steps.append(Step("kernel", nodes, generate(graph, list(nodes), pattern.schedule)))
+    steps += [Step("library", (graph.node(n),)) for n in plan.library]
+    steps += [Step("view", (graph.node(n),)) for n in plan.views]
+    return steps
+
+
+def _order_steps(graph: Graph, steps: list[Step]) -> list[Step]:
+    """Steps in an order where every step runs after the steps producing its inputs."""
+    producer: dict[Node, int] = {}
+    for k, step in enumerate(steps):
+        for node in step.nodes:
+            producer[node] = k
+    position = graph.index.position
+    needs: list[set[int]] = []
+    users: dict[int, list[int]] = {k: [] for k in range(len(steps))}
+    for k, step in enumerate(steps):
+        deps = {producer[x] for n in step.nodes for x in n.operands if x in producer and producer[x] != k}
+        needs.append(deps)
+        for d in deps:
+            users[d].append(k)
+    pending = [len(d) for d in needs]
+    ready = sorted((k for k in range(len(steps)) if pending[k] == 0), key=lambda k: position[steps[k].nodes[0]])
+    order = []
+    while ready:
+        k = ready.pop(0)
+        order.append(steps[k])
+        for u in users[k]:
+            pending[u] -= 1
+            if pending[u] == 0:
+                ready.append(u)
+    if len(order) != len(steps):
+        raise RuntimeError(f"plan for {graph.name}: the steps have a cyclic dependence")
+    missing = [n.name for n in graph.nodes if n not in producer
+               and n.category not in (Category.PARAMETER, Category.CONSTANT)]
+    if missing:
+        raise RuntimeError(f"plan for {graph.name} leaves nodes without a step: {missing[:5]}")
+    return order
+
+
+# ----------------------------------------------------------------------------------------------
+# torch execution of views and library calls
+# ----------------------------------------------------------------------------------------------
+
+
+def _torch_view(node: Node, x: Any) -> Any:
+    if node.op == "reshape":
+        return x.reshape(node.shape)
+    if node.op == "transpose":
+        return x.permute(*node.attrs["permutation"])
+    if node.op == "broadcast_in_dim":
+        dims = node.attrs["broadcast_dimensions"]
+        shape = [1] * len(node.shape)
+        for d, size in zip(dims, x.shape):
+            shape[d] = size
+        return x.reshape(shape).expand(node.shape)
+    raise ValueError(f"{node.name} ({node.op}) is not a view op")
+
+
+def _torch_library(node: Node, args: list[Any]) -> Any:
+    import torch
+
+    from fusionstitching.frontend.context import DTYPE_TO_TORCH
+
+    if node.op == "dot_general":
+        return _torch_dot(node, args[0], args[1]).to(DTYPE_TO_TORCH[node.dtype])
+    if node.op == "library":
+        target = reference.resolve_library_target(node.attrs["target"])
+        call = node.attrs["call"]
+        positional = _fill(call.get("args", []), args)
+        keywords = {k: _fill(v, args) for k, v in call.get("kwargs", {}).items()}
+        with torch.no_grad():
+            result = target(*positional, **keywords)
+        return result[node.attrs["out_index"]] if node.attrs["out_index"] >= 0 else result
+    # A node no kernel could be built for: the reference semantics through NumPy.
+    arrays = [_to_numpy(a, x) for a, x in zip(args, node.operands)]
+    value = reference.evaluate_node(node, arrays)
+    return _from_numpy(value, node).to(args[0].device if args else "cpu")
+
+
+def _torch_dot(node: Node, lhs: Any, rhs: Any) -> Any:
+    lb, rb, lc, rc = (list(node.attrs[k]) for k in ("lhs_batch", "rhs_batch", "lhs_contract", "rhs_contract"))
+    lfree = [d for d in range(lhs.dim()) if d not in lb + lc]
+    rfree = [d for d in range(rhs.dim()) if d not in rb + rc]
+    batch = math.prod(lhs.shape[d] for d in lb)
+    m, k = math.prod(lhs.shape[d] for d in lfree), math.prod(lhs.shape[d] for d in lc)
+    n = math.prod(rhs.shape[d] for d in rfree)
+    lhs3 = lhs.permute(*(lb + lfree + lc)).reshape(batch, m, k)
+    rhs3 = rhs.permute(*(rb + rc + rfree)).reshape(batch, k, n)
+    out = lhs3[0] @ rhs3[0] if batch == 1 else lhs3 @ rhs3
+    return out.reshape(node.shape)
+
+
+def _fill(template: Any, args: list[Any]) -> Any:
+    from collections.abc import Mapping
+
+    from fusionstitching.frontend.context import DTYPE_TO_TORCH
+    from fusionstitching.graph.ops import DType
+
+    if isinstance(template, Mapping):
+        if set(template) == {"operand"}:
+            return args[template["operand"]]
+        if set(template) == {"dtype"}:
+            return DTYPE_TO_TORCH[DType(template["dtype"])]
+        return {key: _fill(value, args) for key, value in template.items()}
+    if isinstance(template, (list, tuple)):
+        return type(template)(_fill(value, args) for value in template)
+    return template
+
+
+def _to_numpy(tensor: Any, node: Node) -> np.ndarray:
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        return np.asarray(tensor, dtype=node.dtype.numpy)
+    t = tensor.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy().astype(node.dtype.numpy)
+    return t.numpy()
+
+
+def _from_numpy(array: np.ndarray, node: Node) -> Any:
+    import torch
+
+    from fusionstitching.frontend.context import DTYPE_TO_TORCH
+
+    if node.dtype.is_half:
+        return torch.from_numpy(np.asarray(array, dtype=np.float32).copy()).to(DTYPE_TO_TORCH[node.dtype])
+    return torch.from_numpy(np.array(array, order="C"))
