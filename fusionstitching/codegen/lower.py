@@ -116,6 +116,7 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
     if unknown:
         raise CodegenError(f"template schedules {sorted(unknown)}, which are not nodes of the pattern")
 
+    _check_reduced_dims_in_one_block(schedule, by_name, {o.name for o in pattern.outputs})
     input_layouts = tuple(_input_layout(n) for n in pattern.inputs)
     aliases = _aliases(graph, pattern)
     output_layouts = tuple(input_layouts[aliases[k]] if k in aliases else Layout.contiguous(o.shape)
@@ -160,6 +161,22 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
     if check_in_place:
         _check_in_place(kernel, aliases, in_names, out_names)
     return LoweredKernel(kernel, pattern, input_layouts, output_layouts, aliases, smem_plan)
+
+
+def _check_reduced_dims_in_one_block(schedule: KernelSchedule, by_name: dict[str, Node], outputs: set[str]) -> None:
+    """A stored reduction must be finished by one block: a reduced dim split across blocks (a GRID
+    tile of extent > 1) would have several blocks store the same element. That takes a split
+    reduction (``graph.transforms.split_reduction``) and a second kernel."""
+    for sched in schedule.schedules:
+        root = by_name[sched.root]
+        if sched.root not in outputs or not is_reduction(root):
+            continue
+        space = iteration_space(root)
+        for d in reduced_dims(root):
+            extents = tile_extents(space[d], sched.dims[d])
+            if any(t.level == Level.GRID and e > 1 for t, e in zip(sched.dims[d], extents)):
+                raise CodegenError(f"{root.name}: reduced dim {d} is split across blocks (GRID), so several "
+                                   "blocks would store each result; it needs a split reduction")
 
 
 def _lower_packed(emitter, schedule, pattern, out_names, output_layouts, vectorize_access, guard_tails):

@@ -1,0 +1,164 @@
+"""torch.compile(..., backend="fusionstitching") end to end: inference, training, shapes, fallbacks.
+
+On a CPU the plans' kernels run in the simulator; on a GPU (``-m gpu``) they are launched, at the
+workloads' benchmark sizes. Outputs are compared with eager PyTorch by relative error
+‖out − ref‖ / ‖ref‖; gradients that are exactly zero in theory (the key bias under softmax) are
+compared with a floor of 1e-4 of the largest gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import fusionstitching
+from fusionstitching.bench.workloads import make
+from fusionstitching.frontend.backend import FallbackWarning, reset_stats
+
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    assert not torch.isnan(out).any(), "NaN in the compiled result"
+    return float((out - ref).norm() / max(float(ref.norm()), floor, 1e-30))
+
+
+def _as_tuple(value):
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _inputs(workload, device: str):
+    return [x.detach().clone().to(device).requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+            for x in workload.inputs]
+
+
+def _check_inference(name: str, device: str = "cpu", tolerance: float = 1e-5, **sizes) -> None:
+    workload = make(name, **sizes)
+    fn = workload.fn.to(device) if isinstance(workload.fn, torch.nn.Module) else workload.fn
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="fusionstitching")
+    for seed in range(3):  # three fresh inputs, the compiled graph reused
+        torch.manual_seed(seed)
+        inputs = _inputs(workload, device)
+        inputs = [torch.randn_like(x) if isinstance(x, torch.Tensor) and x.is_floating_point() and seed else x
+                  for x in inputs]
+        with torch.no_grad():
+            outs, refs = _as_tuple(compiled(*inputs)), _as_tuple(fn(*inputs))
+        for out, ref in zip(outs, refs):
+            assert relative_error(out, ref) < tolerance, (name, seed)
+
+
+def _check_training_step(name: str, device: str = "cpu", tolerance: float = 1e-4, **sizes) -> None:
+    workload = make(name, **sizes)
+    model = workload.fn.to(device)
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusionstitching")
+    inputs = _inputs(workload, device)
+    outs = _as_tuple(compiled(*inputs))
+    refs = _as_tuple(reference(*_inputs(workload, device)))
+    sum(o.float().sum() for o in outs).backward()
+    sum(r.float().sum() for r in refs).backward()
+    for out, ref in zip(outs, refs):
+        assert relative_error(out, ref) < tolerance
+    grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None]
+    largest = max(float(q.norm()) for _, q in grads)
+    for got, want in grads:
+        assert relative_error(got, want, floor=1e-4 * largest) < tolerance
+
+
+@pytest.mark.parametrize("name", ["layernorm", "softmax_scale_mask", "bias_gelu", "din_attention"])
+def test_inference_matches_eager_on_cpu(name):
+    _check_inference(name)
+
+
+def test_bert_inference_matches_eager_on_cpu():
+    _check_inference("bert", tolerance=1e-4)
+
+
+@pytest.mark.parametrize("name", ["mlp_train", "layernorm_train"])
+def test_training_step_matches_eager_on_cpu(name):
+    _check_training_step(name)
+
+
+def test_bert_training_step_matches_eager_on_cpu():
+    _check_training_step("bert_train")
+
+
+def test_adamw_update_in_place_matches_eager_on_cpu():
+    workload = make("adam_step")
+    tensors = [t.detach().clone() for t in workload.inputs]
+    expected = [t.detach().clone() for t in workload.inputs]
+    torch._dynamo.reset()
+    torch.compile(workload.fn, backend="fusionstitching")(*tensors)
+    workload.fn(*expected)
+    for got, want in zip(tensors, expected):
+        assert relative_error(got, want) < 1e-5
+
+
+def test_a_second_shape_compiles_a_specialization_and_stays_correct():
+    reset_stats()
+    workload = make("bert")
+    torch._dynamo.reset()
+    compiled = torch.compile(workload.fn, backend="fusionstitching")
+    ids, mask = workload.inputs
+    with torch.no_grad():
+        for length in (ids.shape[1], ids.shape[1] // 2):
+            shorter = (ids[:, :length].contiguous(), mask[:, :length].contiguous())
+            for out, ref in zip(compiled(*shorter), workload.fn(*shorter)):
+                assert relative_error(out, ref) < 1e-4
+    stats = fusionstitching.stats()
+    assert stats.get("fallbacks", 0) == 0 and stats["kernels"] > 0
+
+
+def test_fusionstitching_compile_is_torch_compile_with_the_backend():
+    workload = make("bias_gelu")
+    torch._dynamo.reset()
+    out = fusionstitching.compile(workload.fn, options=fusionstitching.Options(device="H200"))(*workload.inputs)
+    assert relative_error(out, workload.fn(*workload.inputs)) < 1e-5
+
+
+def test_a_graph_that_cannot_be_converted_falls_back_visibly():
+    def fn(x):
+        return torch.cumsum(x, 0).to(torch.complex64).real * 2  # complex values: no IR dtype
+
+    reset_stats()
+    torch._dynamo.reset()
+    x = torch.randn(8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(fn, backend="fusionstitching")(x)
+    assert torch.allclose(out, fn(x))
+    assert fusionstitching.stats()["fallbacks"] == 1
+    assert any(issubclass(w.category, FallbackWarning) and "runs in PyTorch" in str(w.message) for w in caught)
+
+
+# -- on a GPU: the kernels launched, benchmark sizes -----------------------------------------------
+
+REAL = {"layernorm": {"batch": 16384, "hidden": 768}, "softmax_scale_mask": {"batch": 32, "heads": 12, "seq": 128},
+        "bias_gelu": {"tokens": 16384, "hidden": 3072}, "din_attention": {"batch": 2048, "history": 50, "dim": 64}}
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_inference_matches_eager_on_gpu(name):
+    _check_inference(name, device="cuda", **REAL[name])
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_bert_inference_matches_eager_on_gpu():
+    _check_inference("bert", device="cuda", tolerance=1e-4, layers=12, hidden=768, heads=12, batch=8, seq=128,
+                     vocab=30522)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_bert_training_step_matches_eager_on_gpu():
+    _check_training_step("bert_train", device="cuda", layers=12, hidden=768, heads=12, batch=8, seq=128,
+                         vocab=30522)
