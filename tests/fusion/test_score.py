@@ -1,0 +1,99 @@
+"""Pattern scores (``fusion/score.py``): the delta evaluator [C §5.4] and the model-based score [B §4.3]."""
+
+from __future__ import annotations
+
+import pytest
+
+from fusionstitching.fusion import explore
+from fusionstitching.fusion.score import Scorer, pattern_bytes, unfused_bytes
+from fusionstitching.graph.graph import Graph, GraphBuilder
+from fusionstitching.graph.ops import DType
+from fusionstitching.options import Options
+from fusionstitching.schedule import feasible
+
+ROWS = (8, 64, 1024, 8192)
+
+
+def _chain(rows: int, cols: int = 1024) -> Graph:
+    b = GraphBuilder("chain")
+    x = b.parameter((rows, cols), DType.F32, "x")
+    return b.build([b.unary("tanh", b.unary("neg", b.unary("exp", x)))])
+
+
+def _fusable(graph: Graph):
+    return [n for n in graph.nodes if n.op != "parameter"]
+
+
+def _score(graph: Graph, nodes, mode: str = "delta", device: str = "H100"):
+    schedule = feasible(graph, nodes)
+    assert schedule, schedule
+    return Scorer(graph, Options(device=device, score=mode)).score(nodes, schedule)
+
+
+@pytest.mark.parametrize("mode", ["delta", "model"])
+def test_fused_chain_scores_positive_and_grows_with_size(mode):
+    values = []
+    for rows in ROWS:
+        graph = _chain(rows)
+        score = _score(graph, _fusable(graph), mode)
+        assert score.value > 0, score
+        assert score.kernels_replaced == 3
+        assert score.saved_bytes == 4 * rows * 1024 * 4  # two intermediates written and read back
+        assert score.value == pytest.approx(score.reduced_mem_us + score.reduced_calls_us - score.penalty_us)
+        values.append(score.value)
+    assert values == sorted(values) and values[0] < values[-1], values
+
+
+def test_launches_saved_are_counted_once_per_kernel_removed():
+    graph = _chain(64)
+    nodes = _fusable(graph)
+    three, two = _score(graph, nodes), _score(graph, nodes[:2])
+    assert three.reduced_calls_us == pytest.approx(2 * two.reduced_calls_us)
+    assert two.reduced_calls_us > 0
+
+
+@pytest.mark.parametrize("mode", ["delta", "model"])
+def test_single_op_pattern_scores_zero(mode):
+    graph = _chain(1024)
+    for node in _fusable(graph):
+        score = _score(graph, [node], mode)
+        assert score.value == pytest.approx(0.0, abs=1e-9), (node.name, score)
+        assert score.saved_bytes == 0
+
+
+def test_pattern_bytes_count_inputs_once_and_only_escaping_outputs():
+    b = GraphBuilder("bytes")
+    x = b.parameter((16, 32), DType.F32, "x")
+    h = b.binary("mul", x, x)  # x is read once by the fused kernel
+    out = b.unary("exp", h)
+    graph = b.build([out, h])  # h escapes as a graph output
+    nodes = _fusable(graph)
+    size = 16 * 32 * 4
+    assert pattern_bytes(graph, nodes) == 3 * size
+    assert pattern_bytes(graph, nodes[1:]) == 2 * size
+    assert unfused_bytes(nodes[0]) == 2 * size  # distinct operands: x once
+
+
+def test_reshape_costs_nothing_unfused():
+    b = GraphBuilder("view")
+    x = b.parameter((16, 32), DType.F32, "x")
+    r = b.reshape(b.unary("exp", x), (512,))
+    graph = b.build([b.unary("neg", r)])
+    (node,) = [n for n in graph.nodes if n.op == "reshape"]
+    assert unfused_bytes(node) == 0
+
+
+def test_model_score_option_gives_a_plan():
+    graph = _chain(1024)
+    delta, model = explore(graph), explore(graph, options=Options(score="model"))
+    assert delta.kernel_count == model.kernel_count == 1
+    assert model.patterns[0].score > 0
+    assert "model score" in model.explain()
+
+
+def test_scores_follow_the_device():
+    graph = _chain(8192)
+    nodes = _fusable(graph)
+    scores = {device: _score(graph, nodes, device=device).value for device in ("H100", "V100")}
+    assert all(v > 0 for v in scores.values())
+    assert scores["V100"] != scores["H100"]  # different bandwidth model, same pattern

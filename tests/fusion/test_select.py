@@ -1,0 +1,189 @@
+"""The selection ILP of [B §4.1] on hand-made graphs whose best plan is known.
+
+Paper B's Figure 3: two candidate patterns, each acyclic when contracted alone, can close a cycle
+when both are contracted (a path leaves one, enters the other and comes back). The selector must
+then add the constraint that excludes that pair and solve again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from fusionstitching.fusion.select import Selection, contracted_cycle, select_ilp
+from fusionstitching.graph.graph import GraphBuilder
+from fusionstitching.graph.ops import DType
+
+SHAPE = (4, 8)
+
+
+def _chain(length: int):
+    """x → n0 → n1 → ... (unary ops), returning the graph and its non-parameter nodes."""
+    b = GraphBuilder("chain")
+    x = b.parameter(SHAPE, DType.F32, "x")
+    node = x
+    for i in range(length):
+        node = b.node(("exp", "neg", "abs", "tanh")[i % 4], [node], name=f"n{i}")
+    graph = b.build([node])
+    return graph, [graph.node(f"n{i}") for i in range(length)]
+
+
+def _crossed():
+    """Figure 3's shape: a1 = exp(x) → b1 = abs(a1) and b2 = neg(x) → a2 = tanh(b2).
+
+    P = {a1, a2} and Q = {b1, b2} each pack two independent ops; contracted together they form the
+    cycle P → Q (a1 → b1) → P (b2 → a2). R = {a1, b1} and S = {b2, a2} are the two chains."""
+    b = GraphBuilder("crossed")
+    x = b.parameter(SHAPE, DType.F32, "x")
+    a1 = b.node("exp", [x], name="a1")
+    b2 = b.node("neg", [x], name="b2")
+    b1 = b.node("abs", [a1], name="b1")
+    a2 = b.node("tanh", [b2], name="a2")
+    graph = b.build([b1, a2])
+    return graph, {"P": [a1, a2], "Q": [b1, b2], "R": [a1, b1], "S": [b2, a2]}
+
+
+def _diamond():
+    """A → B → C plus A → C: {A, C} with B outside contracts into a cycle on its own."""
+    b = GraphBuilder("diamond")
+    x = b.parameter(SHAPE, DType.F32, "x")
+    a = b.node("exp", [x], name="A")
+    bb = b.node("neg", [a], name="B")
+    c = b.node("add", [a, bb], name="C")
+    graph = b.build([c])
+    return graph, a, bb, c
+
+
+def test_overlapping_patterns_the_higher_score_wins():
+    graph, (a, b, c) = _chain(3)
+    selection = select_ilp(graph, [[a, b], [b, c]], [3.0, 5.0])
+    assert selection.chosen == [1]
+    assert selection.objective == pytest.approx(5.0)
+    assert selection.rounds == 1 and selection.cycle_constraints == []
+
+
+def test_ilp_is_exact_where_greedy_is_not():
+    # Greedy by score takes {a, b, c} (7); the optimum is {a, b} + {c} (8).
+    graph, (a, b, c) = _chain(3)
+    selection = select_ilp(graph, [[a, b, c], [a, b], [c]], [7.0, 4.0, 4.0])
+    assert selection.chosen == [1, 2]
+    assert selection.objective == pytest.approx(8.0)
+    # Two overlapping pairs plus a leftover single: {b, c} + {a} (6) beats {a, b} + {c} (4).
+    selection = select_ilp(graph, [[a, b], [b, c], [c], [a]], [3.0, 5.0, 1.0, 1.0])
+    assert selection.chosen == [1, 3]
+
+
+def test_each_pattern_of_figure_3_is_acyclic_alone_but_not_together():
+    graph, p = _crossed()
+    assert contracted_cycle(graph, [p["P"]]) is None
+    assert contracted_cycle(graph, [p["Q"]]) is None
+    assert contracted_cycle(graph, [p["P"], p["Q"]]) == [0, 1]
+    assert contracted_cycle(graph, [p["R"], p["S"]]) is None
+    assert contracted_cycle(graph, []) is None
+
+
+def test_cycle_of_two_patterns_gets_a_constraint_and_the_plan_is_acyclic():
+    graph, p = _crossed()
+    patterns = [p["P"], p["Q"]]
+    selection = select_ilp(graph, patterns, [5.0, 4.0])
+    assert selection.cycle_constraints == [(0, 1)]
+    assert selection.rounds == 2
+    assert selection.chosen == [0] and selection.objective == pytest.approx(5.0)
+    assert contracted_cycle(graph, [patterns[i] for i in selection.chosen]) is None
+
+
+def test_after_the_cycle_constraint_the_next_best_plan_is_found():
+    # P + Q (9) closes a cycle; of the rest, R + S (6) beats P alone (5).
+    graph, p = _crossed()
+    patterns = [p["P"], p["Q"], p["R"], p["S"]]
+    selection = select_ilp(graph, patterns, [5.0, 4.0, 3.0, 3.0])
+    assert selection.cycle_constraints == [(0, 1)]
+    assert selection.chosen == [2, 3]
+    assert selection.objective == pytest.approx(6.0)
+
+
+def test_a_pattern_cyclic_on_its_own_is_excluded():
+    graph, a, b, c = _diamond()
+    assert contracted_cycle(graph, [[a, c]]) == [0]
+    assert contracted_cycle(graph, [[a, b, c]]) is None
+    selection = select_ilp(graph, [[a, c], [b, c]], [10.0, 2.0])
+    assert selection.cycle_constraints == [(0,)]
+    assert selection.chosen == [1]
+
+
+def test_chain_with_interleaved_patterns():
+    # x → a → b → c → d with {a, c} and {b, d}: contracting both makes a cycle (and each alone
+    # already has one through the node between its members), so neither can be chosen.
+    graph, (a, b, c, d) = _chain(4)
+    patterns = [[a, c], [b, d]]
+    assert contracted_cycle(graph, patterns) is not None
+    selection = select_ilp(graph, patterns, [4.0, 3.0])
+    assert selection.cycle_constraints
+    assert contracted_cycle(graph, [patterns[i] for i in selection.chosen]) is None
+    assert selection.chosen == []
+    # With the convex pairs available as well, those are chosen.
+    patterns += [[a, b], [c, d]]
+    selection = select_ilp(graph, patterns, [4.0, 3.0, 2.0, 2.0])
+    assert selection.chosen == [2, 3]
+
+
+def test_negative_and_zero_scores_are_never_chosen():
+    graph, (a, b, c) = _chain(3)
+    selection = select_ilp(graph, [[a], [b], [c]], [-1.0, 0.0, 2.0])
+    assert selection.chosen == [2]
+    selection = select_ilp(graph, [[a, b], [b, c]], [-3.0, -0.5])
+    assert selection == Selection([], 0.0, 0)
+    assert select_ilp(graph, [], []) == Selection([], 0.0, 0)
+
+
+def test_selection_is_deterministic():
+    graph, p = _crossed()
+    patterns = [p["P"], p["Q"], p["R"], p["S"]]
+    scores = [3.0, 3.0, 3.0, 3.0]  # ties everywhere
+    first = select_ilp(graph, patterns, scores)
+    for _ in range(3):
+        assert select_ilp(graph, patterns, scores) == first
+    assert contracted_cycle(graph, [patterns[i] for i in first.chosen]) is None
+
+
+def _brute_force(graph, patterns, scores) -> float:
+    best = 0.0
+    for size in range(1, len(patterns) + 1):
+        for subset in itertools.combinations(range(len(patterns)), size):
+            nodes = [n for i in subset for n in patterns[i]]
+            if len(nodes) != len(set(nodes)) or any(scores[i] <= 0 for i in subset):
+                continue
+            if contracted_cycle(graph, [patterns[i] for i in subset]) is None:
+                best = max(best, sum(scores[i] for i in subset))
+    return best
+
+
+def _random_dag(rng: random.Random, size: int):
+    b = GraphBuilder("random")
+    nodes = [b.parameter(SHAPE, DType.F32, "x")]
+    for i in range(size):
+        if i > 0 and rng.random() < 0.5:
+            x, y = rng.sample(nodes, 2)
+            nodes.append(b.node(rng.choice(["add", "mul", "max"]), [x, y], name=f"v{i}"))
+        else:
+            nodes.append(b.node(rng.choice(["exp", "neg", "tanh"]), [rng.choice(nodes)], name=f"v{i}"))
+    graph = b.build(nodes[1:])
+    return graph, [graph.node(f"v{i}") for i in range(size)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ilp_matches_brute_force_on_random_candidates(seed):
+    rng = random.Random(seed)
+    graph, nodes = _random_dag(rng, 7)
+    patterns = [rng.sample(nodes, rng.randint(1, 3)) for _ in range(9)]
+    scores = [round(rng.uniform(-1.0, 5.0), 2) for _ in patterns]
+    selection = select_ilp(graph, patterns, scores)
+    chosen = [patterns[i] for i in selection.chosen]
+    assert len({n for p in chosen for n in p}) == sum(len(p) for p in chosen)  # disjoint
+    assert contracted_cycle(graph, chosen) is None
+    assert all(scores[i] > 0 for i in selection.chosen)
+    assert selection.objective == pytest.approx(sum(scores[i] for i in selection.chosen))
+    assert selection.objective == pytest.approx(_brute_force(graph, patterns, scores))
+    assert select_ilp(graph, patterns, scores) == selection

@@ -1,0 +1,177 @@
+"""The graph passes that run before exploration: ``split_underfilled_reductions`` (``fusion/split.py``)
+and ``duplicate_broadcasts`` (``graph/transforms.py``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fusionstitching.cost.bandwidth import bandwidth_model
+from fusionstitching.cost.gpu_spec import gpu_spec
+from fusionstitching.fusion import explore
+from fusionstitching.fusion.split import split_underfilled_reductions
+from fusionstitching.graph import reference
+from fusionstitching.graph.graph import Graph, GraphBuilder
+from fusionstitching.graph.ops import DType
+from fusionstitching.graph.transforms import duplicate_broadcasts
+
+from .helpers import random_arrays
+
+
+def _split(graph: Graph, device: str = "H100"):
+    return split_underfilled_reductions(graph, gpu_spec(device), bandwidth_model(device))
+
+
+def _reduce_graph(shape, dims, kind: str = "sum", dtype: DType = DType.F32) -> Graph:
+    b = GraphBuilder("reduce")
+    x = b.parameter(shape, dtype, "x")
+    return b.build([b.node("reduce", [b.unary("neg", x)], dims=dims, kind=kind, name="r")])
+
+
+def _reduces(graph: Graph) -> list[tuple[str, tuple[int, ...]]]:
+    return [(n.name, n.shape) for n in graph.nodes if n.op == "reduce"]
+
+
+def _close(graph: Graph, split: Graph, rtol: float = 1e-4, seed: int = 0) -> None:
+    arrays = random_arrays(graph, seed)
+    for want, got in zip(reference.evaluate(graph, arrays), reference.evaluate(split, arrays)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        scale = max(np.abs(want.astype(np.float64)).max(initial=0.0), 1e-30)
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=rtol * scale)
+
+
+def test_bias_gradient_column_reduction_is_split():
+    graph = _reduce_graph((4096, 768), (0,))
+    split, decisions = _split(graph)
+    assert [d.node for d in decisions] == ["r"]
+    (decision,) = decisions
+    assert decision.parts >= 2 and 4096 % decision.parts == 0
+    assert decision.after_us < decision.before_us
+    assert "split in" in str(decision)
+    assert _reduces(split) == [("r_partial", (decision.parts, 768)), ("r", (768,))]
+    assert split.outputs[0].name == "r" and split.outputs[0].shape == (768,)
+    assert split.parameters == graph.parameters
+    _close(graph, split)
+
+
+def test_row_reduction_is_not_split():
+    graph = _reduce_graph((4096, 768), (1,))
+    split, decisions = _split(graph)
+    assert decisions == [] and split is graph
+
+
+def test_small_column_reduction_is_not_split():
+    graph = _reduce_graph((16, 768), (0,))
+    split, decisions = _split(graph)
+    assert decisions == [] and split is graph
+
+
+def test_half_column_reduction_accumulates_in_f32():
+    graph = _reduce_graph((4096, 768), (0,), dtype=DType.BF16)
+    split, decisions = _split(graph)
+    assert len(decisions) == 1
+    partial = split.node("r_partial")
+    assert partial.dtype == DType.F32
+    assert split.outputs[0].dtype == DType.BF16 and split.outputs[0].shape == (768,)
+    _close(graph, split, rtol=1e-2)
+
+
+def test_split_graph_keeps_values_with_several_reductions():
+    b = GraphBuilder("two_grads")
+    dy = b.parameter((4096, 768), DType.F32, "dy")
+    x = b.parameter((4096, 768), DType.F32, "x")
+    dbias = b.reduce(dy, (0,), "sum")
+    dgamma = b.reduce(b.binary("mul", dy, x), (0,), "sum")
+    rows = b.reduce(x, (1,), "max")
+    graph = b.build([dbias, dgamma, rows])
+    split, decisions = _split(graph)
+    assert sorted(d.node for d in decisions) == sorted([dbias.name, dgamma.name])
+    assert split.node(rows.name).operands[0] is split.node("x")  # the row max is untouched
+    _close(graph, split, seed=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# duplicate_broadcasts
+# ----------------------------------------------------------------------------------------------
+
+
+def _users(graph: Graph, name: str) -> list[str]:
+    return [u.name for u in graph.index.users[graph.node(name)]]
+
+
+def _broadcast_users(graph: Graph) -> dict[str, list[str]]:
+    return {n.name: _users(graph, n.name) for n in graph.nodes if n.op in ("broadcast_in_dim", "iota")}
+
+
+def test_each_user_of_a_broadcast_gets_its_own_copy():
+    b = GraphBuilder("shared")
+    x = b.parameter((8, 32), DType.F32, "x")
+    bias = b.parameter((32,), DType.F32, "bias")
+    bc = b.broadcast(bias, (8, 32), (1,))
+    io = b.iota((8, 32), 1, DType.F32)
+    outs = [b.binary("add", x, bc), b.binary("mul", x, bc), b.binary("max", bc, bc), b.binary("sub", io, x),
+            b.binary("add", io, bc)]
+    graph = b.build(outs)
+    assert len(_users(graph, bc.name)) == 4
+    dup = duplicate_broadcasts(graph)
+    users = _broadcast_users(dup)
+    assert all(len(u) == 1 for u in users.values()), users
+    assert sum(1 for n in dup.nodes if n.op == "broadcast_in_dim") == 4
+    assert sum(1 for n in dup.nodes if n.op == "iota") == 2
+    assert _users(dup, bc.name) == [outs[0].name]  # the first user keeps the original
+    assert dup.parameters == graph.parameters
+    assert [o.name for o in dup.outputs] == [o.name for o in graph.outputs]
+    assert len(_users(graph, bc.name)) == 4  # the input graph is not modified
+    arrays = random_arrays(graph)
+    for want, got in zip(reference.evaluate(graph, arrays), reference.evaluate(dup, arrays)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_nothing_to_duplicate_returns_the_graph():
+    b = GraphBuilder("single")
+    x = b.parameter((8, 32), DType.F32, "x")
+    bias = b.parameter((32,), DType.F32, "bias")
+    graph = b.build([b.binary("add", x, b.broadcast(bias, (8, 32), (1,)))])
+    assert duplicate_broadcasts(graph) is graph
+
+
+def test_broadcast_that_is_an_output_stays_shared():
+    b = GraphBuilder("output")
+    x = b.parameter((8, 32), DType.F32, "x")
+    bc = b.broadcast(b.parameter((32,), DType.F32, "bias"), (8, 32), (1,))
+    graph = b.build([bc, b.binary("add", x, bc), b.binary("mul", x, bc)])
+    dup = duplicate_broadcasts(graph)
+    assert _users(dup, bc.name) == _users(graph, bc.name)
+    assert dup.outputs[0].name == bc.name
+
+
+@pytest.mark.xfail(strict=True, reason="duplicate_broadcasts copies a shared broadcast but not the broadcast it "
+                   "reads: after the pass the inner broadcast of a chain has one user per copy")
+def test_chained_broadcasts_are_duplicated_all_the_way_down():
+    b = GraphBuilder("chain")
+    bias = b.parameter((32,), DType.F32, "bias")
+    x = b.parameter((2, 8, 32), DType.F32, "x")
+    inner = b.broadcast(bias, (8, 32), (1,))
+    outer = b.broadcast(inner, (2, 8, 32), (1, 2))
+    graph = b.build([b.binary("add", outer, x), b.binary("mul", outer, x)])
+    dup = duplicate_broadcasts(graph)
+    users = _broadcast_users(dup)
+    assert all(len(u) == 1 for u in users.values()), users
+
+
+@pytest.mark.xfail(strict=True, reason="the inner broadcast of a chain stays shared after duplicate_broadcasts, so "
+                   "the kernel before the GEMM writes it to memory for the kernel after it")
+def test_no_kernel_writes_a_broadcast_across_a_library_call():
+    b = GraphBuilder("chain_around_gemm")
+    bias = b.parameter((256,), DType.F32, "bias")
+    z = b.parameter((512, 256), DType.F32, "z")
+    w = b.parameter((256, 256), DType.F32, "w")
+    outer = b.broadcast(b.broadcast(bias, (1, 256), (1,)), (512, 256), (0, 1))
+    h = b.binary("add", z, outer)
+    d = b.node("dot_general", [h, w], lhs_batch=(), rhs_batch=(), lhs_contract=(1,), rhs_contract=(0,))
+    graph = b.build([b.binary("mul", d, outer)])
+    plan = explore(graph)
+    written = [name for p in plan.patterns for name in p.nodes
+               if plan.graph.node(name).op == "broadcast_in_dim"
+               and any(plan.pattern_of(u.name) is not p for u in plan.graph.index.users[plan.graph.node(name)])]
+    assert written == [], plan.explain()
