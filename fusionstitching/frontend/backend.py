@@ -140,6 +140,13 @@ class _Runner:
         return list(results[: self.outputs])
 
     def _compile(self, gm: fx.GraphModule, inputs: list[Any], key: tuple):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        # AOTAutograd may call the compiler under its fake mode; constants of the graph are real.
+        with unset_fake_temporarily():
+            return self._compile_real(gm, inputs, key)
+
+    def _compile_real(self, gm: fx.GraphModule, inputs: list[Any], key: tuple):
         from fusionstitching.frontend.context import CaptureError, Unsupported
         from fusionstitching.frontend.torch_fx import convert
         from fusionstitching.fusion import explore

@@ -96,7 +96,16 @@ DUPLICATED_OPS = ("broadcast_in_dim", "iota")
 
 
 def duplicate_broadcasts(graph: Graph) -> Graph:
-    """A copy of ``graph`` where each broadcast or iota with k > 1 users is k nodes, one per user."""
+    """A copy of ``graph`` where each broadcast or iota with k > 1 users is k nodes, one per user
+    (repeated until no such node is left: the copies of an outer broadcast share the inner one)."""
+    while True:
+        result = _duplicate_once(graph)
+        if result is graph:
+            return graph
+        graph = result
+
+
+def _duplicate_once(graph: Graph) -> Graph:
     users: dict[int, list[Node]] = {}
     for node in graph.nodes:
         for operand in dict.fromkeys(node.operands):

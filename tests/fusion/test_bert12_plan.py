@@ -36,7 +36,7 @@ def bert12():
 
 
 def test_kernel_counts_are_at_most_half_of_the_baseline(bert12):
-    captured, plans, bases, seconds = bert12
+    _, plans, bases, seconds = bert12
     fused = {k: p.kernel_count for k, p in plans.items()}
     base = {k: p.kernel_count for k, p in bases.items()}
     summary = f"fusionstitching {fused}, baseline {base}, exploration {seconds}"

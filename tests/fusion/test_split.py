@@ -4,7 +4,6 @@ and ``duplicate_broadcasts`` (``graph/transforms.py``)."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from fusionstitching.cost.bandwidth import bandwidth_model
 from fusionstitching.cost.gpu_spec import gpu_spec
@@ -145,8 +144,6 @@ def test_broadcast_that_is_an_output_stays_shared():
     assert dup.outputs[0].name == bc.name
 
 
-@pytest.mark.xfail(strict=True, reason="duplicate_broadcasts copies a shared broadcast but not the broadcast it "
-                   "reads: after the pass the inner broadcast of a chain has one user per copy")
 def test_chained_broadcasts_are_duplicated_all_the_way_down():
     b = GraphBuilder("chain")
     bias = b.parameter((32,), DType.F32, "bias")
@@ -159,8 +156,6 @@ def test_chained_broadcasts_are_duplicated_all_the_way_down():
     assert all(len(u) == 1 for u in users.values()), users
 
 
-@pytest.mark.xfail(strict=True, reason="the inner broadcast of a chain stays shared after duplicate_broadcasts, so "
-                   "the kernel before the GEMM writes it to memory for the kernel after it")
 def test_no_kernel_writes_a_broadcast_across_a_library_call():
     b = GraphBuilder("chain_around_gemm")
     bias = b.parameter((256,), DType.F32, "bias")
