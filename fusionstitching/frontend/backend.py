@@ -136,7 +136,7 @@ class _Runner:
             seed = torch.randint(0, 2**62, (), dtype=torch.int64)
             device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
             args += [seed.to(device), torch.zeros((), dtype=torch.int64, device=device)]
-        results = compiled(*args)
+        results = compiled.run(args, trusted=True)
         return list(results[: self.outputs])
 
     def _compile(self, gm: fx.GraphModule, inputs: list[Any], key: tuple):

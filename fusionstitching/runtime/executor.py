@@ -18,25 +18,26 @@ overwrites an input (``graph.mutations``) is written into that input tensor, unl
 already wrote it in place. Outputs whose value is a view come back with the strides the graph
 promised (``graph.output_layouts``), copied into such a tensor when the view's strides differ.
 
-Counters (``CompiledGraph.counts``) record what ran: kernels, library calls, views and copies
-made because a kernel input was not laid out as the kernel expects.
+On a GPU the steps run as a ``runtime.program.GpuProgram`` prepared once per device (the lean launch
+path). ``CompiledGraph.counts`` tells how many kernels, library calls and views ran.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from fusionstitching.codegen.generate import GeneratedKernel, generate
+from fusionstitching.frontend.context import DTYPE_TO_TORCH
 from fusionstitching.fusion.plan import FusionPlan
 from fusionstitching.graph import reference
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
+from fusionstitching.runtime.program import GpuProgram, dot_function
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,17 @@ class CompiledGraph:
         self.plan = plan
         self.graph: Graph = plan.graph
         self.steps = _order_steps(self.graph, _make_steps(plan))
-        self.counts: Counter[str] = Counter()
+        self._cpu_counts: Counter[str] = Counter()
         self._constants: dict[Any, Any] = {}
+        self._programs: dict[Any, GpuProgram] = {}
+        self._checked: list | None = None
+        self.calls = 0  # GPU calls
+
+    @property
+    def counts(self) -> Counter[str]:
+        """Steps run so far, by kind (kernel, library, view)."""
+        per_call = Counter(step.kind for step in self.steps)
+        return self._cpu_counts + Counter({kind: n * self.calls for kind, n in per_call.items()})
 
     @property
     def kernels(self) -> list[GeneratedKernel]:
@@ -82,7 +92,7 @@ class CompiledGraph:
             if node.op == "constant":
                 values[node] = np.asarray(node.attrs["value"])
         for step in self.steps:
-            self.counts[step.kind] += 1
+            self._cpu_counts[step.kind] += 1
             if step.kernel is not None:
                 results = step.kernel.simulate([values[x] for x in step.inputs])
                 values.update(zip(step.outputs, results))
@@ -94,6 +104,12 @@ class CompiledGraph:
 
     # -- torch tensors -------------------------------------------------------------------------
     def __call__(self, *tensors: Any) -> list[Any]:
+        return self.run(tensors)
+
+    def run(self, tensors: Sequence[Any], trusted: bool = False) -> list[Any]:
+        """Outputs for ``tensors`` (in ``graph.parameters`` order). On a GPU the prepared program
+        runs; its inputs are checked against the parameters' shapes, strides and dtypes when they
+        differ from the last checked call, unless the caller vouches for them (``trusted``)."""
         import torch
 
         graph = self.graph
@@ -103,23 +119,30 @@ class CompiledGraph:
                       torch.device("cpu"))
         if device.type != "cuda":
             return self._call_on_cpu(tensors)
-        values: dict[Node, Any] = dict(zip(graph.parameters, tensors))
-        for node in graph.nodes:
-            if node.op == "constant":
-                values[node] = self._constant(node, device)
-        for step in self.steps:
-            self.counts[step.kind] += 1
-            if step.kernel is not None:
-                args = [self._laid_out(values[x], x) for x in step.inputs]
-                values.update(zip(step.outputs, step.kernel(*args)))
-            elif step.kind == "view":
-                node = step.nodes[0]
-                values[node] = _torch_view(node, values[node.operands[0]])
-            else:
-                node = step.nodes[0]
-                values[node] = _torch_library(node, [values[x] for x in node.operands])
-        outputs = [None if out is None else values[out] for out in graph.outputs]
-        return self._finish(tensors, outputs)
+        if not trusted:
+            self._check_inputs(tensors)
+        program = self._programs.get(device)
+        if program is None:
+            program = GpuProgram(graph, self.steps, device, self._constant, _library_function)
+            self._programs[device] = program
+        self.calls += 1
+        return self._finish(tensors, program.run(tensors))
+
+    def _check_inputs(self, tensors: Sequence[Any]) -> None:
+        signature = [(tuple(t.shape), t.stride(), t.dtype) for t in tensors]
+        if signature == self._checked:
+            return
+        for node, t in zip(self.graph.parameters, tensors):
+            expected = DTYPE_TO_TORCH[node.dtype]
+            if tuple(t.shape) != node.shape or t.dtype != expected:
+                raise ValueError(f"{self.graph.name}: input {node.name} must be {expected}{list(node.shape)}, "
+                                 f"got {t.dtype}{list(t.shape)}")
+            layout = node.layout
+            if layout is not None and t.numel() > 1 and any(
+                    size > 1 and a != b for size, a, b in zip(t.shape, t.stride(), layout.strides)):
+                raise ValueError(f"{self.graph.name}: input {node.name} has strides {tuple(t.stride())}, the "
+                                 f"graph was compiled for {layout.strides}")
+        self._checked = signature
 
     def _call_on_cpu(self, tensors: Sequence[Any]) -> list[Any]:
         import torch
@@ -154,7 +177,6 @@ class CompiledGraph:
                 strided = torch.empty_strided(value.shape, layout.strides, dtype=value.dtype, device=value.device)
                 strided.copy_(value)
                 outputs[k] = strided
-                self.counts["output copies"] += 1
         return outputs
 
     def _constant(self, node: Node, device: Any) -> Any:
@@ -162,15 +184,6 @@ class CompiledGraph:
         if key not in self._constants:
             self._constants[key] = _from_numpy(np.asarray(node.attrs["value"]), node).to(device)
         return self._constants[key]
-
-    def _laid_out(self, tensor: Any, node: Node) -> Any:
-        """A kernel input as the kernel expects it: contiguous unless it is a strided parameter."""
-        if node.op == "parameter" and node.layout is not None:
-            return tensor
-        if not tensor.is_contiguous():
-            self.counts["input copies"] += 1
-            return tensor.contiguous()
-        return tensor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,52 +240,32 @@ def _order_steps(graph: Graph, steps: list[Step]) -> list[Step]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _torch_view(node: Node, x: Any) -> Any:
-    if node.op == "reshape":
-        return x.reshape(node.shape)
-    if node.op == "transpose":
-        return x.permute(*node.attrs["permutation"])
-    if node.op == "broadcast_in_dim":
-        dims = node.attrs["broadcast_dimensions"]
-        shape = [1] * len(node.shape)
-        for d, size in zip(dims, x.shape):
-            shape[d] = size
-        return x.reshape(shape).expand(node.shape)
-    raise ValueError(f"{node.name} ({node.op}) is not a view op")
-
-
-def _torch_library(node: Node, args: list[Any]) -> Any:
+def _library_function(node: Node) -> Callable[..., Any]:
+    """How a library step runs on a GPU: a GEMM through ``torch.matmul``, a library op through its
+    ``torch.ops`` callable, a node no kernel could be built for through the reference (NumPy)."""
     import torch
 
-    from fusionstitching.frontend.context import DTYPE_TO_TORCH
-
     if node.op == "dot_general":
-        return _torch_dot(node, args[0], args[1]).to(DTYPE_TO_TORCH[node.dtype])
+        return dot_function(node)
     if node.op == "library":
         target = reference.resolve_library_target(node.attrs["target"])
-        call = node.attrs["call"]
-        positional = _fill(call.get("args", []), args)
-        keywords = {k: _fill(v, args) for k, v in call.get("kwargs", {}).items()}
-        with torch.no_grad():
-            result = target(*positional, **keywords)
-        return result[node.attrs["out_index"]] if node.attrs["out_index"] >= 0 else result
-    # A node no kernel could be built for: the reference semantics through NumPy.
-    arrays = [_to_numpy(a, x) for a, x in zip(args, node.operands)]
-    value = reference.evaluate_node(node, arrays)
-    return _from_numpy(value, node).to(args[0].device if args else "cpu")
+        call, index = node.attrs["call"], node.attrs["out_index"]
 
+        def library_op(*args: Any) -> Any:
+            positional = _fill(call.get("args", []), list(args))
+            keywords = {k: _fill(v, list(args)) for k, v in call.get("kwargs", {}).items()}
+            with torch.no_grad():
+                result = target(*positional, **keywords)
+            return result[index] if index >= 0 else result
 
-def _torch_dot(node: Node, lhs: Any, rhs: Any) -> Any:
-    lb, rb, lc, rc = (list(node.attrs[k]) for k in ("lhs_batch", "rhs_batch", "lhs_contract", "rhs_contract"))
-    lfree = [d for d in range(lhs.dim()) if d not in lb + lc]
-    rfree = [d for d in range(rhs.dim()) if d not in rb + rc]
-    batch = math.prod(lhs.shape[d] for d in lb)
-    m, k = math.prod(lhs.shape[d] for d in lfree), math.prod(lhs.shape[d] for d in lc)
-    n = math.prod(rhs.shape[d] for d in rfree)
-    lhs3 = lhs.permute(*(lb + lfree + lc)).reshape(batch, m, k)
-    rhs3 = rhs.permute(*(rb + rc + rfree)).reshape(batch, k, n)
-    out = lhs3[0] @ rhs3[0] if batch == 1 else lhs3 @ rhs3
-    return out.reshape(node.shape)
+        return library_op
+
+    def on_host(*args: Any) -> Any:
+        arrays = [_to_numpy(a, x) for a, x in zip(args, node.operands)]
+        value = reference.evaluate_node(node, arrays)
+        return _from_numpy(value, node).to(args[0].device if args else "cpu")
+
+    return on_host
 
 
 def _fill(template: Any, args: list[Any]) -> Any:

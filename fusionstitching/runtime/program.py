@@ -1,0 +1,172 @@
+"""The GPU path of a CompiledGraph: its steps prepared once per device, run as a short loop.
+
+Lean launch path (DESIGN.md "Runtime"). Preparing a program numbers every value (parameters,
+constants, step outputs) with a slot, and turns each step into a small callable object holding
+what does not change between calls: its input and output slots, the shapes and dtypes of the
+outputs it allocates, and, for a kernel, its loaded launcher. A call then only
+
+- reads the pointers of this call's tensors and rewrites the ones that changed in the launcher's
+  prepacked argument array (``LoadedKernel.launch``);
+- allocates outputs from the torch caching allocator;
+- launches on the stream that was current when the call began.
+
+The first call of each kernel goes through ``GeneratedKernel.__call__`` (full input checks,
+NVRTC compile or disk cache, module load); later calls skip the checks, which is sound because the
+program's inputs are checked once per call by ``CompiledGraph`` (or guaranteed by the backend's
+shape signature) and every other value is produced by the program itself. A kernel with 16-byte
+vector accesses falls back to its scalar variant when a pointer is misaligned, as
+``call_generated`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fusionstitching.frontend.context import DTYPE_TO_TORCH
+from fusionstitching.graph.graph import Graph, Node
+
+_ALIGNMENT_MASK = 15
+
+
+class KernelOp:
+    """One generated kernel of the program."""
+
+    def __init__(self, kernel, in_slots: list[int], out_slots: list[int], contiguous: list[int],
+                 device: torch.device) -> None:
+        self.kernel = kernel
+        self.in_slots = in_slots
+        self.out_slots = out_slots
+        self.contiguous = contiguous  # input positions produced by library calls or views: checked
+        self.device = device
+        aliases = kernel.lowered.aliases
+        self.outputs = [(tuple(n.shape), DTYPE_TO_TORCH[n.dtype], aliases.get(k, -1))
+                        for k, n in enumerate(kernel.lowered.pattern.outputs)]
+        self.launcher = None
+        self.has_scalar_variant = kernel._scalar_variant is not None
+
+    def __call__(self, slots: list[Any], stream: int) -> None:
+        inputs = [slots[i] for i in self.in_slots]
+        for k in self.contiguous:
+            if not inputs[k].is_contiguous():
+                inputs[k] = inputs[k].contiguous()
+        if self.launcher is None:
+            outputs = self.kernel(*inputs)
+            self.launcher = self.kernel._launchers.get(self.device)
+        else:
+            device = self.device
+            outputs = [inputs[a] if a >= 0 else torch.empty(shape, dtype=dtype, device=device)
+                       for shape, dtype, a in self.outputs]
+            pointers = [t.data_ptr() for t in outputs] + [t.data_ptr() for t in inputs]
+            if self.has_scalar_variant and any(p & _ALIGNMENT_MASK for p in pointers):
+                from fusionstitching.runtime.kernel_call import call_generated
+
+                outputs = call_generated(self.kernel, inputs, outputs)
+            else:
+                self.launcher.launch(pointers, stream)
+        for slot, tensor in zip(self.out_slots, outputs):
+            slots[slot] = tensor
+
+
+class CallOp:
+    """A library call or a view: ``fn`` applied to the input slots' tensors."""
+
+    def __init__(self, fn: Callable[..., Any], in_slots: list[int], out_slot: int) -> None:
+        self.fn = fn
+        self.in_slots = in_slots
+        self.out_slot = out_slot
+
+    def __call__(self, slots: list[Any], stream: int) -> None:
+        slots[self.out_slot] = self.fn(*[slots[i] for i in self.in_slots])
+
+
+class GpuProgram:
+    """A CompiledGraph's steps for one CUDA device; ``run(tensors)`` returns the graph's outputs."""
+
+    def __init__(self, graph: Graph, steps: Sequence[Any], device: torch.device,
+                 constant: Callable[[Node, Any], Any], library: Callable[[Node], Callable[..., Any]]) -> None:
+        self.graph = graph
+        self.device = device
+        slot: dict[Node, int] = {p: k for k, p in enumerate(graph.parameters)}
+        self.constants: list[tuple[int, Any]] = []
+        for node in graph.nodes:
+            if node.op == "constant":
+                slot[node] = len(slot)
+                self.constants.append((slot[node], constant(node, device)))
+        produced_by_call: set[Node] = set()
+        self.ops: list[Any] = []
+        for step in steps:
+            for out in step.outputs:
+                if out not in slot:
+                    slot[out] = len(slot)
+            if step.kernel is not None:
+                inputs = list(step.inputs)
+                checked = [k for k, x in enumerate(inputs) if x in produced_by_call]
+                self.ops.append(KernelOp(step.kernel, [slot[x] for x in inputs], [slot[o] for o in step.outputs],
+                                         checked, device))
+            else:
+                node = step.nodes[0]
+                fn = view_function(node) if step.kind == "view" else library(node)
+                self.ops.append(CallOp(fn, [slot[x] for x in node.operands], slot[node]))
+                produced_by_call.add(node)
+        self.size = len(slot)
+        self.output_slots = [None if out is None else slot[out] for out in graph.outputs]
+        self.kinds = [step.kind for step in steps]
+
+    def run(self, tensors: Sequence[Any]) -> list[Any]:
+        slots: list[Any] = [None] * self.size
+        slots[: len(tensors)] = tensors
+        for k, value in self.constants:
+            slots[k] = value
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        for op in self.ops:
+            op(slots, stream)
+        return [None if k is None else slots[k] for k in self.output_slots]
+
+
+def view_function(node: Node) -> Callable[[Any], Any]:
+    """The torch view op for a reshape, transpose or broadcast node (layout metadata only)."""
+    if node.op == "reshape":
+        shape = tuple(node.shape)
+        return lambda x: x.reshape(shape)
+    if node.op == "transpose":
+        permutation = tuple(node.attrs["permutation"])
+        return lambda x: x.permute(permutation)
+    if node.op == "broadcast_in_dim":
+        dims = node.attrs["broadcast_dimensions"]
+        target = tuple(node.shape)
+
+        def broadcast(x: Any) -> Any:
+            shape = [1] * len(target)
+            for d, size in zip(dims, x.shape):
+                shape[d] = size
+            return x.reshape(shape).expand(target)
+
+        return broadcast
+    raise ValueError(f"{node.name} ({node.op}) is not a view op")
+
+
+def dot_function(node: Node) -> Callable[[Any, Any], Any]:
+    """``dot_general`` as one ``torch.matmul`` (cuBLAS): operands permuted to batch x M x K and
+    batch x K x N (views where the layout allows), the permutations worked out once."""
+    lhs_shape, rhs_shape = node.operands[0].shape, node.operands[1].shape
+    lb, rb, lc, rc = (list(node.attrs[k]) for k in ("lhs_batch", "rhs_batch", "lhs_contract", "rhs_contract"))
+    lfree = [d for d in range(len(lhs_shape)) if d not in lb + lc]
+    rfree = [d for d in range(len(rhs_shape)) if d not in rb + rc]
+    batch = math.prod(lhs_shape[d] for d in lb)
+    m, k = math.prod(lhs_shape[d] for d in lfree), math.prod(lhs_shape[d] for d in lc)
+    n = math.prod(rhs_shape[d] for d in rfree)
+    lhs_perm, rhs_perm = tuple(lb + lfree + lc), tuple(rb + rc + rfree)
+    lhs_to = (m, k) if batch == 1 else (batch, m, k)
+    rhs_to = (k, n) if batch == 1 else (batch, k, n)
+    shape, dtype = tuple(node.shape), DTYPE_TO_TORCH[node.dtype]
+
+    def dot(lhs: Any, rhs: Any) -> Any:
+        a = lhs.permute(lhs_perm).reshape(lhs_to)
+        b = rhs.permute(rhs_perm).reshape(rhs_to)
+        return torch.matmul(a, b).reshape(shape).to(dtype)
+
+    return dot
