@@ -49,6 +49,7 @@ from fusionstitching.graph.ops import Category
 from fusionstitching.schedule.template import KernelSchedule, Level, Schedule, tile_extents
 
 _NOT_COMPUTED = (Category.PARAMETER, Category.LIBRARY)
+_ELEMENTWISE = (Category.LIGHT_ELEMENTWISE, Category.EXPENSIVE_ELEMENTWISE)
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
     _check_reduced_dims_in_one_block(schedule, by_name, {o.name for o in pattern.outputs})
     input_layouts = tuple(_input_layout(n) for n in pattern.inputs)
     aliases = _aliases(graph, pattern)
+    _check_alias_readers(graph, pattern, aliases)
     output_layouts = tuple(input_layouts[aliases[k]] if k in aliases else Layout.contiguous(o.shape)
                            for k, o in enumerate(pattern.outputs))
     extents = [_extent(n.shape, lay) for n, lay in zip(pattern.inputs, input_layouts)]
@@ -441,6 +443,40 @@ def _serial_into(em: ValueEmitter, fs: list[Factor], body) -> None:
         return stmts
 
     em.stmts.extend(_serial(em, fs, inner))
+
+
+def _check_alias_readers(graph: Graph, pattern: Pattern, aliases: dict[int, int]) -> None:
+    """An input overwritten in place may only be read on the way to its own new value, elementwise:
+    every pattern node reading it has its shape and is elementwise, and those nodes (and the new
+    value) feed nothing else in the pattern. Otherwise another group, maybe in another block, could
+    read an element after its owner overwrote it (a step counter read by every parameter's update)."""
+    if not aliases:
+        return
+    members = set(pattern.nodes)
+    users = graph.index.users
+    for k, j in aliases.items():
+        out, source = pattern.outputs[k], pattern.inputs[j]
+        feeding = _ancestors_within(out, members)
+        for reader in (u for u in users[source] if u in members):
+            if reader.shape != source.shape or reader.category not in _ELEMENTWISE \
+                    or reader not in feeding:
+                raise CodegenError(f"in-place output {out.name} overwrites {source.name}, which {reader.name} "
+                                   f"({reader.op}) reads apart from the elementwise update")
+        for node in feeding:
+            if any(u in members and u not in feeding for u in users[node]):
+                raise CodegenError(f"in-place output {out.name} overwrites {source.name}, and {node.name} on the "
+                                   "way to it is used by other nodes of the kernel")
+
+
+def _ancestors_within(node: Node, members: set[Node]) -> set[Node]:
+    """``node`` and the pattern nodes it depends on."""
+    seen, stack = {node}, [node]
+    while stack:
+        for operand in stack.pop().operands:
+            if operand in members and operand not in seen:
+                seen.add(operand)
+                stack.append(operand)
+    return seen
 
 
 def _check_in_place(kernel: K.Kernel, aliases: dict[int, int], in_names, out_names) -> None:

@@ -18,6 +18,10 @@ makes runs repeatable.
 Numbers among the inputs (sizes TorchDynamo passes for symbolic shapes, Python scalars) are part of
 the shape signature and become constants of that specialization.
 
+``mode="reduce-overhead"`` replays each compiled graph from a CUDA graph after its second call
+(``runtime.program.GraphedProgram``); outputs are then overwritten by the next call, as with
+Inductor's CUDA graphs.
+
 Fallbacks. A graph the frontend cannot convert (an input that is neither a tensor nor a number, an
 unsupported dtype) runs in PyTorch as AOTAutograd gave it: counted in ``stats()["fallbacks"]`` and announced by
 a ``FallbackWarning`` that names the graph and the reason. Library calls inside a plan (GEMMs,
@@ -73,15 +77,13 @@ def fusionstitching_backend(gm: fx.GraphModule, example_inputs: list[Any], mode:
 
     from fusionstitching.frontend.torch_fx import decompositions
 
-    if mode not in (None, "default"):
-        warnings.warn(f"fusionstitching: mode={mode!r} (CUDA graphs) is not implemented yet; the graph runs "
-                      "without it", FallbackWarning, stacklevel=2)
-        _STATS["modes ignored"] += 1
+    if mode not in (None, "default", "reduce-overhead"):
+        raise ValueError(f"fusionstitching: unknown mode {mode!r}; known: None, 'reduce-overhead'")
     opts = _options(options)
     return aot_module_simplified(
         gm, example_inputs,
-        fw_compiler=_compiler("forward", opts), bw_compiler=_compiler("backward", opts),
-        inference_compiler=_compiler("inference", opts),
+        fw_compiler=_compiler("forward", opts, mode), bw_compiler=_compiler("backward", opts, mode),
+        inference_compiler=_compiler("inference", opts, mode),
         partition_fn=min_cut_rematerialization_partition, decompositions=decompositions(),
         keep_inference_input_mutations=True,
     )
@@ -93,11 +95,12 @@ def compile(fn_or_module: Callable[..., Any], options: Options | None = None, **
     return torch.compile(fn_or_module, backend="fusionstitching", options=opts, **kwargs)
 
 
-def _compiler(kind: str, options: Options) -> Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]:
+def _compiler(kind: str, options: Options, mode: str | None
+              ) -> Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]:
     def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         _STATS["graphs"] += 1
         name = f"{kind}_{_STATS['graphs']}"
-        return _Runner(gm, example_inputs, name, options)
+        return _Runner(gm, example_inputs, name, options, mode)
 
     return compile_graph
 
@@ -107,8 +110,10 @@ class _Runner:
 
     _boxed_call = True
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], name: str, options: Options) -> None:
+    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], name: str, options: Options,
+                 mode: str | None = None) -> None:
         self.gm = gm
+        self.mode = mode
         self.name = name
         self.options = options
         self.outputs = len(gm.graph.output_node().args[0])
@@ -170,7 +175,7 @@ class _Runner:
                           stacklevel=2)
             return None
         plan = explore(graph, options=self.options)
-        compiled = CompiledGraph(plan)
+        compiled = CompiledGraph(plan, mode=self.mode)
         _STATS["kernels"] += plan.kernel_count
         _STATS["library calls"] += plan.library_count
         _STATS["views"] += len(plan.views)

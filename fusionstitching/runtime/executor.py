@@ -19,7 +19,7 @@ already wrote it in place. Outputs whose value is a view come back with the stri
 promised (``graph.output_layouts``), copied into such a tensor when the view's strides differ.
 
 On a GPU the steps run as a ``runtime.program.GpuProgram`` prepared once per device (the lean launch
-path). ``CompiledGraph.counts`` tells how many kernels, library calls and views ran.
+path), or, with ``mode="reduce-overhead"``, replayed from a CUDA graph (``GraphedProgram``). ``CompiledGraph.counts`` tells how many kernels, library calls and views ran.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from fusionstitching.fusion.plan import FusionPlan
 from fusionstitching.graph import reference
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
-from fusionstitching.runtime.program import GpuProgram, dot_function
+from fusionstitching.runtime.program import GpuProgram, GraphedProgram, dot_function
 
 
 @dataclass(frozen=True)
@@ -62,13 +62,16 @@ class Step:
 class CompiledGraph:
     """The steps of a plan, runnable on NumPy arrays (``run_numpy``) or torch tensors (call)."""
 
-    def __init__(self, plan: FusionPlan) -> None:
+    def __init__(self, plan: FusionPlan, mode: str | None = None) -> None:
+        if mode not in (None, "default", "reduce-overhead"):
+            raise ValueError(f"CompiledGraph: unknown mode {mode!r}; known: None, 'reduce-overhead'")
+        self.mode = mode
         self.plan = plan
         self.graph: Graph = plan.graph
         self.steps = _order_steps(self.graph, _make_steps(plan))
         self._cpu_counts: Counter[str] = Counter()
         self._constants: dict[Any, Any] = {}
-        self._programs: dict[Any, GpuProgram] = {}
+        self._programs: dict[Any, GpuProgram | GraphedProgram] = {}
         self._checked: list | None = None
         self.calls = 0  # GPU calls
 
@@ -124,6 +127,8 @@ class CompiledGraph:
         program = self._programs.get(device)
         if program is None:
             program = GpuProgram(graph, self.steps, device, self._constant, _library_function)
+            if self.mode == "reduce-overhead":
+                program = GraphedProgram(program)
             self._programs[device] = program
         self.calls += 1
         return self._finish(tensors, program.run(tensors))

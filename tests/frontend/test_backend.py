@@ -100,6 +100,49 @@ def test_adamw_update_in_place_matches_eager_on_cpu():
         assert relative_error(got, want) < 1e-5
 
 
+def test_dropout_draws_fresh_masks_from_torchs_generator():
+    from fusionstitching.bench.workloads import dropout
+
+    workload = dropout(numel=20000, p=0.3)
+    torch._dynamo.reset()
+    compiled = torch.compile(workload.fn, backend="fusionstitching")
+    x = torch.ones(20000)
+    torch.manual_seed(0)
+    first, second = compiled(x), compiled(x)
+    torch.manual_seed(0)
+    again = compiled(x)
+    assert abs(float((first == 0).float().mean()) - 0.3) < 0.02
+    assert torch.allclose(first[first != 0], torch.full_like(first[first != 0], 1 / 0.7))
+    assert not torch.equal(first, second) and torch.equal(first, again)
+
+
+def test_a_compiled_adamw_step_matches_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    reference = copy.deepcopy(model)
+    data = torch.randn(8, 32)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    torch._dynamo.reset()
+    step = torch.compile(optimizers[0].step, backend="fusionstitching")
+    for _ in range(2):
+        for m in (model, reference):
+            m.zero_grad()
+            m(data).square().sum().backward()
+        step()
+        optimizers[1].step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert relative_error(p, q) < 1e-5
+
+
+def test_bf16_autocast_inference_matches_eager():
+    workload = make("bert")
+    torch._dynamo.reset()
+    compiled = torch.compile(workload.fn, backend="fusionstitching")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for out, ref in zip(compiled(*workload.inputs), workload.fn(*workload.inputs)):
+            assert relative_error(out, ref) < 2e-2
+
+
 def test_a_second_shape_compiles_a_specialization_and_stays_correct():
     reset_stats()
     workload = make("bert")
@@ -162,3 +205,19 @@ def test_bert_inference_matches_eager_on_gpu():
 def test_bert_training_step_matches_eager_on_gpu():
     _check_training_step("bert_train", device="cuda", layers=12, hidden=768, heads=12, batch=8, seq=128,
                          vocab=30522)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("name", ["layernorm", "softmax_scale_mask"])
+def test_reduce_overhead_mode_replays_a_cuda_graph_correctly(name):
+    workload = make(name, **REAL[name])
+    fn = workload.fn.cuda() if isinstance(workload.fn, torch.nn.Module) else workload.fn
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="fusionstitching", mode="reduce-overhead")
+    for seed in range(4):  # eager, capture, then replays with new inputs
+        torch.manual_seed(seed)
+        inputs = [torch.randn_like(x) if x.is_floating_point() else x for x in _inputs(workload, "cuda")]
+        with torch.no_grad():
+            out, ref = compiled(*inputs), fn(*inputs)
+        assert relative_error(out, ref) < 1e-5, seed

@@ -108,3 +108,18 @@ def test_whole_plans_match_the_reference_on_gpu(name):
                 if w is not None:
                     assert _relative(g.cpu().numpy(), w) < 1e-5, graph.name
         assert compiled.counts["kernel"] == 3 * compiled.plan.kernel_count
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_reduce_overhead_replays_the_plan_with_new_inputs():
+    _, captured = capture_workload("mlp_train")
+    graph = captured.forward
+    compiled = CompiledGraph(explore(graph), mode="reduce-overhead")
+    for seed in range(4):
+        inputs = _inputs(graph, seed)
+        want = reference.evaluate(graph, inputs)
+        got = compiled(*[torch.from_numpy(np.asarray(a)).cuda() for a in inputs])
+        for g, w in zip(got, want):
+            if w is not None:
+                assert _relative(g.cpu().numpy(), w) < 1e-5, seed
