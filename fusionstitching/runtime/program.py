@@ -7,7 +7,8 @@ outputs it allocates, and, for a kernel, its loaded launcher. A call then only
 
 - reads the pointers of this call's tensors and rewrites the ones that changed in the launcher's
   prepacked argument array (``LoadedKernel.launch``);
-- allocates outputs from the torch caching allocator;
+- allocates the outputs that leave the call from the torch caching allocator (outputs used only
+  inside the call keep their buffers from one call to the next, so their pointers never change);
 - launches on the stream that was current when the call began.
 
 The first call of each kernel goes through ``GeneratedKernel.__call__`` (full input checks,
@@ -36,7 +37,7 @@ class KernelOp:
     """One generated kernel of the program."""
 
     def __init__(self, kernel, in_slots: list[int], out_slots: list[int], contiguous: list[int],
-                 device: torch.device) -> None:
+                 device: torch.device, kept: set[int] = frozenset()) -> None:
         self.kernel = kernel
         self.in_slots = in_slots
         self.out_slots = out_slots
@@ -45,6 +46,8 @@ class KernelOp:
         aliases = kernel.lowered.aliases
         self.outputs = [(tuple(n.shape), DTYPE_TO_TORCH[n.dtype], aliases.get(k, -1))
                         for k, n in enumerate(kernel.lowered.pattern.outputs)]
+        self.kept = [slot in kept and aliases.get(k, -1) < 0 for k, slot in enumerate(out_slots)]
+        self.buffers: list[Any] = [None] * len(out_slots)  # kept outputs, allocated once
         self.launcher = None
         self.has_scalar_variant = kernel._scalar_variant is not None
 
@@ -57,9 +60,18 @@ class KernelOp:
             outputs = self.kernel(*inputs)
             self.launcher = self.kernel._launchers.get(self.device)
         else:
-            device = self.device
-            outputs = [inputs[a] if a >= 0 else torch.empty(shape, dtype=dtype, device=device)
-                       for shape, dtype, a in self.outputs]
+            device, buffers = self.device, self.buffers
+            outputs = []
+            for k, (shape, dtype, a) in enumerate(self.outputs):
+                if a >= 0:
+                    outputs.append(inputs[a])
+                elif buffers[k] is not None:
+                    outputs.append(buffers[k])
+                else:
+                    tensor = torch.empty(shape, dtype=dtype, device=device)
+                    if self.kept[k]:
+                        buffers[k] = tensor
+                    outputs.append(tensor)
             pointers = [t.data_ptr() for t in outputs] + [t.data_ptr() for t in inputs]
             if self.has_scalar_variant and any(p & _ALIGNMENT_MASK for p in pointers):
                 from fusionstitching.runtime.kernel_call import call_generated
@@ -97,6 +109,7 @@ class GpuProgram:
                 slot[node] = len(slot)
                 self.constants.append((slot[node], constant(node, device)))
         produced_by_call: set[Node] = set()
+        kept = _kept_nodes(graph, steps)
         self.ops: list[Any] = []
         for step in steps:
             for out in step.outputs:
@@ -106,7 +119,7 @@ class GpuProgram:
                 inputs = list(step.inputs)
                 checked = [k for k, x in enumerate(inputs) if x in produced_by_call]
                 self.ops.append(KernelOp(step.kernel, [slot[x] for x in inputs], [slot[o] for o in step.outputs],
-                                         checked, device))
+                                         checked, device, {slot[n] for n in kept}))
             else:
                 node = step.nodes[0]
                 fn = view_function(node) if step.kind == "view" else library(node)
@@ -125,6 +138,19 @@ class GpuProgram:
         for op in self.ops:
             op(slots, stream)
         return [None if k is None else slots[k] for k in self.output_slots]
+
+
+def _kept_nodes(graph: Graph, steps: Sequence[Any]) -> set[Node]:
+    """Kernel outputs that never leave a call: not graph outputs, not seen through a view that is
+    one. Their buffers are allocated on the first lean call and reused by every later call (calls
+    of one program run one after another on the stream)."""
+    views = {step.nodes[0]: step.nodes[0].operands[0] for step in steps if step.kind == "view"}
+    escaping = set()
+    for out in graph.outputs:
+        while out is not None and out not in escaping:
+            escaping.add(out)
+            out = views.get(out)
+    return {o for step in steps if step.kernel is not None for o in step.outputs if o not in escaping}
 
 
 def view_function(node: Node) -> Callable[[Any], Any]:
