@@ -49,7 +49,6 @@ from fusionstitching.graph.ops import Category
 from fusionstitching.schedule.template import KernelSchedule, Level, Schedule, tile_extents
 
 _NOT_COMPUTED = (Category.PARAMETER, Category.LIBRARY)
-_ELEMENTWISE = (Category.LIGHT_ELEMENTWISE, Category.EXPENSIVE_ELEMENTWISE)
 
 
 @dataclass(frozen=True)
@@ -120,7 +119,6 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
     _check_reduced_dims_in_one_block(schedule, by_name, {o.name for o in pattern.outputs})
     input_layouts = tuple(_input_layout(n) for n in pattern.inputs)
     aliases = _aliases(graph, pattern)
-    _check_alias_readers(graph, pattern, aliases)
     output_layouts = tuple(input_layouts[aliases[k]] if k in aliases else Layout.contiguous(o.shape)
                            for k, o in enumerate(pattern.outputs))
     extents = [_extent(n.shape, lay) for n, lay in zip(pattern.inputs, input_layouts)]
@@ -445,62 +443,32 @@ def _serial_into(em: ValueEmitter, fs: list[Factor], body) -> None:
     em.stmts.extend(_serial(em, fs, inner))
 
 
-def _check_alias_readers(graph: Graph, pattern: Pattern, aliases: dict[int, int]) -> None:
-    """An input overwritten in place may only be read on the way to its own new value, elementwise:
-    every pattern node reading it has its shape and is elementwise, and those nodes (and the new
-    value) feed nothing else in the pattern. Otherwise another group, maybe in another block, could
-    read an element after its owner overwrote it (a step counter read by every parameter's update)."""
-    if not aliases:
-        return
-    members = set(pattern.nodes)
-    users = graph.index.users
-    for k, j in aliases.items():
-        out, source = pattern.outputs[k], pattern.inputs[j]
-        feeding = _ancestors_within(out, members)
-        for reader in (u for u in users[source] if u in members):
-            if reader.shape != source.shape or reader.category not in _ELEMENTWISE \
-                    or reader not in feeding:
-                raise CodegenError(f"in-place output {out.name} overwrites {source.name}, which {reader.name} "
-                                   f"({reader.op}) reads apart from the elementwise update")
-        for node in feeding:
-            if any(u in members and u not in feeding for u in users[node]):
-                raise CodegenError(f"in-place output {out.name} overwrites {source.name}, and {node.name} on the "
-                                   "way to it is used by other nodes of the kernel")
-
-
-def _ancestors_within(node: Node, members: set[Node]) -> set[Node]:
-    """``node`` and the pattern nodes it depends on."""
-    seen, stack = {node}, [node]
-    while stack:
-        for operand in stack.pop().operands:
-            if operand in members and operand not in seen:
-                seen.add(operand)
-                stack.append(operand)
-    return seen
-
-
 def _check_in_place(kernel: K.Kernel, aliases: dict[int, int], in_names, out_names) -> None:
     """An in-place output may only overwrite elements its own thread reads: every index at which the
-    aliased input is loaded must be an index at which the output is stored (same expression)."""
+    aliased input is loaded must be an index at which the output is stored (same expression), in
+    the same top-level loop nest of the kernel. Loop nests of a kernel are run by different threads
+    (packed sub-kernels by different blocks), so a load in another nest could see an element that
+    its owner already overwrote (a step counter read by every parameter's update)."""
     if not aliases:
         return
     pairs = {in_names[j]: out_names[k] for k, j in aliases.items()}
     loads: dict[str, set] = {name: set() for name in pairs}
     stores: dict[str, set] = {name: set() for name in pairs.values()}
-    for stmt in _walk(kernel.body):
-        if isinstance(stmt, K.Store) and stmt.buffer in stores:
-            stores[stmt.buffer].add((stmt.index, 1))
-        elif isinstance(stmt, K.VecStore) and stmt.buffer in stores:
-            stores[stmt.buffer].add((stmt.index, len(stmt.values)))
-        elif isinstance(stmt, K.VecLoad) and stmt.buffer in loads:
-            loads[stmt.buffer].add((stmt.index, len(stmt.vars)))
-        for load in _loads(stmt):
-            if load.buffer in loads:
-                loads[load.buffer].add((load.index, 1))
+    for nest, top in enumerate(kernel.body):
+        for stmt in _walk([top]):
+            if isinstance(stmt, K.Store) and stmt.buffer in stores:
+                stores[stmt.buffer].add((nest, stmt.index, 1))
+            elif isinstance(stmt, K.VecStore) and stmt.buffer in stores:
+                stores[stmt.buffer].add((nest, stmt.index, len(stmt.values)))
+            elif isinstance(stmt, K.VecLoad) and stmt.buffer in loads:
+                loads[stmt.buffer].add((nest, stmt.index, len(stmt.vars)))
+            for load in _loads(stmt):
+                if load.buffer in loads:
+                    loads[load.buffer].add((nest, load.index, 1))
     for name, read in loads.items():
         if not read <= stores[pairs[name]]:
             raise CodegenError(f"in-place output {pairs[name]} overwrites {name}, which is also read at another "
-                               "element; the update is not elementwise")
+                               "element or by other threads; the update is not elementwise")
 
 
 def _walk(body: Sequence[K.Stmt]):
