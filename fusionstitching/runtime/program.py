@@ -108,18 +108,19 @@ class GpuProgram:
             if node.op == "constant":
                 slot[node] = len(slot)
                 self.constants.append((slot[node], constant(node, device)))
-        produced_by_call: set[Node] = set()
-        kept = _kept_nodes(graph, steps)
-        self.ops: list[Any] = []
         for step in steps:
             for out in step.outputs:
                 if out not in slot:
                     slot[out] = len(slot)
+        kept_slots = {slot[n] for n in _kept_nodes(graph, steps)}
+        produced_by_call: set[Node] = set()
+        self.ops: list[Any] = []
+        for step in steps:
             if step.kernel is not None:
                 inputs = list(step.inputs)
                 checked = [k for k, x in enumerate(inputs) if x in produced_by_call]
                 self.ops.append(KernelOp(step.kernel, [slot[x] for x in inputs], [slot[o] for o in step.outputs],
-                                         checked, device, {slot[n] for n in kept}))
+                                         checked, device, kept_slots))
             else:
                 node = step.nodes[0]
                 fn = view_function(node) if step.kind == "view" else library(node)

@@ -123,3 +123,24 @@ def test_reduce_overhead_replays_the_plan_with_new_inputs():
         for g, w in zip(got, want):
             if w is not None:
                 assert _relative(g.cpu().numpy(), w) < 1e-5, seed
+
+
+def test_gpu_program_numbers_every_value_and_keeps_only_call_internal_buffers():
+    """The program's preparation needs no GPU: slots for every value, buffers kept across calls only
+    for kernel outputs that neither are graph outputs nor reach one through views."""
+    from fusionstitching.runtime.program import CallOp, GpuProgram, KernelOp
+
+    _, captured = capture_workload("bert")
+    compiled = CompiledGraph(explore(captured.forward))
+    program = GpuProgram(compiled.graph, compiled.steps, torch.device("cpu"),
+                         lambda node, device: torch.from_numpy(np.asarray(node.attrs["value"])),
+                         lambda node: (lambda *args: None))
+    kernels = [op for op in program.ops if isinstance(op, KernelOp)]
+    assert len(kernels) == compiled.plan.kernel_count
+    assert len(program.ops) == len(compiled.steps)
+    assert all(isinstance(op, (KernelOp, CallOp)) for op in program.ops)
+    outputs = {k for k in program.output_slots if k is not None}
+    for op in kernels:
+        for slot, kept in zip(op.out_slots, op.kept):
+            assert not (kept and slot in outputs)
+    assert any(any(op.kept) for op in kernels)
