@@ -201,6 +201,22 @@ def _strip_boundary_reshapes(nodes: Sequence[Node], graph: Graph) -> list[Node]:
 __all__ = ["PARTITION_STEPS", "Candidate", "Rejection", "SubstitutionFusion"]
 
 
+def _lone_reshape(group: Sequence[Node]) -> bool:
+    """A leftover reshape: it runs as a view of its operand's memory, so merging it gains nothing."""
+    return len(group) == 1 and group[0].op == "reshape"
+
+
+def _propose_union(union: list[Node], seen: set[frozenset[Node]], legality: Legality, origin: str
+                   ) -> Candidate | None:
+    """A candidate for ``union`` (nodes in graph order) if it is new and legal (cycles included)."""
+    key = frozenset(union)
+    if key in seen:
+        return None
+    seen.add(key)
+    verdict = legality.check(union)
+    return Candidate(tuple(union), verdict, origin) if verdict else None
+
+
 MERGE_MAX_OPS = 64
 MERGE_SMALL_OPS = 4
 
@@ -212,7 +228,8 @@ class NeighbourMerging:
     (a gradient accumulated from two GEMMs' outputs) are only found this way. Each union is checked
     for cycles and by the schedule stage like every candidate. Only unions where one side has at most
     ``MERGE_SMALL_OPS`` ops and both at most ``MERGE_MAX_OPS`` are proposed: lowering is what
-    exploration time is spent on, and what this step exists for is the small leftovers."""
+    exploration time is spent on, and what this step exists for is the small leftovers. A leftover
+    reshape is no seed: it runs as a view."""
 
     def __init__(self, graph: Graph, roles: Roles, legality: Legality, seen: set[frozenset[Node]]) -> None:
         self.graph = graph
@@ -234,7 +251,8 @@ class NeighbourMerging:
         pairs: dict[tuple[int, int], None] = {}
         for node in self.roles.fusable:
             for operand in node.operands:
-                if operand in fusable and owner[operand] != owner[node]:
+                if operand in fusable and owner[operand] != owner[node] \
+                        and not _lone_reshape(seeds[owner[operand]]) and not _lone_reshape(seeds[owner[node]]):
                     pairs[(owner[operand], owner[node])] = None
         position = self.graph.index.position
         found = []
@@ -242,13 +260,9 @@ class NeighbourMerging:
             if len(seeds[a]) + len(seeds[b]) > MERGE_MAX_OPS or min(len(seeds[a]), len(seeds[b])) > MERGE_SMALL_OPS:
                 continue
             union = sorted(set(seeds[a]) | set(seeds[b]), key=position.__getitem__)
-            key = frozenset(union)
-            if key in self.seen:
-                continue
-            self.seen.add(key)
-            verdict = self.legality.check(union)
-            if verdict:
-                found.append(Candidate(tuple(union), verdict, "exploratory fusion of neighbouring patterns"))
+            candidate = _propose_union(union, self.seen, self.legality, "exploratory fusion of neighbouring patterns")
+            if candidate is not None:
+                found.append(candidate)
         return found
 
 
@@ -262,7 +276,7 @@ class SinkPacking:
     feed only graph outputs (directly or through views). Nothing can depend on such a pattern, so
     any number of them contract into one kernel without a cycle; they are proposed in groups of up
     to ``SINK_PACK_MAX_PATTERNS`` (a bound on kernel parameters) of patterns with the same ops and
-shapes, in graph order (the packed template of the schedule stage handles equal shapes best)."""
+    shapes, in graph order (the packed template of the schedule stage handles equal shapes best)."""
 
     def __init__(self, graph: Graph, roles: Roles, legality: Legality, seen: set[frozenset[Node]]) -> None:
         self.graph = graph
@@ -282,13 +296,9 @@ shapes, in graph order (the packed template of the schedule stage handles equal 
             if len(chunk) < 2:
                 continue
             union = sorted({n for g in chunk for n in g}, key=self.graph.index.position.__getitem__)
-            key = frozenset(union)
-            if key in self.seen:
-                continue
-            self.seen.add(key)
-            verdict = self.legality.check(union)
-            if verdict:
-                found.append(Candidate(tuple(union), verdict, "packing of small patterns that feed only outputs"))
+            candidate = _propose_union(union, self.seen, self.legality, "packing of small patterns that feed only outputs")
+            if candidate is not None:
+                found.append(candidate)
         return found
 
     def _is_small_sink(self, group: Sequence[Node]) -> bool:
