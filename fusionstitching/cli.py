@@ -6,9 +6,9 @@ and prints its node count by category, the fusable fraction and the library ops 
 the captured graphs: the patterns with their ops, the kernel counts of fusionstitching, of the
 XLA-like baseline and unfused, and the exploration time.
 ``fusionstitching demo`` captures every workload, checks the captured graphs against eager PyTorch
-with ``graph/reference.py`` and prints the summary table; then it generates one CUDA kernel per
-small workload, compiles it with NVRTC, checks the simulated kernel against the reference and, on
-a GPU, runs and times it.
+with ``graph/reference.py`` and prints the summary table; then it plans each small workload,
+compiles every kernel of the plan with NVRTC, checks the simulated plan against the reference and,
+on a GPU, runs and times it.
 """
 
 from __future__ import annotations
@@ -139,11 +139,11 @@ def _demo_command(args: argparse.Namespace) -> int:
         rows += rows_for(name, captured)
     print()
     print(format_table(rows))
-    print("\nGenerated kernels (one per workload; fusion planning is not built yet):")
-    from fusionstitching.bench.demo import DEMO_WORKLOADS, kernel_demo
+    print("\nFusion plans (forward graphs), their kernels compiled with NVRTC and simulated:")
+    from fusionstitching.bench.demo import DEMO_WORKLOADS, plan_demo
 
     for name in DEMO_WORKLOADS:
-        worst = max(worst, kernel_demo(name, show_source=name == "bias_gelu"))
+        worst = max(worst, plan_demo(name, show_source=name == "bias_gelu"))
     return 0 if worst < 1e-5 else 1
 
 
