@@ -10,6 +10,35 @@ A GPU without an entry gets the datasheet estimate.
 from fusionstitching.cost.bandwidth import Measurement
 
 MEASUREMENTS: dict[str, Measurement] = {
+    "H100": Measurement(
+        device_name="NVIDIA H100 80GB HBM3",
+        spec_key="H100",
+        date="2026-11-22",
+        floor_us=4.34,
+        bandwidth_gbs=2952.1,
+        launch_us=9.989,
+        points=(
+            (8192, 4.128),
+            (16384, 4.224),
+            (32768, 4.32),
+            (65536, 4.288),
+            (131072, 4.288),
+            (262144, 4.416),
+            (524288, 4.592),
+            (1048576, 4.832),
+            (2097152, 5.056),
+            (4194304, 6.176),
+            (8388608, 7.424),
+            (16777216, 10.496),
+            (33554432, 16.256),
+            (67108864, 27.568),
+            (134217728, 49.232),
+            (268435456, 93.472),
+            (536870912, 181.936),
+            (1073741824, 362.24),
+            (2147483648, 714.896),
+        ),
+    ),
     "H200": Measurement(
         device_name="NVIDIA H200",
         spec_key="H200",
