@@ -23,7 +23,7 @@ from fusionstitching.fusion.legality import Legality, Roles
 from fusionstitching.fusion.plan import Chosen, FusionPlan, finalize
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
-from fusionstitching.graph.transforms import duplicate_broadcasts
+from fusionstitching.graph.transforms import duplicate_broadcasts, fold_transposes
 from fusionstitching.options import Options
 
 PRODUCER_CATEGORIES = (Category.LIGHT_ELEMENTWISE, Category.SHAPE, Category.RANDOM)
@@ -32,7 +32,7 @@ PRODUCER_CATEGORIES = (Category.LIGHT_ELEMENTWISE, Category.SHAPE, Category.RAND
 def baseline(graph: Graph, options: Options | None = None) -> FusionPlan:
     options = options or Options()
     start = time.perf_counter()
-    graph = duplicate_broadcasts(graph)
+    graph = duplicate_broadcasts(fold_transposes(graph))
     roles = Roles.of(graph, options)
     legality = Legality(graph, options)
     fusable = set(roles.fusable)

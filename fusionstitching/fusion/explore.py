@@ -1,6 +1,7 @@
 """``explore``: Graph → FusionPlan, the fusion stage's pipeline (DESIGN.md "Fusion exploration").
 
-1. give every user of a broadcast its own copy (``graph.transforms.duplicate_broadcasts``) and
+1. fold transposes of transposes (``graph.transforms.fold_transposes``), give every user of a
+   broadcast its own copy (``duplicate_broadcasts``) and
    split the reductions that would underfill the GPU (``split.py``), so the plan counts the
    kernels that will really run;
 2. classify nodes (``legality.Roles``): inputs, library calls, fusable;
@@ -27,7 +28,7 @@ from fusionstitching.fusion.score import Scorer
 from fusionstitching.fusion.select import select_ilp
 from fusionstitching.fusion.split import split_underfilled_reductions
 from fusionstitching.graph.graph import Graph
-from fusionstitching.graph.transforms import duplicate_broadcasts
+from fusionstitching.graph.transforms import duplicate_broadcasts, fold_transposes
 from fusionstitching.options import Options
 
 MERGE_ROUNDS = 3
@@ -40,7 +41,7 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None) -
         options = dataclasses.replace(options, solver=solver)
     start = time.perf_counter()
     notes = []
-    graph = duplicate_broadcasts(graph)
+    graph = duplicate_broadcasts(fold_transposes(graph))
     if options.split_reductions:
         spec = gpu_spec(options.device)
         graph, splits = split_underfilled_reductions(graph, spec, bandwidth_model(options.device))

@@ -15,7 +15,8 @@ cached reason has its node names substituted.
 
 ``Roles`` is the classification every plan starts from: graph inputs (parameters, constants),
 library calls (``library`` nodes and dots above the small-dot threshold of ``Options``, which run
-in the GEMM library) and the fusable rest.
+in the GEMM library), the shape nodes that only feed GEMMs and reach them as strided views
+(``gemm_operand_views``), and the fusable rest.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -72,15 +73,17 @@ def is_small_dot(node: Node, options: Options) -> bool:
 
 @dataclass(frozen=True)
 class Roles:
-    """Which nodes are graph inputs, which are library calls (with why), and which are fusable."""
+    """Which nodes are graph inputs, which are library calls (with why), which are operand views of
+    GEMMs (with why), and which are fusable."""
 
     inputs: frozenset[Node]
     library: dict[Node, str]
     fusable: tuple[Node, ...]  # in graph order
+    views: dict[Node, str] = field(default_factory=dict)
 
     @staticmethod
     def of(graph: Graph, options: Options) -> Roles:
-        inputs, library, fusable = set(), {}, []
+        inputs, library = set(), {}
         for node in graph.nodes:
             if node.category in (Category.PARAMETER, Category.CONSTANT):
                 inputs.add(node)
@@ -89,9 +92,36 @@ class Roles:
             elif node.op == "dot_general" and not is_small_dot(node, options):
                 library[node] = (f"dot of {dot_flops(node) / 1e6:.1f} MFLOP is above the small-dot threshold "
                                  "(GEMM library)")
-            else:
-                fusable.append(node)
-        return Roles(frozenset(inputs), library, tuple(fusable))
+        views = gemm_operand_views(graph, library)
+        fusable = tuple(n for n in graph.nodes if n not in inputs and n not in library and n not in views)
+        return Roles(frozenset(inputs), library, fusable, views)
+
+
+def blas_layout(node: Node) -> bool:
+    """Whether a shape node's result can reach the GEMM library as a strided view: a reshape or a
+    broadcast (stride 0), or a transpose of a matrix or of the last two dims of a batch of them
+    (cuBLAS reads those transposed in place); other permutations would make torch copy."""
+    if node.op in ("reshape", "broadcast_in_dim"):
+        return True
+    if node.op != "transpose":
+        return False
+    permutation = tuple(node.attrs["permutation"])
+    rank = len(permutation)
+    return permutation[: max(rank - 2, 0)] == tuple(range(max(rank - 2, 0)))
+
+
+def gemm_operand_views(graph: Graph, library: dict[Node, str]) -> dict[Node, str]:
+    """Transposes, reshapes and broadcasts whose users are all GEMM library calls (directly or
+    through more such nodes) and that the library can read as strided views: no kernel runs for
+    them, and they are kept out of fusion so that no kernel writes a transposed copy for nothing."""
+    users = graph.index.users
+    views: dict[Node, str] = {}
+    for node in reversed(graph.nodes):
+        if not blas_layout(node) or id(node) in graph.index.output_ids or not users[node]:
+            continue
+        if all((u in library and u.op == "dot_general") or u in views for u in users[node]):
+            views[node] = "operand of GEMM library calls, passed as a strided view"
+    return views
 
 
 # ----------------------------------------------------------------------------------------------

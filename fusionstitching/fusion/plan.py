@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from fusionstitching.fusion.legality import Legality, Roles
+from fusionstitching.fusion.legality import Legality, Roles, blas_layout
 from fusionstitching.fusion.score import Scorer
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.schedule.template import KernelSchedule, format_template
@@ -127,7 +127,8 @@ def finalize(graph: Graph, roles: Roles, legality: Legality, scorer: Scorer | No
     for k, pattern in enumerate(patterns):
         for node in pattern.nodes:
             group[node] = k
-    views = _views(graph, roles, group, library_nodes)
+    views = {n.name: why for n, why in roles.views.items()}
+    views.update(_views(graph, roles, group, library_nodes))
     for node in roles.fusable:
         if node in group or node.name in views:
             continue
@@ -159,8 +160,8 @@ def _views(graph: Graph, roles: Roles, group: dict[Node, int], library: set[Node
     leftover = [n for n in graph.nodes if n in fusable and n not in group and n.op in VIEW_OPS]
     for node in reversed(leftover):
         node_users = users[node]
-        if node_users and id(node) not in graph.index.output_ids \
-                and all(u in library or u.name in views for u in node_users):
+        if node_users and id(node) not in graph.index.output_ids and blas_layout(node) \
+                and all(u in library or u.name in views or u in roles.views for u in node_users):
             views[node.name] = "feeds only library calls, which take it as a strided view"
     for node in leftover:
         if node.op == "reshape" and node.name not in views and _contiguous(node.operands[0], views):

@@ -92,6 +92,35 @@ def split_reductions(graph: Graph, splits: Mapping[Node | str, int]) -> Graph:
     return result
 
 
+def fold_transposes(graph: Graph) -> Graph:
+    """A copy of ``graph`` where a transpose of a transpose is one transpose with the composed
+    permutation, or no node at all when that is the identity (users read the inner operand). The
+    backward of a linear layer transposes the weight gradient twice; folded, the gradient is the
+    GEMM's output itself."""
+    if not any(n.op == "transpose" and n.operands[0].op == "transpose" for n in graph.nodes):
+        return graph
+    copies: dict[int, Node] = {id(p): p for p in graph.parameters}
+    for old in graph.nodes:
+        if id(old) in copies:
+            continue
+        operands = tuple(copies[id(x)] for x in old.operands)
+        inner = operands[0] if operands else None
+        if old.op == "transpose" and inner is not None and inner.op == "transpose":
+            outer_perm, inner_perm = old.attrs["permutation"], inner.attrs["permutation"]
+            composed = tuple(inner_perm[d] for d in outer_perm)
+            source = inner.operands[0]
+            if composed == tuple(range(len(composed))) and old.layout is None:
+                copies[id(old)] = source
+                continue
+            copies[id(old)] = dataclasses.replace(old, operands=(source,), attrs={"permutation": composed})
+        else:
+            copies[id(old)] = dataclasses.replace(old, operands=operands)
+    result = Graph(graph.parameters, [None if out is None else copies[id(out)] for out in graph.outputs],
+                   name=graph.name, mutations=graph.mutations, output_layouts=graph.output_layouts)
+    verify(result)
+    return result
+
+
 DUPLICATED_OPS = ("broadcast_in_dim", "iota")
 
 

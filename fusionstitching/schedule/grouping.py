@@ -21,8 +21,8 @@ sub-roots by a template; the default recomputes them).
   loaded from memory once; lowering's register composition).
 
 ``feasible`` asks the code generator itself: it lowers the default template and returns it; when
-lowering refuses it, a composed pattern is tried with one row per warp at a time and then in block
-mode, and the first template that lowers is returned, else the reason lowering gave for the default (block locality, shared memory, an unsupported op), so that whatever it
+lowering refuses it, a composed pattern is tried with one row per warp at a time, then in block
+mode, then thread-serial (``thread_serial_template``), and the first template that lowers is returned, else the reason lowering gave for the default (block locality, shared memory, an unsupported op), so that whatever it
 accepts, ``generate`` builds.
 """
 
@@ -295,3 +295,25 @@ def _candidate_templates(pattern):
     if reductions and not _batched(pattern, reductions):
         yield lambda: composed_template(pattern, reductions, DEFAULT_THREADS, WARP_ROWS, rows_per_warp=1)
         yield lambda: composed_template(pattern, reductions, DEFAULT_THREADS, None)
+    if reductions and all(r.op == "reduce" for r in reductions):
+        yield lambda: thread_serial_template(pattern, reductions)
+
+
+def thread_serial_template(pattern, reductions: list[Node], threads: int = DEFAULT_THREADS) -> KernelSchedule:
+    """Each thread reduces whole columns by itself (reduced dims THREAD) and applies the epilogue to
+    its own results, so no value crosses threads: the kept dims are tiled alike in every group, the
+    last one ``GRID-CTA_<threads>``. Fits column reductions whose consumers have the reduced shape
+    (a bias gradient and its convert back to bf16, a column sum and its epilogue)."""
+    roots = [n for n in pattern.nodes if any(n is r for r in reductions) or any(n is o for o in pattern.outputs)]
+    schedules = []
+    for root in roots:
+        space = _space(root)
+        reduced = set(reduced_dims(root)) if is_reduction(root) else set()
+        kept = [d for d in range(len(space)) if d not in reduced]
+        dims: list[tuple[Tile, ...]] = [(Tile(Level.THREAD),) if d in reduced else (Tile(Level.GRID),)
+                                        for d in range(len(space))]
+        if kept:
+            dims[kept[-1]] = (Tile(Level.GRID), Tile(Level.CTA, threads))
+        schedules.append(Schedule(root.name, tuple(dims)))
+    grid = level_extent(schedules[0], _space(roots[0]), Level.GRID)
+    return KernelSchedule(tuple(schedules), Launch(max(1, min(grid, MAX_BLOCKS)), threads))

@@ -14,6 +14,7 @@ from fusionstitching.graph import reference
 from fusionstitching.graph.graph import Graph, GraphBuilder, Node
 from fusionstitching.graph.ops import DType
 from fusionstitching.options import Options
+from fusionstitching.runtime.executor import CompiledGraph
 
 from .helpers import (
     assert_close,
@@ -225,6 +226,9 @@ def test_column_reduction_is_split_unless_options_say_no():
     plan = explore(graph)
     check_plan(plan)
     assert plan.kernel_count == 2, plan.explain()
+    arrays = random_arrays(plan.graph)
+    (got,) = CompiledGraph(plan).run_numpy(arrays)
+    assert_close(got, reference.evaluate(plan.graph, arrays)[0], "split bf16 bias gradient")
     assert any(note.startswith("split reduce") for note in plan.notes)
     assert len(plan.graph.nodes) > len(graph.nodes)
     unsplit = explore(graph, options=Options(split_reductions=False))
@@ -309,17 +313,15 @@ def test_a_kernel_exists_for_a_column_sum_with_an_epilogue():
     assert_close(got, reference.evaluate(graph, arrays)[0], "column sum + exp")
 
 
-@pytest.mark.xfail(strict=True, reason="schedule.feasible finds no template for a column reduction followed by an "
-                   "elementwise op (the reduce gets a block-composed tiling, the epilogue a different one), so the "
-                   "plan has two kernels where the hand template above is one")
 def test_column_sum_with_an_epilogue_is_one_kernel():
-    plan = explore(_column_sum_epilogue())
+    graph = _column_sum_epilogue()
+    plan = explore(graph)
     assert plan.kernel_count == 1, plan.explain()
+    arrays = random_arrays(plan.graph)
+    (got,) = CompiledGraph(plan).run_numpy(arrays)
+    assert_close(got, reference.evaluate(plan.graph, arrays)[0], "column sum + exp, planned")
 
 
-@pytest.mark.xfail(strict=True, reason="the final reduce of a split half-precision column sum and the convert back "
-                   "to bf16 cannot be one kernel (same schedule-stage limitation), so a bf16 bias gradient takes "
-                   "three kernels instead of partial + final")
 def test_split_bf16_bias_gradient_is_two_kernels():
     b = GraphBuilder("bias_grad_bf16")
     dy = b.parameter((4096, 768), DType.BF16, "dy")
@@ -327,3 +329,23 @@ def test_split_bf16_bias_gradient_is_two_kernels():
     check_plan(plan)
     assert any(note.startswith("split reduce") for note in plan.notes)
     assert plan.kernel_count == 2, plan.explain()
+    arrays = random_arrays(plan.graph)
+    (got,) = CompiledGraph(plan).run_numpy(arrays)
+    assert_close(got, reference.evaluate(plan.graph, arrays)[0], "split bf16 bias gradient")
+
+
+def test_gemm_operands_that_cublas_reads_transposed_are_views():
+    b = GraphBuilder("linear_backward")
+    x = b.parameter((512, 256), DType.F32, "x")
+    dy = b.parameter((512, 256), DType.F32, "dy")
+    q = b.parameter((8, 64, 4, 32), DType.F32, "q")
+    weight_grad = b.node("dot_general", [b.transpose(dy, (1, 0)), x], lhs_batch=(), rhs_batch=(),
+                         lhs_contract=(1,), rhs_contract=(0,))
+    heads = b.transpose(q, (0, 2, 1, 3))  # not a cuBLAS layout: a kernel writes it
+    scores = b.node("dot_general", [heads, heads], lhs_batch=(0, 1), rhs_batch=(0, 1),
+                    lhs_contract=(3,), rhs_contract=(3,))
+    plan = explore(b.build([weight_grad, scores]), options=Options(small_dot_max_flops=0))
+    transposes = [n.name for n in plan.graph.nodes if n.op == "transpose"]
+    assert transposes[0] in plan.views and plan.pattern_of(transposes[0]) is None
+    assert transposes[1] not in plan.views and plan.pattern_of(transposes[1]) is not None
+    assert plan.library_count == 2

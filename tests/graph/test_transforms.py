@@ -281,3 +281,21 @@ def test_unknown_node():
     other = reduce_graph((64, 7), (0,))
     with pytest.raises(ValueError, match="not a node of graph"):
         split_reduction(graph, other.outputs[0], 4)
+
+
+def test_fold_transposes_composes_permutations_and_drops_identities():
+    from fusionstitching.graph.transforms import fold_transposes
+
+    b = GraphBuilder("transposes")
+    x = b.parameter((2, 3, 4), DType.F32, "x")
+    back = b.transpose(b.transpose(x, (1, 0, 2)), (1, 0, 2))  # identity
+    rotated = b.transpose(b.transpose(x, (1, 2, 0)), (1, 2, 0))  # one transpose (2, 0, 1)
+    graph = b.build([back, rotated])
+    folded = fold_transposes(graph)
+    assert folded.outputs[0] is folded.parameters[0]
+    assert folded.outputs[1].op == "transpose" and folded.outputs[1].operands[0] is folded.parameters[0]
+    assert tuple(folded.outputs[1].attrs["permutation"]) == (2, 0, 1)
+    data = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    for got, want in zip(evaluate(folded, [data]), evaluate(graph, [data])):
+        np.testing.assert_array_equal(got, want)
+    assert fold_transposes(folded) is folded
