@@ -221,7 +221,18 @@ MERGE_MAX_OPS = 64
 MERGE_SMALL_OPS = 4
 
 
-class NeighbourMerging:
+class PlanSeeded:
+    """A generator that proposes unions of the patterns of a selected plan; ``seen`` is shared
+    with the other generators, so no union is checked twice."""
+
+    def __init__(self, graph: Graph, roles: Roles, legality: Legality, seen: set[frozenset[Node]]) -> None:
+        self.graph = graph
+        self.roles = roles
+        self.legality = legality
+        self.seen = seen
+
+
+class NeighbourMerging(PlanSeeded):
     """Exploratory fusion [B §4.2.2] seeded with a selected plan: each pattern (or leftover node) is
     expanded by one neighbouring pattern along a producer→consumer edge. Substitution fusion never
     fuses across a partition op, so ops that sit between different GEMMs in the topological order
@@ -230,12 +241,6 @@ class NeighbourMerging:
     ``MERGE_SMALL_OPS`` ops and both at most ``MERGE_MAX_OPS`` are proposed: lowering is what
     exploration time is spent on, and what this step exists for is the small leftovers. A leftover
     reshape is no seed: it runs as a view."""
-
-    def __init__(self, graph: Graph, roles: Roles, legality: Legality, seen: set[frozenset[Node]]) -> None:
-        self.graph = graph
-        self.roles = roles
-        self.legality = legality
-        self.seen = seen
 
     def run(self, groups: Sequence[Sequence[Node]]) -> list[Candidate]:
         fusable = set(self.roles.fusable)
@@ -270,19 +275,13 @@ SINK_PACK_MAX_BYTES = 1 << 20
 SINK_PACK_MAX_PATTERNS = 32
 
 
-class SinkPacking:
+class SinkPacking(PlanSeeded):
     """Kernel packing of small independent patterns at the ends of the graph (C §4.1's packing
     scheme): the final reduces of split bias and LayerNorm gradients each read a few kilobytes and
     feed only graph outputs (directly or through views). Nothing can depend on such a pattern, so
     any number of them contract into one kernel without a cycle; they are proposed in groups of up
     to ``SINK_PACK_MAX_PATTERNS`` (a bound on kernel parameters) of patterns with the same ops and
     shapes, in graph order (the packed template of the schedule stage handles equal shapes best)."""
-
-    def __init__(self, graph: Graph, roles: Roles, legality: Legality, seen: set[frozenset[Node]]) -> None:
-        self.graph = graph
-        self.roles = roles
-        self.legality = legality
-        self.seen = seen
 
     def run(self, groups: Sequence[Sequence[Node]]) -> list[Candidate]:
         by_shape: dict[tuple, list[tuple[Node, ...]]] = {}
