@@ -29,6 +29,7 @@ selector takes candidates from any generator.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -201,6 +202,13 @@ def _strip_boundary_reshapes(nodes: Sequence[Node], graph: Graph) -> list[Node]:
 __all__ = ["PARTITION_STEPS", "Candidate", "Rejection", "SubstitutionFusion"]
 
 
+def _through_reshapes(node: Node) -> Node:
+    """The value a chain of reshapes views (reshapes run as views of their operand's memory)."""
+    while node.op == "reshape":
+        node = node.operands[0]
+    return node
+
+
 def _lone_reshape(group: Sequence[Node]) -> bool:
     """A leftover reshape: it runs as a view of its operand's memory, so merging it gains nothing."""
     return len(group) == 1 and group[0].op == "reshape"
@@ -236,7 +244,9 @@ class NeighbourMerging(PlanSeeded):
     """Exploratory fusion [B §4.2.2] seeded with a selected plan: each pattern (or leftover node) is
     expanded by one neighbouring pattern along a producer→consumer edge. Substitution fusion never
     fuses across a partition op, so ops that sit between different GEMMs in the topological order
-    (a gradient accumulated from two GEMMs' outputs) are only found this way. Each union is checked
+    (a gradient accumulated from two GEMMs' outputs) are only found this way. Patterns that read a
+    common value are paired too (sibling fusion: LayerNorm backward's dγ and dβ partial sums both read
+    the output gradient, which one kernel then reads once). Each union is checked
     for cycles and by the schedule stage like every candidate. Only unions where one side has at most
     ``MERGE_SMALL_OPS`` ops and both at most ``MERGE_MAX_OPS`` are proposed: lowering is what
     exploration time is spent on, and what this step exists for is the small leftovers. A leftover
@@ -254,11 +264,18 @@ class NeighbourMerging(PlanSeeded):
                 owner[node] = len(seeds)
                 seeds.append((node,))
         pairs: dict[tuple[int, int], None] = {}
+        readers: dict[Node, list[int]] = {}  # a value read from outside by several patterns: siblings
         for node in self.roles.fusable:
             for operand in node.operands:
-                if operand in fusable and owner[operand] != owner[node] \
-                        and not _lone_reshape(seeds[owner[operand]]) and not _lone_reshape(seeds[owner[node]]):
+                if operand in fusable and owner[operand] != owner[node]:
                     pairs[(owner[operand], owner[node])] = None
+                if operand not in fusable or owner[operand] != owner[node]:
+                    readers.setdefault(_through_reshapes(operand), []).append(owner[node])
+        for siblings in readers.values():
+            siblings = sorted({k for k in siblings if not _lone_reshape(seeds[k])})
+            for a, b in itertools.pairwise(siblings):
+                pairs[(a, b)] = None
+        pairs = {(a, b): None for a, b in pairs if not _lone_reshape(seeds[a]) and not _lone_reshape(seeds[b])}
         position = self.graph.index.position
         found = []
         for a, b in pairs:
