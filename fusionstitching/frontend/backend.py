@@ -154,8 +154,7 @@ class _Runner:
     def _compile_real(self, gm: fx.GraphModule, inputs: list[Any], key: tuple):
         from fusionstitching.frontend.context import CaptureError, Unsupported
         from fusionstitching.frontend.torch_fx import convert
-        from fusionstitching.fusion import explore
-        from fusionstitching.runtime.executor import CompiledGraph
+        from fusionstitching.pipeline import compile_graph
 
         try:
             specs, slots = [], []
@@ -174,8 +173,8 @@ class _Runner:
             warnings.warn(f"fusionstitching: graph {self.name} runs in PyTorch: {err}", FallbackWarning,
                           stacklevel=2)
             return None
-        plan = explore(graph, options=self.options)
-        compiled = CompiledGraph(plan, mode=self.mode)
+        compiled = compile_graph(graph, self.options, self.mode)
+        plan = compiled.plan
         _STATS["kernels"] += plan.kernel_count
         _STATS["library calls"] += plan.library_count
         _STATS["views"] += len(plan.views)

@@ -144,3 +144,17 @@ def test_gpu_program_numbers_every_value_and_keeps_only_call_internal_buffers():
         for slot, kept in zip(op.out_slots, op.kept):
             assert not (kept and slot in outputs)
     assert any(any(op.kept) for op in kernels)
+
+
+def test_pipeline_dumps_every_stage_as_text(tmp_path):
+    from fusionstitching.pipeline import compile_graph
+
+    _, captured = capture_workload("layernorm")
+    compiled = compile_graph(captured.forward, dump_dir=tmp_path)
+    files = sorted(p.name for p in (tmp_path / captured.forward.name).iterdir())
+    assert files[0] == "1-graph.txt" and files[1] == "2-explore.txt"
+    kernels = [f for f in files if f.startswith("3-kernel")]
+    assert len(kernels) == compiled.plan.kernel_count == 1
+    source = (tmp_path / captured.forward.name / kernels[0]).read_text()
+    assert source.startswith("// template: ") and "__global__" in source
+    assert "plan for graph layernorm" in (tmp_path / captured.forward.name / "2-explore.txt").read_text()

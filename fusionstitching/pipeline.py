@@ -1,0 +1,55 @@
+"""The compiler's stages, in order (DESIGN.md "Pipeline").
+
+    capture   frontend/torch_fx.py     PyTorch function or module   → Graph (forward, backward)
+    explore   fusion/explore.py        Graph                        → FusionPlan
+    schedule  schedule/grouping.py     pattern                      → KernelSchedule (asked by explore)
+    lower     codegen/lower.py         pattern + KernelSchedule     → Kernel IR
+    render    codegen/cuda_c.py        Kernel IR                    → CUDA C
+    compile   runtime/nvrtc.py         CUDA C                       → CUBIN (disk cache)
+    run       runtime/executor.py      CUBINs + tensors             → outputs (CompiledGraph)
+
+``compile_graph`` runs explore → schedule → lower → render for one graph and returns the
+``CompiledGraph`` (CUBINs are compiled on the first GPU call). With ``dump_dir`` (or the
+``FUSIONSTITCHING_DUMP_DIR`` environment variable, which only switches on this debug dump) every
+stage's output is written as text: the graph, the plan with its reasons, and each kernel's template
+and CUDA C.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fusionstitching.fusion import explore
+from fusionstitching.graph.graph import Graph
+from fusionstitching.options import Options
+from fusionstitching.runtime.executor import CompiledGraph
+
+STAGES = ("capture", "explore", "schedule", "lower", "render", "compile", "run")
+DUMP_VARIABLE = "FUSIONSTITCHING_DUMP_DIR"
+
+
+def compile_graph(graph: Graph, options: Options | None = None, mode: str | None = None,
+                  dump_dir: str | os.PathLike | None = None) -> CompiledGraph:
+    """Plan ``graph`` and generate its kernels; dump every stage's text when asked."""
+    plan = explore(graph, options=options)
+    compiled = CompiledGraph(plan, mode=mode)
+    directory = dump_dir if dump_dir is not None else os.environ.get(DUMP_VARIABLE)
+    if directory:
+        dump(compiled, graph, Path(directory))
+    return compiled
+
+
+def dump(compiled: CompiledGraph, graph: Graph, directory: Path) -> list[Path]:
+    """Write the stages' outputs for one graph under ``directory/<graph name>/``; returns the files."""
+    root = directory / graph.name
+    root.mkdir(parents=True, exist_ok=True)
+    files = {"1-graph.txt": str(graph), "2-explore.txt": compiled.plan.explain()}
+    for k, kernel in enumerate(compiled.kernels):
+        files[f"3-kernel{k:03d}-{kernel.name}.cu"] = f"// template: {kernel.template}\n{kernel.cuda_source}"
+    written = []
+    for name, text in files.items():
+        path = root / name
+        path.write_text(text)
+        written.append(path)
+    return written
