@@ -16,6 +16,19 @@ roots; a group whose result other groups read is a sub-root:
   consumers read the cell of the element they need (a tiled transpose is this with a transposed
   consumer).
 
+[Note: shared-memory tiles and the tiled transpose]
+An ``S`` group's buffer holds its block footprint row-major over the kept dims (``_tile_layout``).
+When the innermost row spans whole bank rows (a multiple of 32 cells) and there are several rows,
+each row is padded by one cell (a 32 x 32 tile is stored 32 x 33): a consumer reading a column
+(consecutive lanes, consecutive rows) then hits 32 different banks instead of one. The classic
+shared-memory transpose is ``schedule/grouping.py: transpose_smem_template``: in warp mode, the
+transpose group puts the lanes on the dim that is innermost in the transposed input (coalesced
+reads) and the warps on the other, the consumer the other way round (coalesced writes). ``S``
+groups are allowed in warp mode only when the WARP space is exactly the block's warps, so the
+warp loop is one iteration that every thread takes and the barrier after the group is reached by
+the whole block. When blocks loop over the grid (fewer blocks than tiles), a barrier ends each
+iteration, so the next tile is not written while other threads still read the last one.
+
 Block locality (DESIGN.md) is checked on every such read: the index a consumer asks for must,
 for each GRID-split dim, be the producer's own grid part for this block (compared as affine forms
 of the shared factor registers), and the rest must stay inside the producer's footprint (an
@@ -174,13 +187,22 @@ class Composer(Reductions, RegisterComposition):
                 if g.cross_thread and f.dim not in g.reduced and f.level == Level.CTA:
                     raise CodegenError(f"{g.root.name}: a reduction across threads keeps dim {f.dim} tiled "
                                        f"{f.level.value}; its kept dims must be GRID, WARP or THREAD tiled")
-                if self.warp_mode and g.shared:
-                    raise CodegenError(f"{g.root.name}: 'S' needs a block barrier, which warp loops cannot have")
+                if self.warp_mode and g.shared and math.prod(_level_extents(g, Level.WARP)) != self.threads // WARP:
+                    raise CodegenError(f"{g.root.name}: 'S' needs a block barrier, which warp loops cannot have "
+                                       f"(in warp mode the WARP tiles must cover exactly the {self.threads // WARP} "
+                                       "warps of the block)")
             if g.cross_thread and not self.warp_mode and self.threads > WARP and self.threads & (self.threads - 1):
                 raise CodegenError(f"{g.root.name}: block reductions need a power-of-two thread count")
 
     def lower(self) -> list[K.Stmt]:
-        return self._level_loop(Level.GRID, self._special("bid"), self.blocks, "grid_stride", self._warp_level)
+        return self._level_loop(Level.GRID, self._special("bid"), self.blocks, "grid_stride", self._block_body)
+
+    def _block_body(self) -> list[K.Stmt]:
+        stmts = self._warp_level()
+        tiles = math.prod(_level_extents(self.groups[0], Level.GRID))
+        if self.blocks < tiles and any(g.shared for g in self.groups):
+            stmts.append(K.Barrier())  # the next tile must not overwrite cells others still read
+        return stmts
 
     def _warp_level(self) -> list[K.Stmt]:
         if not self.warp_mode:
@@ -327,9 +349,7 @@ class Composer(Reductions, RegisterComposition):
                 continue
             if register_type(g.root.dtype) != "f32":
                 raise CodegenError(f"{g.root.name}: 'S' is supported for float sub-roots, not {g.root.dtype.value}")
-            size = 1
-            for _, local in self._footprint(g):
-                size *= math.prod(f.extent for f in local)
+            size = self._tile_layout(g)[1]
             sizes[g.root.name] = size
             cost = float(sum(1 for n in pattern_nodes if n is g.root or n.category.fusable)) * size
             requests.append(SmemRequest(g.root.name, size * 4, recompute_cost=cost))
@@ -362,26 +382,39 @@ class Composer(Reductions, RegisterComposition):
     def _shared_buffer(self, group: Group) -> K.Buffer:
         return self.placement[group.root.name]
 
+    def _tile_layout(self, group: Group) -> tuple[list[tuple[int, int]], int]:
+        """Per kept dim, (local extent, stride in cells) of the group's tile, and its size in cells:
+        row-major, the innermost row padded by one cell when it is a multiple of 32 cells and there
+        are several rows (module note)."""
+        extents = [math.prod(f.extent for f in local) for _, local in self._footprint(group)]
+        inner = max((k for k, e in enumerate(extents) if e > 1), default=None)
+        strides = [0] * len(extents)
+        size = 1
+        for k in range(len(extents) - 1, -1, -1):
+            strides[k] = size
+            size *= extents[k]
+            if k == inner and extents[k] % WARP == 0 and math.prod(extents[:k]) > 1:
+                size += 1
+        return list(zip(extents, strides)), size
+
     def _local_index(self, group: Group, index: Sequence[K.Expr]) -> K.Expr:
         em = self.em
         linear: K.Expr = em.idx(0)
         kept = [i for d, i in enumerate(index) if d not in group.reduced]
-        for (grid, local), i in zip(self._footprint(group), kept):
-            extent = math.prod(f.extent for f in local)
+        for (grid, local), (_, stride), i in zip(self._footprint(group), self._tile_layout(group)[0], kept):
             part: K.Expr = em.idx(0)
             for f in local:
                 part = K.add(K.mul(part, em.idx(f.extent)), f.var)
-            linear = K.add(K.mul(linear, em.idx(extent)), part)
+            linear = K.add(linear, K.mul(part, em.idx(stride)))
         return linear
 
     def _register_shared_reader(self, group: Group, buffer: K.Buffer) -> None:
         bases = []
-        for grid, local in self._footprint(group):
-            extent = math.prod(f.extent for f in local)
+        for (grid, _), (extent, stride) in zip(self._footprint(group), self._tile_layout(group)[0]):
             base: K.Expr = self.em.idx(0)
             for f in grid:
                 base = K.add(K.mul(base, self.em.idx(f.extent)), f.var)
-            bases.append((K.mul(base, self.em.idx(extent)), extent))
+            bases.append((K.mul(base, self.em.idx(extent)), extent, stride))
         self.em.sub_roots[id(group.root)] = ("shared", group.root, bases, buffer)
 
     # -- reads of sub-roots (called by the value emitter) -----------------------------------------------
@@ -396,13 +429,13 @@ class Composer(Reductions, RegisterComposition):
                                "block's footprint (its kept index is not one this thread reduced)")
         _, _, bases, buffer = entry
         linear: K.Expr = em.idx(0)
-        for d, ((base, extent), i) in enumerate(zip(bases, index)):
+        for d, ((base, extent, stride), i) in enumerate(zip(bases, index)):
             local = K.Binary("sub", i, base, em.index_type)
             form = affine(local, em.definitions)
             if form is None or not self._within(form, extent):
                 raise CodegenError(f"block locality: {consumer} reads {root.name} in dim {d} outside the "
                                    "block's shared-memory footprint")
-            linear = K.add(K.mul(linear, em.idx(extent)), local)
+            linear = K.add(linear, K.mul(local, em.idx(stride)))
         return em.let("s", K.Load(buffer.name, linear, buffer.dtype))
 
     def _same_element(self, kept_index, index, shape) -> bool:
