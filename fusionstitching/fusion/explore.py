@@ -5,40 +5,112 @@
    split the reductions that would underfill the GPU (``split.py``), so the plan counts the
    kernels that will really run;
 2. classify nodes (``legality.Roles``): inputs, library calls, fusable;
-3. generate candidates (``patterns.py``: substitution fusion), each checked by ``legality.py``;
+3. generate candidates with the graph-seeded generators named in ``generators``, each candidate
+   checked by ``legality.py``:
+
+   - ``substitution``: substitution fusion with multi-step partition ops [B §4.2.1] (``patterns.py``);
+   - ``deep``: span-layer deep fusion and ElementwiseFusion [A §3.2] (``deep.py``);
+   - ``exploratory``: exploratory fusion from seed patterns [B §4.2.2] (``exploratory.py``);
+   - ``dp``: approximate-DP PatternReduction, top-k per vertex [C §5.2] (``dp.py``);
 4. score them (``score.py``, ``Options.score``);
-5. select disjoint, jointly acyclic patterns (``select.py``, the ILP with HiGHS); then, for up to
-   ``MERGE_ROUNDS`` rounds, propose the unions of neighbouring selected patterns (exploratory
-   fusion seeded with the plan) and select again while that finds patterns worth having;
+5. select disjoint, jointly acyclic patterns: ``solver="ilp"`` (``select.py``, [B §4.1]) or
+   ``solver="beam"`` (``beam.py``, [C §5.3]); then, for up to ``MERGE_ROUNDS`` rounds, run the
+   plan-seeded generators named in ``generators`` on the selected plan and select again while they
+   find patterns worth having:
+
+   - ``merging``: unions of neighbouring patterns (``patterns.NeighbourMerging``);
+   - ``packing``: packing of small patterns that feed only outputs (``patterns.SinkPacking``);
+   - ``remote``: remote fusion through a virtual producer [C §5.2, Figure 5] (``remote.py``);
 6. finalize (``plan.py``): leftovers become views or single-op kernels; every edge left unfused
-   gets its reason.
+   gets its reason. With the beam search every buffer set is finalized and the latency evaluator
+   (``estimate.py``) picks the final plan [C §5.3]; every plan carries its estimate.
+
+[Note: the default generators]
+``FUSION_I`` is the set the first version of this stage ran, kept for comparison. ``DEFAULT_GENERATORS``
+was chosen by measurement, with the table of ``python -m fusionstitching.bench.fusion_table`` (every
+workload of ``bench/workloads.py`` and the 12-layer BERT forward and training graphs, every
+generator set × selector): see that module's docstring for the table and the reasons.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
+from collections.abc import Callable, Sequence
 
 from fusionstitching.cost.bandwidth import bandwidth_model
 from fusionstitching.cost.gpu_spec import gpu_spec
+from fusionstitching.fusion.beam import select_beam
+from fusionstitching.fusion.deep import DeepFusion
+from fusionstitching.fusion.dp import PatternReduction
+from fusionstitching.fusion.estimate import plan_time_us
+from fusionstitching.fusion.exploratory import ExploratoryFusion
 from fusionstitching.fusion.legality import Legality, Roles
-from fusionstitching.fusion.patterns import NeighbourMerging, SinkPacking, SubstitutionFusion
+from fusionstitching.fusion.patterns import Candidate, NeighbourMerging, SinkPacking, SubstitutionFusion
 from fusionstitching.fusion.plan import Chosen, FusionPlan, finalize
+from fusionstitching.fusion.remote import RemoteFusion
 from fusionstitching.fusion.score import Scorer
-from fusionstitching.fusion.select import select_ilp
+from fusionstitching.fusion.select import Selection, select_ilp
 from fusionstitching.fusion.split import split_underfilled_reductions
-from fusionstitching.graph.graph import Graph
+from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.transforms import duplicate_broadcasts, fold_transposes
 from fusionstitching.options import Options
 
 MERGE_ROUNDS = 3
+SOLVERS = ("ilp", "beam")
+GRAPH_SEEDED = ("substitution", "deep", "exploratory", "dp")
+PLAN_SEEDED = ("merging", "packing", "remote")
+GENERATORS = GRAPH_SEEDED + PLAN_SEEDED
+FUSION_I = ("substitution", "merging", "packing")
+DEFAULT_GENERATORS = ("substitution", "merging", "packing", "remote")
 
 
-def explore(graph: Graph, solver: str = "ilp", options: Options | None = None) -> FusionPlan:
-    """The fusion plan of ``graph`` for ``options.device`` (default: ``Options()``)."""
+class _Context:
+    """What every generator of one exploration shares: graph, roles, legality, scorer and the set of
+    unions already proposed (so that no union is checked twice)."""
+
+    def __init__(self, graph: Graph, roles: Roles, legality: Legality, scorer: Scorer) -> None:
+        self.graph = graph
+        self.roles = roles
+        self.legality = legality
+        self.scorer = scorer
+        self.seen: set[frozenset[Node]] = set()
+        self.rejected = 0
+
+    def graph_seeded(self, name: str) -> list[Candidate]:
+        if name == "substitution":
+            generator = SubstitutionFusion(self.graph, self.roles, self.legality)
+            generator.seen = self.seen
+        elif name == "deep":
+            generator = DeepFusion(self.graph, self.roles, self.legality, self.seen)
+        elif name == "exploratory":
+            generator = ExploratoryFusion(self.graph, self.roles, self.legality, self.seen)
+        else:
+            generator = PatternReduction(self.graph, self.roles, self.legality, self.seen, self.scorer)
+        found = generator.run()
+        self.rejected += len(getattr(generator, "rejections", ()))
+        return found
+
+    def plan_seeded(self, name: str) -> Callable[[Sequence[Sequence[Node]]], list[Candidate]]:
+        if name == "merging":
+            return NeighbourMerging(self.graph, self.roles, self.legality, self.seen).run
+        if name == "packing":
+            packing = SinkPacking(self.graph, self.roles, self.legality, self.seen)
+            return lambda groups: packing.run(list(groups) + _leftovers(self.roles, groups))
+        remote = RemoteFusion(self.graph, self.roles, self.legality, self.seen, self.scorer)
+        return lambda groups: remote.run(list(groups) + _leftovers(self.roles, groups))
+
+
+def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
+            generators: Sequence[str] = DEFAULT_GENERATORS) -> FusionPlan:
+    """The fusion plan of ``graph`` for ``options.device`` (default: ``Options()``), from the candidates
+    of ``generators`` (names in ``GENERATORS``), selected by ``solver`` (``"ilp"`` or ``"beam"``)."""
     options = options or Options()
-    if solver != options.solver:
-        options = dataclasses.replace(options, solver=solver)
+    if solver not in SOLVERS:
+        raise ValueError(f"explore: unknown solver {solver!r}; known: {', '.join(map(repr, SOLVERS))}")
+    unknown = [g for g in generators if g not in GENERATORS]
+    if unknown or not any(g in GRAPH_SEEDED for g in generators):
+        raise ValueError(f"explore: generators {tuple(generators)!r} need one of {GRAPH_SEEDED} and only "
+                         f"names of {GENERATORS}")
     start = time.perf_counter()
     notes = []
     graph = duplicate_broadcasts(fold_transposes(graph))
@@ -48,34 +120,54 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None) -
         notes += [f"split {d}" for d in splits]
     roles = Roles.of(graph, options)
     legality = Legality(graph, options)
-    generator = SubstitutionFusion(graph, roles, legality)
-    candidates = generator.run()
     scorer = Scorer(graph, options)
-    scores = [scorer.score(c.nodes, c.verdict.schedule) for c in candidates]
-    selection = select_ilp(graph, [c.nodes for c in candidates], [s.value for s in scores])
-    merging = NeighbourMerging(graph, roles, legality, generator.seen)
-    packing = SinkPacking(graph, roles, legality, generator.seen)
-    for _ in range(MERGE_ROUNDS):
-        groups = [candidates[i].nodes for i in selection.chosen]
-        found = merging.run(groups) + packing.run(groups + _leftovers(roles, groups))
-        found_scores = [scorer.score(c.nodes, c.verdict.schedule) for c in found]
-        if not any(s.value > 0 for s in found_scores):
+    context = _Context(graph, roles, legality, scorer)
+    candidates: list[Candidate] = []
+    for name in GRAPH_SEEDED:
+        if name in generators:
+            candidates += context.graph_seeded(name)
+    scores = [scorer.score(c.nodes, c.verdict.schedule).value for c in candidates]
+    selections = _select(solver, graph, candidates, scores)
+    plan_seeded = [context.plan_seeded(name) for name in PLAN_SEEDED if name in generators]
+    for _ in range(MERGE_ROUNDS if plan_seeded else 0):
+        groups = [candidates[i].nodes for i in selections[0].chosen]
+        found = [c for run in plan_seeded for c in run(groups)]
+        found_scores = [scorer.score(c.nodes, c.verdict.schedule).value for c in found]
+        if not any(s > 0 for s in found_scores):
             break
         candidates += found
         scores += found_scores
-        selection = select_ilp(graph, [c.nodes for c in candidates], [s.value for s in scores])
-    chosen = [Chosen(candidates[i].nodes, candidates[i].verdict.schedule, scores[i].value, candidates[i].origin)
-              for i in selection.chosen]
-    positive = sum(1 for s in scores if s.value > 0)
-    notes.append(f"{len(candidates)} legal candidates ({positive} with a positive {options.score} score, "
-                 f"{len(generator.rejections)} proposals rejected); ILP objective {selection.objective:.1f} us "
-                 f"in {selection.rounds} round(s), {len(selection.cycle_constraints)} cycle constraint(s)")
-    plan = finalize(graph, roles, legality, scorer, chosen, f"fusionstitching ({options.solver}, {options.device})",
-                    notes)
-    notes.append(f"schedule checks: {legality.feasible_calls} lowered, {legality.cache_hits} answered by "
-                 "structure from the cache")
+        selections = _select(solver, graph, candidates, scores)
+    positive = sum(1 for s in scores if s > 0)
+    best = selections[0]
+    notes.append(f"generators {', '.join(g for g in GENERATORS if g in generators)}: {len(candidates)} legal "
+                 f"candidates ({positive} with a positive {options.score} score, {context.rejected} proposals "
+                 f"rejected); {solver} objective {best.objective:.1f} us in {best.rounds} round(s), "
+                 f"{len(best.cycle_constraints)} cycle constraint(s)")
+    strategy = f"fusionstitching ({solver}, {options.device})"
+    plans = []
+    for selection in selections:
+        chosen = [Chosen(candidates[i].nodes, candidates[i].verdict.schedule, scores[i], candidates[i].origin)
+                  for i in selection.chosen]
+        plan = finalize(graph, roles, legality, scorer, chosen, strategy, notes)
+        plan.estimated_us = plan_time_us(plan, scorer=scorer)
+        plans.append(plan)
+    plan = min(plans, key=lambda p: p.estimated_us)  # the first of equals: the highest objective
+    if len(plans) > 1:
+        estimates = ", ".join(f"{p.estimated_us:.1f}" for p in plans)
+        plan.notes.append(f"beam buffer sets estimated at {estimates} us by the latency evaluator; "
+                          f"kept the {plans.index(plan) + 1}.")
+    plan.notes.append(f"schedule checks: {legality.feasible_calls} lowered, {legality.cache_hits} answered by "
+                      "structure from the cache")
     plan.seconds = time.perf_counter() - start
     return plan
+
+
+def _select(solver: str, graph: Graph, candidates: Sequence[Candidate], scores: Sequence[float]) -> list[Selection]:
+    patterns = [c.nodes for c in candidates]
+    if solver == "beam":
+        return select_beam(graph, patterns, scores)
+    return [select_ilp(graph, patterns, scores)]
 
 
 def _leftovers(roles: Roles, groups) -> list[tuple]:

@@ -61,6 +61,7 @@ class FusionPlan:
     strategy: str
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)  # pass-level decisions (splits, candidate counts)
+    estimated_us: float | None = None  # the latency evaluator's time of the kernels (``estimate.py``)
     _unfused: tuple[UnfusedEdge, ...] | None = field(default=None, repr=False)
 
     @property

@@ -214,7 +214,7 @@ def test_small_dot_threshold_comes_from_options():
 
 def test_unknown_solver_is_refused():
     with pytest.raises(ValueError, match="solver"):
-        explore(elementwise_chain(), solver="beam")
+        explore(elementwise_chain(), solver="guess")
     with pytest.raises(ValueError, match="score"):
         Options(score="guess")
 

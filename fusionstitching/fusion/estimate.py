@@ -1,0 +1,53 @@
+"""The estimated time of a whole plan, by the latency evaluator [C §4.3] (DESIGN.md "Fusion exploration").
+
+Paper C picks the final plan among the beam search's candidates "with the more accurate cost model
+latency-evaluator" [C §5.3]; the comparison table of the generators uses the same number. A kernel
+of a plan costs
+
+    T(P) = max(L(P), M(V(P))) + φ
+
+with L = N_wave × L_warp (``cost/latency.py``, launch dims of the schedule the plan carries), M(V)
+the memory time of the bytes the kernel reads and writes (``cost/bandwidth.py``, the same ``V`` as
+the delta evaluator's ``pattern_bytes``) and φ the launch cost. The plan's time is the sum over its
+generated kernels: kernels of one stream run one after the other. Library calls are left out: every
+plan of one graph makes the same library calls (``legality.Roles``), so they add the same constant
+to every candidate; views cost nothing.
+
+Simplifications, those of ``cost/latency.py``: 16 registers per thread and no shared-memory term in
+the occupancy; L and M overlap perfectly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us
+from fusionstitching.fusion.plan import FusionPlan
+from fusionstitching.fusion.score import Scorer, counts_as_kernel, pattern_bytes
+from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.options import Options
+from fusionstitching.schedule.template import KernelSchedule
+
+
+def kernel_time_us(scorer: Scorer, nodes: Sequence[Node], schedule: KernelSchedule | None) -> float:
+    """T(P) of one generated kernel (see the module docstring); a lone reshape is a copy kernel."""
+    memory = scorer.memory.time_us(pattern_bytes(scorer.graph, nodes))
+    latency = 0.0
+    if schedule is not None and any(counts_as_kernel(n) for n in nodes):
+        blocks, threads = schedule.launch.blocks, schedule.launch.threads
+        latency = kernel_latency_us(scorer.spec, blocks, threads, instructions_per_thread(list(nodes), blocks, threads))
+    return max(latency, memory) + scorer.launch_us
+
+
+def plan_time_us(plan: FusionPlan, options: Options | None = None, scorer: Scorer | None = None) -> float:
+    """Σ T(P) over the plan's kernels, in µs, for ``options.device``."""
+    graph: Graph = plan.graph
+    scorer = scorer or Scorer(graph, options or Options())
+    total = 0.0
+    for pattern in plan.patterns:
+        nodes = [graph.node(name) for name in pattern.nodes]
+        total += kernel_time_us(scorer, nodes, pattern.schedule)
+    return total
+
+
+__all__ = ["kernel_time_us", "plan_time_us"]
