@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fusionstitching.codegen import default_template, generate
+from fusionstitching.codegen.lower import resolve_pattern
 from fusionstitching.codegen.values import CodegenError
 from fusionstitching.frontend.torch_fx import capture
 from fusionstitching.runtime.kernel_call import allocate_outputs, call_generated
@@ -238,18 +239,21 @@ def layernorm_backward(rows: int = 16384, cols: int = 1024) -> Row:
     return Row(f"layernorm_backward_{rows}x{cols} (2 kernels)", ours, eager, inductor, copy)
 
 
-def column_partial_kernels(graph):
+def column_partial_kernels(graph, warp_rows: int = 8):
     """LayerNorm-backward-like graphs: the first output has row reductions (dx), the others are
     column reductions (dgamma, dbeta). The column reductions are split (``split_reduction``) into
-    per-block partials over exactly the rows a block of the first output's kernel handles, and
-    reduced across that block's warps inside the same kernel; a small second kernel sums the
-    partials. Returns the split graph and the two kernels in launch order."""
+    per-block partials over exactly the rows a block of the first output's kernel handles (a row
+    per warp, ``warp_rows`` warps: more rows per block, fewer partials), and reduced across that
+    block's warps inside the same kernel; a small second kernel sums the partials (the default
+    column-reduction template). Returns the split graph and the two kernels in launch order."""
     from fusionstitching.graph.graph import Graph
     from fusionstitching.graph.transforms import split_reduction
+    from fusionstitching.schedule.grouping import _crossing, composed_template
     from fusionstitching.schedule.template import KernelSchedule, Level, Schedule, Tile
 
     first = Graph(graph.parameters, [graph.outputs[0]], name=graph.name)
-    base = default_template(first, [n for n in first.nodes if n.op != "parameter"])
+    pattern = resolve_pattern(first, [n for n in first.nodes if n.op != "parameter"])
+    base = composed_template(pattern, _crossing(pattern), 32 * warp_rows, warp_rows, rows_per_warp=1)
     row, col = base.schedules[0].dims
     if row[0].level != Level.GRID:
         raise ValueError(f"{graph.name}: the row kernel's template does not start with GRID rows: {base}")

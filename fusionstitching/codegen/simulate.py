@@ -154,7 +154,7 @@ def _mulhi(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 # Elementwise operators come from the reference (one meaning for both); the rest are kernel-only.
 _OPERATORS: dict[str, Callable[..., np.ndarray]] = {**_ELEMENTWISE, "shl": np.left_shift, "shr": np.right_shift,
-                                                     "mulhi": _mulhi}
+                                                     "mulhi": _mulhi, "rcp": np.reciprocal}
 _COMPARE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
 }

@@ -125,7 +125,7 @@ def test_composed_kernel_matches_reference(name, make, dtype, rows, cols, cache_
 def test_default_template_uses_warps_for_short_rows_and_blocks_for_long_rows():
     short = softmax("f32", 37, 70)
     long = softmax("f32", 3, 1500)
-    assert "WARP_8" in str(default_template(short.graph, short.nodes))
+    assert "WARP_4" in str(default_template(short.graph, short.nodes))
     assert "WARP" not in str(default_template(long.graph, long.nodes))
     source = generate(long.graph, long.nodes, default_template(long.graph, long.nodes)).cuda_source
     assert "__shfl_xor_sync" in source and "__syncthreads" in source and "__shared__" in source
@@ -319,7 +319,7 @@ def test_shared_memory_plan_recomputes_when_over_the_limit_and_reports_infeasibl
 def test_even_rows_are_kept_in_registers_and_read_once():
     case = softmax("f32", 16, 128)
     kernel = generate(case.graph, case.nodes, default_template(case.graph, case.nodes))
-    assert "CTA_32-THREAD_4" in str(kernel.template) and "WARP_8-THREAD_2" in str(kernel.template)
+    assert "CTA_32-THREAD_4" in str(kernel.template) and "WARP_4-THREAD_2" in str(kernel.template)
     source = kernel.cuda_source
     assert "(registers)" in source
     # Two rows per warp: one 16-byte load per row, exp once per element.

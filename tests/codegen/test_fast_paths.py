@@ -1,0 +1,139 @@
+"""The code paths chosen for speed keep the reference's results: one reciprocal per row for a
+quotient by a reduction, NaN-propagating min/max, the column-reduction template, and dot operands
+cached in shared memory (expensive ops both ways)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fusionstitching.codegen import default_template, generate
+from fusionstitching.codegen.cuda_c import PRELUDE
+from fusionstitching.codegen.lower import resolve_pattern
+from fusionstitching.graph import reference
+from fusionstitching.graph.graph import GraphBuilder
+from fusionstitching.graph.ops import DType
+from fusionstitching.runtime.nvrtc import compile_cuda
+from fusionstitching.schedule import feasible
+from fusionstitching.schedule.grouping import _candidate_templates
+
+F32 = DType.F32
+
+
+def _normalize(rows: int, cols: int):
+    """x / sum(x, row): the divisor is a reduction's result, broadcast along the row."""
+    b = GraphBuilder("normalize")
+    x = b.parameter((rows, cols), F32, "x")
+    s = b.reshape(b.reduce(x, [1], "sum"), (rows, 1))
+    out = b.binary("div", x, b.broadcast(s, (rows, cols), [0, 1]))
+    return b.build([out])
+
+
+def _simulate(graph, arrays, template=None):
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    kernel = generate(graph, nodes, template or default_template(graph, nodes))
+    return kernel, kernel.simulate(arrays)
+
+
+def test_quotient_by_a_row_reduction_uses_one_reciprocal_and_matches_the_reference():
+    graph = _normalize(6, 64)
+    x = np.random.default_rng(0).uniform(0.5, 2.0, (6, 64)).astype(np.float32)
+    kernel, (got,) = _simulate(graph, [x])
+    (want,) = reference.evaluate(graph, [x])
+    assert "__frcp_rn" in kernel.cuda_source and " / " not in kernel.cuda_source.split("extern")[1]
+    np.testing.assert_allclose(got, want, rtol=5e-7, atol=0)  # the row sum in another order, then ≤ 1.5 ulp
+
+
+def test_reciprocal_of_a_subnormal_divisor_stays_finite():
+    """Rows whose sums are below the smallest normal f32 (and zero, infinite, NaN rows) give what
+    division gives: the reciprocal of a subnormal would overflow without the 2^64 scaling."""
+    graph = _normalize(5, 32)
+    tiny = np.float32(1e-44)  # subnormal; a row sum of 32 of them is still subnormal
+    x = np.full((5, 32), tiny, np.float32)
+    x[1] = 0.0
+    x[2, 3] = np.inf
+    x[3, 7] = np.nan
+    x[4] = np.float32(3e-39) * np.arange(1, 33, dtype=np.float32) / 32
+    _, (got,) = _simulate(graph, [x])
+    (want,) = reference.evaluate(graph, [x])
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    finite = np.isfinite(want)
+    assert np.isfinite(got[finite]).all()
+    np.testing.assert_allclose(got[finite], want[finite], rtol=2e-7)
+
+
+def test_min_max_propagate_nan_in_one_instruction_on_sm80_and_later():
+    assert "max.NaN.f32" in PRELUDE and "min.NaN.f32" in PRELUDE
+    b = GraphBuilder("rowmax")
+    x = b.parameter((4, 96), F32, "x")
+    graph = b.build([b.reduce(x, [1], "max")])
+    arrays = [np.random.default_rng(1).standard_normal((4, 96)).astype(np.float32)]
+    arrays[0][2, 50] = np.nan
+    kernel, (got,) = _simulate(graph, arrays)
+    (want,) = reference.evaluate(graph, arrays)
+    np.testing.assert_array_equal(got, want)
+    for arch in ("sm_80", "sm_90"):
+        compile_cuda(kernel.cuda_source, arch)
+
+
+def _column_sums(rows: int, cols: int):
+    b = GraphBuilder("colsums")
+    x = b.parameter((rows, cols), F32, "x")
+    y = b.parameter((rows, cols), F32, "y")
+    return b.build([b.reduce(x, [0], "sum"), b.reduce(y, [0], "sum")])
+
+
+@pytest.mark.parametrize("rows,cols,expected", [
+    (2048, 1024, "reduce[THREAD_64-WARP_32,GRID-CTA_32]"),
+    (40, 64, "reduce[THREAD_10-WARP_4,GRID-CTA_32]"),
+    (64, 96, "reduce[THREAD_8-WARP_8,GRID-CTA_32]"),
+])
+def test_column_reductions_put_columns_on_lanes_and_rows_on_warps(rows, cols, expected):
+    graph = _column_sums(rows, cols)
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    template = default_template(graph, nodes)
+    assert str(template).startswith(expected), template
+    if rows * cols <= 4096:
+        rng = np.random.default_rng(2)
+        arrays = [rng.standard_normal((rows, cols)).astype(np.float32) for _ in range(2)]
+        _, got = _simulate(graph, arrays, template)
+        for g, w in zip(got, reference.evaluate(graph, arrays)):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def _attention(batch: int, history: int, dim: int):
+    """DIN-like: scores = q·kᵀ, softmax over the history, then p·k."""
+    b = GraphBuilder("attention")
+    q = b.parameter((batch, 1, dim), F32, "q")
+    k = b.parameter((batch, history, dim), F32, "k")
+    scores = b.node("dot_general", [q, k], lhs_batch=(0,), rhs_batch=(0,), lhs_contract=(2,), rhs_contract=(2,))
+    top = b.broadcast(b.reshape(b.reduce(scores, [2], "max"), (batch, 1, 1)), scores.shape, [0, 1, 2])
+    e = b.unary("exp", b.binary("sub", scores, top))
+    total = b.broadcast(b.reshape(b.reduce(e, [2], "sum"), (batch, 1, 1)), scores.shape, [0, 1, 2])
+    p = b.binary("div", e, total)
+    out = b.node("dot_general", [p, k], lhs_batch=(0,), rhs_batch=(0,), lhs_contract=(2,), rhs_contract=(1,))
+    return b.build([out]), p.name
+
+
+def test_expensive_dot_operand_is_cached_in_shared_memory_and_the_other_way_is_a_candidate():
+    graph, p = _attention(3, 10, 6)
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    template = default_template(graph, nodes)
+    cached = next(s for s in template.schedules if s.root == p)
+    assert cached.shared, template
+    candidates = []
+    for make in _candidate_templates(resolve_pattern(graph, nodes)):
+        try:
+            candidates.append(make())
+        except ValueError:  # a candidate that does not apply to this pattern
+            continue
+    recomputed = [t for t in candidates[1:] if not any(s.root == p for s in t.schedules)]
+    assert recomputed
+    assert feasible(graph, nodes) == template
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal((3, 1, 6)).astype(np.float32), rng.standard_normal((3, 10, 6)).astype(np.float32)]
+    (want,) = reference.evaluate(graph, arrays)
+    for t in (template, recomputed[-1]):
+        _, (got,) = _simulate(graph, arrays, t)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert "smem" in str(generate(graph, nodes, template).smem_plan)
