@@ -20,6 +20,7 @@ __all__ = [
     "Schedule",
     "TemplateSyntaxError",
     "Tile",
+    "check_block_locality",
     "feasible",
     "format_template",
     "level_extent",
@@ -34,3 +35,11 @@ def feasible(graph, nodes, smem_limit: int = 48 * 1024):
     from fusionstitching.schedule.grouping import feasible as _feasible
 
     return _feasible(graph, nodes, smem_limit)
+
+
+def check_block_locality(graph, nodes, template, smem_limit: int = 48 * 1024):
+    """The Reason why ``template`` is provably not block-local for ``nodes`` of ``graph``, or None
+    (``schedule/propagate.py``: block footprints, A's split_dim/sword view and Table 1's rules)."""
+    from fusionstitching.schedule.propagate import check_block_locality as _check
+
+    return _check(graph, nodes, template, smem_limit)

@@ -344,9 +344,11 @@ def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedu
 
 
 def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1024) -> KernelSchedule | Reason:
-    """A template that ``generate`` builds for this pattern, or the Reason there is none."""
+    """A template that ``generate`` builds for this pattern, or the Reason there is none. A candidate
+    that ``propagate.check_block_locality`` proves non-local is refused without lowering it."""
     from fusionstitching.codegen.lower import lower, resolve_pattern
     from fusionstitching.codegen.values import CodegenError
+    from fusionstitching.schedule.propagate import check_block_locality
 
     nodes = list(nodes)
     try:
@@ -357,6 +359,10 @@ def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1
     for make in _candidate_templates(pattern):
         try:
             template = make()
+            refused = check_block_locality(graph, nodes, template, smem_limit, pattern=pattern)
+            if refused is not None:  # lowering would refuse it too; the pre-check costs far less
+                reasons.append(refused)
+                continue
             lower(graph, nodes, template, vectorize_access=False, smem_limit=smem_limit)
         except CodegenError as err:
             reasons.append(Reason(str(err)))
