@@ -1,9 +1,9 @@
 """Block footprints: paper A's split_dim/sword view of a template and its Table 1 rules [A §4.1-4.2].
 
-DESIGN.md "Block locality": a node's *block footprint* is what one block computes or needs of it,
-derived from the GRID attributes; an edge composed through a warp shuffle or shared memory is legal
-only when the consumer block's need of the producer lies in the producer's footprint for that block.
-``check_block_locality`` decides it from the template alone, before lowering (``schedule.feasible``).
+DESIGN.md "Block locality": a node's *block footprint* (what one block computes or needs of it) comes
+from the GRID attributes; an edge through a warp shuffle or shared memory is legal only when the
+consumer block's need lies in the producer's footprint for that block. ``check_block_locality``
+decides it from the template alone, before lowering (``schedule.feasible``).
 
 [Note: A's view] A cuts an op's work at ``split_dim`` into ``sword`` chunks (a divisor of the dim),
 Row (the dims left of split_dim are blocks, one index each; those right of it are whole in the
@@ -71,7 +71,8 @@ class DimSplit:
         return "whole" if self.blocks == 1 else "grid-split" if self.outermost else "interleaved"
 
     def __str__(self) -> str:
-        return f"whole({self.size})" if self.blocks == 1 else f"{self.kind}({self.blocks}x{self.extent} of {self.size})"
+        cut = f"{self.blocks}x{self.extent} of " if self.blocks > 1 else ""
+        return f"{self.kind}({cut}{self.size})"
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def schedule_view(schedule: Schedule, space: Sequence[int]) -> ScheduleView:
     """A's split_dim/sword/sched_type of ``schedule`` over its iteration space ``space``, with the
     per-dim block split; ``paper`` is None and ``note`` says why when A cannot express it."""
     if len(space) != len(schedule.dims):
-        raise ValueError(f"{schedule.root}: schedule has {len(schedule.dims)} dims, iteration space {len(space)}")
+        raise ValueError(f"{schedule.root}: {len(schedule.dims)} dims for an iteration space of {len(space)}")
     dims = []
     for size, tiles in zip(space, schedule.dims):
         extents = tile_extents(size, tiles)
@@ -111,29 +112,24 @@ def schedule_view(schedule: Schedule, space: Sequence[int]) -> ScheduleView:
         local = [k for k, (t, e) in enumerate(zip(tiles, extents)) if t.level != Level.GRID and e > 1]
         dims.append(DimSplit(size, math.prod(extents[k] for k in split), math.prod(extents[k] for k in local),
                              not split or not local or max(split) < min(local)))
-
-    def no(note: str) -> ScheduleView:
-        return ScheduleView(schedule.root, tuple(dims), None, note)
-
     strided = [d for d, s in enumerate(dims) if s.kind == "interleaved"]
-    if strided:
-        return no(f"GRID tiles of dim {strided[0]} lie inside its local tiles: a block holds a strided subset")
     split = [d for d, s in enumerate(dims) if s.blocks > 1]
-    if not split:
-        return ScheduleView(schedule.root, tuple(dims), PaperView(0, 1, "Row"))
     one_each = [s.extent == 1 or s.size == 1 for s in dims]
-    if all(one_each[: split[-1]]):
+    view, note = PaperView(0, 1, "Row"), ""
+    if strided:
+        note = f"GRID tiles of dim {strided[0]} lie inside local tiles: a block holds a strided subset"
+    elif split and all(one_each[: split[-1]]):
         view = PaperView(split[-1], dims[split[-1]].blocks, "Row")
-    elif all(one_each[split[0] + 1:]):
+    elif split and all(one_each[split[0] + 1:]):
         view = PaperView(split[0], dims[split[0]].blocks, "Column")
-    else:
-        return no(f"dims {[d for d in split if not one_each[d]]} are all cut into chunks of several elements; "
-                  "Row needs one index per block before split_dim, Column after it")
-    cut = dims[view.split_dim]
-    if cut.blocks * cut.extent != cut.size:
-        return no(f"would be {view}, but {cut.blocks} chunks of {cut.extent} do not cut dim {view.split_dim} "
-                  f"of size {cut.size} evenly (A's sword must divide it)")
-    return ScheduleView(schedule.root, tuple(dims), view)
+    elif split:
+        note = (f"dims {[d for d in split if not one_each[d]]} are cut into chunks of several elements; "
+                "Row needs one index per block before split_dim, Column after it")
+    cut = dims[view.split_dim] if dims else None  # a 0-dim space is one block
+    if split and not note and cut.blocks * cut.extent != cut.size:
+        note = (f"would be {view}, but {cut.blocks} chunks of {cut.extent} do not cut dim {view.split_dim} "
+                f"of size {cut.size} evenly (A's sword must divide it)")
+    return ScheduleView(schedule.root, tuple(dims), None if note else view, note)
 
 
 # -- Footprints ----------------------------------------------------------------------------------------------
@@ -152,7 +148,8 @@ class DimFootprint(NamedTuple):
     def __str__(self) -> str:
         if not self.terms and self.offset == 0 and self.low == 0 and self.digits == ((1, self.high),):
             return f"all({self.high})"
-        parts = [f"b{p}" if c == 1 else f"{c}*b{p}" for p, c in self.terms] + ([str(self.offset)] * bool(self.offset))
+        parts = [f"b{p}" if c == 1 else f"{c}*b{p}" for p, c in self.terms]
+        parts += [str(self.offset)] if self.offset else []
         parts += [f"[0,{e})" if w == 1 else f"{w}*[0,{e})" for w, e in self.digits]
         return f"{'+'.join(parts) or '0'} in [{self.low},{self.high})"
 
@@ -182,7 +179,7 @@ def _dim(terms, offset: int, digits, low: int, high: int) -> DimFootprint:
 
 
 def _whole(size: int) -> DimFootprint:
-    return _dim((), 0, ((1, size),), 0, size)
+    return DimFootprint((), 0, ((1, size),) if size > 1 else (), 0, size)
 
 
 _FIRST = _dim((), 0, (), 0, 1)  # index 0 of a size-1 dim
@@ -203,14 +200,14 @@ def _affine(fp: DimFootprint | None, scale: int, shift: int, size: int, step: in
     some element is not a multiple of ``step`` (interior padding)."""
     if fp is None:
         return None
-    scaled = [fp.offset * scale + shift] + [c * scale for _, c in fp.terms] + [w * scale for w, _ in fp.digits]
-    if step > 1 and any(v % step for v in scaled):
+    parts = [fp.offset * scale + shift, *(c * scale for _, c in fp.terms), *(w * scale for w, _ in fp.digits)]
+    if step > 1 and any(v % step for v in parts):
         return None
     low = max(-(-(fp.low * scale + shift) // step), 0)
     high = min(((fp.high - 1) * scale + shift) // step + 1, size)
     if low >= high:
         return False
-    return DimFootprint(tuple((p, c * scale // step) for p, c in fp.terms), scaled[0] // step,
+    return DimFootprint(tuple((p, c * scale // step) for p, c in fp.terms), parts[0] // step,
                         tuple((w * scale // step, e) for w, e in fp.digits), low, high)
 
 
@@ -279,7 +276,8 @@ def _operand_needs(node: Node, need: Dims, grid: Sequence[int]) -> list[tuple[No
         return [(x, need if len(x.shape) == len(need) else (None,) * len(x.shape)) for x in operands]
     x = operands[0]
     if op == "broadcast_in_dim":
-        return [(x, tuple(_FIRST if x.shape[i] == 1 else need[d] for i, d in enumerate(a["broadcast_dimensions"])))]
+        dims = a["broadcast_dimensions"]
+        return [(x, tuple(_FIRST if x.shape[i] == 1 else need[d] for i, d in enumerate(dims)))]
     if op == "transpose":
         return [(x, tuple(need[a["permutation"].index(d)] for d in range(len(need))))]
     if op == "reshape":
@@ -290,10 +288,11 @@ def _operand_needs(node: Node, need: Dims, grid: Sequence[int]) -> list[tuple[No
     if op == "dot_general":
         return _dot_needs(node, need + tuple(_whole(x.shape[d]) for d in a["lhs_contract"]))
     if op == "slice":
-        return _if_read(x, [_affine(fp, st, lo, n) for fp, lo, st, n in zip(need, a["start"], a["stride"], x.shape)])
+        return _if_read(x, [_affine(fp, st, lo, n) for fp, lo, st, n in
+                            zip(need, a["start"], a["stride"], x.shape)])
     if op == "pad":
-        return _if_read(x, [_affine(fp, 1, -lo, n, it + 1) for fp, lo, it, n in zip(need, a["low"], a["interior"],
-                                                                                   x.shape)])
+        return _if_read(x, [_affine(fp, 1, -lo, n, it + 1) for fp, lo, it, n in
+                            zip(need, a["low"], a["interior"], x.shape)])
     if op == "gather":
         axis, batch, indices = a["axis"], a["batch_dims"], operands[1]
         k = len(indices.shape) - batch
@@ -308,10 +307,6 @@ def _operand_needs(node: Node, need: Dims, grid: Sequence[int]) -> list[tuple[No
 _SHAPE_OPS = frozenset(("broadcast_in_dim", "transpose", "reshape", "reduce", "dot_general", "slice", "pad",
                         "gather", "concatenate"))  # the others are elementwise (Table 1's "pass")
 
-
-def table_rule(op: str) -> str:
-    """The rule ``op`` follows: A Table 1's name ("elementwise" for all others), or its own op name."""
-    return "broadcast" if op == "broadcast_in_dim" else op if op in _SHAPE_OPS else "elementwise"
 
 
 def _reshape(need: Dims, out_shape: tuple[int, ...], in_shape: tuple[int, ...], grid) -> Dims:
@@ -337,7 +332,8 @@ def _reshape(need: Dims, out_shape: tuple[int, ...], in_shape: tuple[int, ...], 
                 p_in, j = p_in * in_shape[j], j + 1
         while i < len(out_shape) and out_shape[i] == 1:
             i += 1
-        merged = _merge([(need[k], out_shape[k]) for k in group_out], grid) if len(group_out) > 1 else need[group_out[0]]
+        merged = need[group_out[0]] if len(group_out) == 1 else \
+            _merge([(need[k], out_shape[k]) for k in group_out], grid)
         for k, fp in zip(group_in, _split(merged, [in_shape[k] for k in group_in], grid)):
             result[k] = fp
     return tuple(result)
@@ -406,7 +402,8 @@ def _schedule_info(tiling: tuple, space: tuple[int, ...], reduced: frozenset[int
             kept.append(math.prod(e for t, e in zip(tiles, extents) if t.level != Level.GRID))
     levels = {t.level for d in reduced for t in tiling[d]}
     cells = math.prod(kept) + math.prod(kept[:-1])  # a padding cell per row at most
-    return (tuple(dims), tuple(grid), tuple(warps), tuple(fp for d, fp in enumerate(dims) if d not in reduced),
+    held = tuple(fp for d, fp in enumerate(dims) if d not in reduced)
+    return (tuple(dims), tuple(grid), tuple(warps), held,
             tuple(d for d in sorted(reduced) if dims[d].terms), Level.CTA in levels,
             Level.CTA not in levels and Level.WARP in levels, -(-cells * 4 // 16) * 16)
 
@@ -427,12 +424,12 @@ class _Kernel:
             root = self.by_name[sched.root]
             space = iteration_space(root)
             if len(space) != len(sched.dims):
-                raise ValueError(f"{root.name}: schedule has {len(sched.dims)} dims, iteration space {len(space)}")
+                raise ValueError(f"{root.name}: {len(sched.dims)} dims for an iteration space of {space}")
             reduced = frozenset(reduced_dims(root)) if is_reduction(root) else frozenset()
-            dims, grid, warp, held, split, cross, cross_warp, size = _schedule_info(sched.dims, space, reduced)
+            dims, grid, warp, held, split, cross, by_warp, size = _schedule_info(sched.dims, space, reduced)
             grids.append(grid)
             warps.append(warp)
-            read = "register" if cross else "shared" if sched.shared and not cross_warp else None
+            read = "register" if cross else "shared" if sched.shared and not by_warp else None
             self.groups.append(_Group(root, dims, held, split, read))
             droppable.append(sched.shared and root.name not in self.outputs)
             shared_bytes += size if sched.shared else 0
@@ -508,7 +505,8 @@ class _Kernel:
         while link is not None:
             path, link = [link[0], *path], link[1]
         name, consumer = producer.root.name, path[-1]
-        rule = table_rule(self.by_name[consumer].op)
+        op = self.by_name[consumer].op  # the Table 1 rule it follows, or its own name (slice, pad, ...)
+        rule = "broadcast" if op == "broadcast_in_dim" else op if op in _SHAPE_OPS else "elementwise"
         via = f", via {' <- '.join(path[:-1])}" if len(path) > 1 else ""
         where = ", ".join(f"b{p}={v}" for p, v in sorted(block.items())) or "b=0"
         return LocalityReason(
@@ -537,7 +535,7 @@ def _span_at(fp: DimFootprint, block: dict[int, int]):
 
 
 def _outside(span: tuple[int, int], held: DimFootprint, block: dict[int, int]) -> bool:
-    """Whether an end of ``span`` lies outside ``held`` in ``block`` (False if ``held`` is not an interval)."""
+    """Whether an end of ``span`` lies outside ``held`` in ``block`` (False if ``held`` is no interval)."""
     if len(held.digits) > 1 or (held.digits and held.digits[0][0] != 1):
         return False
     base = held.offset + sum(c * block.get(p, 0) for p, c in held.terms)
@@ -550,7 +548,7 @@ def _escape(need: Dims, held: Dims, own: Dims, grid: Sequence[int]):
     not hold; tried at the origin and at each GRID index set to 1 and to its last value."""
     if None in need or None in held or len(need) != len(held):
         return None
-    if all(n == h or (not h.terms and h.offset <= 0 and h.digits == ((1, h.high),)) for n, h in zip(need, held)):
+    if all(n == h or h == _whole(h.high) for n, h in zip(need, held)):
         return None  # the same sets, or the block holds the whole dim
     positions = sorted({p for fp in itertools.chain(need, held, own) if fp is not None for p, _ in fp.terms})
     for block in [{}] + [{p: v} for p in positions for v in sorted({1, grid[p] - 1}) if 0 < v < grid[p]]:
