@@ -164,19 +164,27 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
 
 
 def _check_reduced_dims_in_one_block(schedule: KernelSchedule, by_name: dict[str, Node], outputs: set[str]) -> None:
-    """A stored reduction must be finished by one block: a reduced dim split across blocks (a GRID
-    tile of extent > 1) would have several blocks store the same element. That takes a split
-    reduction (``graph.transforms.split_reduction``) and a second kernel."""
+    """A reduction that is stored, or reduced across threads (CTA/WARP on a reduced dim, or ``S``)
+    for other groups to read, must be finished by one block: with a reduced dim split across
+    blocks (a GRID tile of extent > 1) several blocks would store the same element, or readers
+    would get one block's partial result. That takes a split reduction
+    (``graph.transforms.split_reduction``) and a second kernel. (A reduction root with no thread
+    tile on its reduced dims is recomputed whole by each reader.)"""
     for sched in schedule.schedules:
         root = by_name[sched.root]
-        if sched.root not in outputs or not is_reduction(root):
+        if not is_reduction(root):
+            continue
+        across = sched.shared or any(t.level in (Level.CTA, Level.WARP) for d in reduced_dims(root)
+                                     for t in sched.dims[d])
+        if sched.root not in outputs and not across:
             continue
         space = iteration_space(root)
         for d in reduced_dims(root):
             extents = tile_extents(space[d], sched.dims[d])
             if any(t.level == Level.GRID and e > 1 for t, e in zip(sched.dims[d], extents)):
+                use = "store each result" if sched.root in outputs else "hold a partial result for its readers"
                 raise CodegenError(f"{root.name}: reduced dim {d} is split across blocks (GRID), so several "
-                                   "blocks would store each result; it needs a split reduction")
+                                   f"blocks would {use}; it needs a split reduction")
 
 
 def _lower_packed(emitter, schedule, pattern, out_names, output_layouts, vectorize_access, guard_tails):
