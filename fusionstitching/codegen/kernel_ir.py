@@ -41,6 +41,22 @@ SHUFFLES = ("down", "xor", "idx")
 # ----------------------------------------------------------------------------------------------
 
 
+def _hash_once(cls):
+    """Compound expressions are hashed often (values are cached by index expression) and never
+    change: keep the dataclass hash, computed once per object."""
+    plain = cls.__hash__
+
+    def __hash__(self) -> int:
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = plain(self)
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    cls.__hash__ = __hash__
+    return cls
+
+
 @dataclass(frozen=True)
 class Const:
     value: int | float | bool
@@ -59,6 +75,7 @@ class Special:
     dtype: str = "i32"
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Unary:
     op: str
@@ -66,6 +83,7 @@ class Unary:
     dtype: str
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Binary:
     op: str
@@ -74,6 +92,7 @@ class Binary:
     dtype: str  # bool for comparisons
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Select:
     cond: Expr
@@ -82,12 +101,14 @@ class Select:
     dtype: str
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Cast:
     x: Expr
     dtype: str
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Load:
     """``buffer[index]``: a global or shared element, in the buffer's storage type."""
@@ -97,6 +118,7 @@ class Load:
     dtype: str
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Philox:
     """Word ``word`` (0..3) of Philox4x32-10 on counter (c0..c3) and key (k0, k1); all ``u32``."""
@@ -107,6 +129,7 @@ class Philox:
     dtype: str = "u32"
 
 
+@_hash_once
 @dataclass(frozen=True)
 class Shuffle:
     """``__shfl_{kind}_sync(full mask, value, arg, width)``: a value from another lane of the warp."""

@@ -105,12 +105,21 @@ class ValueEmitter:
         return result
 
     def _pure_uncached(self, e: K.Expr) -> bool:
-        if isinstance(e, K.Shuffle):
+        kind = type(e)
+        if kind is K.Var:
+            return e.name not in self.mutable
+        if kind is K.Const or kind is K.Special:
+            return True
+        if kind is K.Binary:
+            return self._pure(e.a) and self._pure(e.b)
+        if kind is K.Unary or kind is K.Cast:
+            return self._pure(e.x)
+        if kind is K.Select:
+            return self._pure(e.cond) and self._pure(e.a) and self._pure(e.b)
+        if kind is K.Shuffle:
             return False
-        if isinstance(e, K.Load) and e.buffer in self.shared_buffers:
-            return False
-        if isinstance(e, K.Var) and e.name in self.mutable:
-            return False
+        if kind is K.Load:
+            return e.buffer not in self.shared_buffers and self._pure(e.index)
         for child in vars(e).values():
             children = child if isinstance(child, tuple) else (child,)
             if any(hasattr(c, "dtype") and not isinstance(c, str) and not self._pure(c) for c in children):
