@@ -2,7 +2,8 @@
 
 ``fusionstitching graph WORKLOAD [--train] [--real] [--json FILE] [--text]`` captures a workload
 and prints its node count by category, the fusable fraction and the library ops by name.
-``fusionstitching plan WORKLOAD [--train] [--real] [--solver ilp] [--device H100] [--explain]`` plans
+``fusionstitching plan WORKLOAD [--train] [--real] [--solver ilp|beam] [--generators a,b] [--device H100]
+[--explain]`` plans
 the captured graphs: the patterns with their ops, the kernel counts of fusionstitching, of the
 XLA-like baseline and unfused, and the exploration time.
 ``fusionstitching demo`` captures every workload, checks the captured graphs against eager PyTorch
@@ -103,7 +104,10 @@ def _plan_command(args: argparse.Namespace) -> int:
     from fusionstitching.options import Options
 
     workload, captured = capture_workload(args.workload, train=args.train, real=args.real)
-    options = Options(device=args.device, solver=args.solver)
+    from fusionstitching.fusion.explore import DEFAULT_GENERATORS
+
+    options = Options(device=args.device)
+    generators = tuple(args.generators.split(",")) if args.generators else DEFAULT_GENERATORS
     graphs = [("forward", captured.forward)]
     if captured.backward is not None:
         graphs.append(("backward", captured.backward))
@@ -111,7 +115,7 @@ def _plan_command(args: argparse.Namespace) -> int:
               "| exploration s |")
     lines = [header, "|---|---|---|---|---|---|---|"]
     for label, graph in graphs:
-        plan = explore(graph, solver=args.solver, options=options)
+        plan = explore(graph, solver=args.solver, options=options, generators=generators)
         base = baseline(graph, options)
         if args.explain:
             print(plan.explain())
@@ -161,7 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument("workload")
     plan.add_argument("--train", action="store_true", help="plan forward and backward")
     plan.add_argument("--real", action="store_true", help="benchmark sizes instead of small test sizes")
-    plan.add_argument("--solver", default="ilp", choices=["ilp"], help="plan selection (default: ilp)")
+    plan.add_argument("--solver", default="ilp", choices=["ilp", "beam"], help="plan selection (default: ilp)")
+    plan.add_argument("--generators", default=None,
+                      help="comma-separated candidate generators (fusion/explore.py GENERATORS; default: the default set)")
     plan.add_argument("--device", default="H100", help="GPU the plan is made for (cost model)")
     plan.add_argument("--explain", action="store_true", help="print every decision of the plan")
     plan.set_defaults(run=_plan_command)

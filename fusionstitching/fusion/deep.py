@@ -23,8 +23,16 @@ generator's patterns are disjoint and form a plan of their own; each one (and ea
 proposed to the selector, which may mix them with other generators' patterns. The giveup rule makes
 the pattern acyclic (a path from ``hlo`` back into ``fused`` runs through a user of ``hlo`` whose
 span lies in the range walked, which was either fused or given up); the final pattern is checked
-for cycles once more, for safety. A node fused by an earlier root counts as given up. Library calls need no such care (they
-lie on LC-layers, outside the range walked), nor do views of GEMM operands (they feed only GEMMs).
+for cycles once more, for safety. A node fused by an earlier root counts as given up. Library calls
+need no such care (they lie on LC-layers, outside the range walked), nor do views of GEMM operands
+(they feed only GEMMs).
+
+Cost. The walk visits only the producers of the fused set (the others would land in ``giveup``,
+which the test "every fusable user inside the range is fused" reproduces), and the producers one
+layer admits are checked together first, one at a time only when the schedule stage refuses them
+together. Patterns (packs included) stop at ``DEEP_MAX_OPS`` ops: without library calls (an
+optimizer step of hundreds of independent updates) the range is the whole graph, and each check
+lowers the whole pattern.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from fusionstitching.fusion.patterns import Candidate, Rejection
 from fusionstitching.graph.graph import Graph, Node
 
 ELEMENTWISE_MAX_BYTES = 64 << 20
+DEEP_MAX_OPS = 64
 
 
 def spans(graph: Graph) -> dict[Node, int]:
@@ -51,21 +60,22 @@ class DeepFusion:
     """Algorithm 1 of [A §3.2] with ElementwiseFusion (see the module docstring)."""
 
     def __init__(self, graph: Graph, roles: Roles, legality: Legality, seen: set[frozenset[Node]],
-                 footprint: int = ELEMENTWISE_MAX_BYTES) -> None:
+                 footprint: int = ELEMENTWISE_MAX_BYTES, max_ops: int = DEEP_MAX_OPS) -> None:
         self.graph = graph
         self.roles = roles
         self.legality = legality
         self.seen = seen
         self.footprint = footprint
+        self.max_ops = max_ops
+        self.fusable = set(roles.fusable)
         self.candidates: list[Candidate] = []
         self.rejections: list[Rejection] = []
 
     def run(self) -> list[Candidate]:
         span = spans(self.graph)
-        fusable = set(self.roles.fusable)
         layers: dict[int, list[Node]] = {}
         for node in self.graph.nodes:
-            if node in fusable:
+            if node in self.fusable:
                 layers.setdefault(span[node], []).append(node)
         lc_layers = sorted({span[n] for n in self.roles.library})
         top = max(span.values(), default=0) + 1
@@ -76,7 +86,7 @@ class DeepFusion:
             for root in self._elementwise_fusion(layer):
                 if any(n in fused_anywhere for n in root):
                     continue
-                fused = self._subgraph_fusion(root, level, roof, layers, fused_anywhere)
+                fused = self._subgraph_fusion(root, level, roof, span, fused_anywhere)
                 fused_anywhere |= fused
                 self._propose(fused, "span-layer deep fusion [A Alg. 1]")
         return self.candidates
@@ -93,7 +103,7 @@ class DeepFusion:
             size = 0
             for node in nodes:
                 footprint = _footprint(node)
-                if pack and size + footprint > self.footprint:
+                if pack and (size + footprint > self.footprint or len(pack) == self.max_ops):
                     roots += self._pack(pack)
                     pack, size = [], 0
                 pack.append(node)
@@ -113,25 +123,50 @@ class DeepFusion:
         return [[n] for n in pack]
 
     # -- Algorithm 1 ----------------------------------------------------------------------------
-    def _subgraph_fusion(self, root: Sequence[Node], level: int, roof: int, layers: dict[int, list[Node]],
+    def _subgraph_fusion(self, root: Sequence[Node], level: int, roof: int, span: dict[Node, int],
                          fused_anywhere: set[Node]) -> set[Node]:
+        """Algorithm 1 from ``root`` (see the module docstring), walking only the producers of the fused
+        set: a node of the range with no user in ``fused`` lands in ``giveup`` in the paper, so a
+        producer passes the giveup test exactly when each of its fusable users inside the range is in
+        ``fused``. The producers a layer admits are tried together first (one schedule check), then
+        one at a time when the schedule stage refuses them together."""
         users = self.graph.index.users
-        fused: set[Node] = set(root)
-        giveup: set[Node] = set()
+        fusable = self.fusable
         position = self.graph.index.position
-        for span in range(level + 1, roof):
-            for hlo in layers.get(span, ()):
-                hlo_users = users[hlo]
-                if hlo in fused_anywhere or any(u in giveup for u in hlo_users) \
-                        or not any(u in fused for u in hlo_users):
-                    giveup.add(hlo)
+        fused: set[Node] = set(root)
+        frontier: dict[int, set[Node]] = {}
+        for node in root:
+            self._push_operands(node, frontier, span, level, roof)
+        while frontier and len(fused) < self.max_ops:
+            layer = min(frontier)
+            admitted = []
+            for hlo in sorted(frontier.pop(layer), key=position.__getitem__):
+                if hlo in fused_anywhere or hlo in fused:
                     continue
-                trial = sorted(fused | {hlo}, key=position.__getitem__)
-                if self.legality.buildable(trial):
-                    fused.add(hlo)
-                else:
-                    giveup.add(hlo)
+                inside = [u for u in users[hlo] if u in fusable and level < span[u] < roof]
+                if all(u in fused for u in inside):
+                    admitted.append(hlo)
+            admitted = admitted[: self.max_ops - len(fused)]
+            if not admitted:
+                continue
+            if len(admitted) > 1 and self.legality.buildable(sorted(fused.union(admitted), key=position.__getitem__)):
+                accepted = admitted
+            else:
+                accepted = []
+                for hlo in admitted:
+                    trial = sorted(fused.union(accepted, (hlo,)), key=position.__getitem__)
+                    if self.legality.buildable(trial):
+                        accepted.append(hlo)
+            fused.update(accepted)
+            for hlo in accepted:
+                self._push_operands(hlo, frontier, span, level, roof)
         return fused
+
+    def _push_operands(self, node: Node, frontier: dict[int, set[Node]], span: dict[Node, int], level: int,
+                       roof: int) -> None:
+        for operand in node.operands:
+            if operand in self.fusable and level < span[operand] < roof:
+                frontier.setdefault(span[operand], set()).add(operand)
 
     def _propose(self, nodes: set[Node], origin: str) -> None:
         if len(nodes) < 2:
@@ -154,4 +189,4 @@ def _footprint(node: Node) -> int:
     return node.size * node.dtype.itemsize + sum(o.size * o.dtype.itemsize for o in operands.values())
 
 
-__all__ = ["ELEMENTWISE_MAX_BYTES", "DeepFusion", "spans"]
+__all__ = ["DEEP_MAX_OPS", "ELEMENTWISE_MAX_BYTES", "DeepFusion", "spans"]

@@ -22,8 +22,10 @@
    - ``packing``: packing of small patterns that feed only outputs (``patterns.SinkPacking``);
    - ``remote``: remote fusion through a virtual producer [C §5.2, Figure 5] (``remote.py``);
 6. finalize (``plan.py``): leftovers become views or single-op kernels; every edge left unfused
-   gets its reason. With the beam search every buffer set is finalized and the latency evaluator
-   (``estimate.py``) picks the final plan [C §5.3]; every plan carries its estimate.
+   gets its reason. Every selection made on the way (each round's ILP plan; each round's buffer
+   sets of the beam search) is finalized, and the latency evaluator (``estimate.py``) picks the final
+   plan among them, as paper C picks among the beam's buffer sets [C §5.3]: the delta score the
+   selectors maximize is an approximation, so a later round is kept only when it is estimated faster.
 
 [Note: the default generators]
 ``FUSION_I`` is the set the first version of this stage ran, kept for comparison. ``DEFAULT_GENERATORS``
@@ -128,6 +130,7 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
             candidates += context.graph_seeded(name)
     scores = [scorer.score(c.nodes, c.verdict.schedule).value for c in candidates]
     selections = _select(solver, graph, candidates, scores)
+    plans = [_finalize(graph, roles, legality, scorer, candidates, scores, s, solver, options) for s in selections]
     plan_seeded = [context.plan_seeded(name) for name in PLAN_SEEDED if name in generators]
     for _ in range(MERGE_ROUNDS if plan_seeded else 0):
         groups = [candidates[i].nodes for i in selections[0].chosen]
@@ -138,28 +141,31 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
         candidates += found
         scores += found_scores
         selections = _select(solver, graph, candidates, scores)
+        plans += [_finalize(graph, roles, legality, scorer, candidates, scores, s, solver, options) for s in selections]
     positive = sum(1 for s in scores if s > 0)
     best = selections[0]
     notes.append(f"generators {', '.join(g for g in GENERATORS if g in generators)}: {len(candidates)} legal "
                  f"candidates ({positive} with a positive {options.score} score, {context.rejected} proposals "
                  f"rejected); {solver} objective {best.objective:.1f} us in {best.rounds} round(s), "
                  f"{len(best.cycle_constraints)} cycle constraint(s)")
-    strategy = f"fusionstitching ({solver}, {options.device})"
-    plans = []
-    for selection in selections:
-        chosen = [Chosen(candidates[i].nodes, candidates[i].verdict.schedule, scores[i], candidates[i].origin)
-                  for i in selection.chosen]
-        plan = finalize(graph, roles, legality, scorer, chosen, strategy, notes)
-        plan.estimated_us = plan_time_us(plan, scorer=scorer)
-        plans.append(plan)
-    plan = min(plans, key=lambda p: p.estimated_us)  # the first of equals: the highest objective
+    plan = min(plans, key=lambda p: (p.estimated_us, p.kernel_count))  # of equals, the earliest
+    plan.notes[:0] = notes
     if len(plans) > 1:
         estimates = ", ".join(f"{p.estimated_us:.1f}" for p in plans)
-        plan.notes.append(f"beam buffer sets estimated at {estimates} us by the latency evaluator; "
-                          f"kept the {plans.index(plan) + 1}.")
+        plan.notes.append(f"candidate plans (rounds x buffer sets) estimated at {estimates} us by the latency "
+                          f"evaluator; kept number {plans.index(plan) + 1}")
     plan.notes.append(f"schedule checks: {legality.feasible_calls} lowered, {legality.cache_hits} answered by "
                       "structure from the cache")
     plan.seconds = time.perf_counter() - start
+    return plan
+
+
+def _finalize(graph: Graph, roles: Roles, legality: Legality, scorer: Scorer, candidates: Sequence[Candidate],
+              scores: Sequence[float], selection: Selection, solver: str, options: Options) -> FusionPlan:
+    chosen = [Chosen(candidates[i].nodes, candidates[i].verdict.schedule, scores[i], candidates[i].origin)
+              for i in selection.chosen]
+    plan = finalize(graph, roles, legality, scorer, chosen, f"fusionstitching ({solver}, {options.device})")
+    plan.estimated_us = plan_time_us(plan, scorer=scorer)
     return plan
 
 

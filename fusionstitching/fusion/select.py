@@ -9,7 +9,10 @@ Every candidate is acyclic on its own, but two chosen together can close a cycle
 Figure 3: a path leaves one chosen pattern, passes through another and comes back). After
 each solve the contracted graph is checked; for a cycle through chosen patterns P_a..P_k the
 constraint X_a + ... + X_k ≤ k − 1 is added and the ILP solved again [B §4.1, Figure 3(c)(d)],
-until the contracted graph is a DAG. HiGHS is deterministic for a given model, and the model is
+until the contracted graph is a DAG. Each round adds the constraints of up to ``CYCLES_PER_ROUND``
+disjoint cycles (the patterns of a cycle found are left out and the contracted graph searched
+again): packs of independent kernels can close many cycles at once, and one per solve would take
+as many solves. HiGHS is deterministic for a given model, and the model is
 built in candidate order, so the plan is the same on every run.
 """
 
@@ -25,6 +28,7 @@ from scipy.sparse import csr_matrix
 from fusionstitching.graph.graph import Graph, Node
 
 MAX_CYCLE_ROUNDS = 100
+CYCLES_PER_ROUND = 16
 
 
 class SelectionError(RuntimeError):
@@ -69,17 +73,34 @@ def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequenc
         if result.x is None:
             raise SelectionError(f"HiGHS found no plan: {result.message}")
         chosen = [k for k in range(len(usable)) if result.x[k] > 0.5]
-        cycle = contracted_cycle(graph, [patterns[usable[k]] for k in chosen])
-        if cycle is None:
+        found = _cycles(graph, [patterns[usable[k]] for k in chosen])
+        if not found:
             return Selection(sorted(usable[k] for k in chosen), -float(result.fun), rounds,
                              [tuple(usable[k] for k in c) for c in cycles])
-        members = tuple(sorted(chosen[j] for j in cycle))
-        cycles.append(members)
-        for k in members:
-            rows.append(len(upper))
-            cols.append(k)
-        upper.append(float(len(members) - 1))
+        for cycle in found:
+            members = tuple(sorted(chosen[j] for j in cycle))
+            cycles.append(members)
+            for k in members:
+                rows.append(len(upper))
+                cols.append(k)
+            upper.append(float(len(members) - 1))
     raise SelectionError(f"the plan still has a cycle after {MAX_CYCLE_ROUNDS} rounds of cycle constraints")
+
+
+def _cycles(graph: Graph, patterns: Sequence[Sequence[Node]]) -> list[list[int]]:
+    """Up to ``CYCLES_PER_ROUND`` disjoint cycles of the contracted graph (positions in ``patterns``):
+    after each cycle found, its patterns are left out and the rest is searched again."""
+    remaining = list(range(len(patterns)))
+    found = []
+    while len(found) < CYCLES_PER_ROUND:
+        cycle = contracted_cycle(graph, [patterns[j] for j in remaining])
+        if cycle is None:
+            break
+        members = [remaining[j] for j in cycle]
+        found.append(members)
+        left_out = set(members)
+        remaining = [j for j in remaining if j not in left_out]
+    return found
 
 
 def contracted_cycle(graph: Graph, patterns: Sequence[Sequence[Node]]) -> list[int] | None:

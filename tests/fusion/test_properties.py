@@ -8,6 +8,7 @@ simulator, the plan computes what the reference computes.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -70,6 +71,27 @@ def test_plans_are_disjoint_covering_acyclic_feasible_and_deterministic(graph):
 @given(random_graphs())
 def test_plans_compute_what_the_reference_computes(graph):
     plan = explore(graph)
+    arrays = _arrays(graph)
+    for k, (got, want) in enumerate(zip(run_plan(plan, arrays), reference.evaluate(graph, arrays))):
+        assert_close(got, want, f"output {k} of\n{graph}\n{plan.explain()}", rtol=1e-3)
+
+
+GENERATOR_SETS = (("substitution",), ("deep",), ("exploratory",), ("dp",), ("deep", "merging", "remote"),
+                  ("substitution", "merging", "packing", "remote"),
+                  ("substitution", "deep", "exploratory", "dp", "merging", "packing", "remote"))
+
+
+@pytest.mark.parametrize("solver", ["ilp", "beam"])
+@pytest.mark.parametrize("generators", GENERATOR_SETS, ids=lambda g: "+".join(g))
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=random_graphs())
+def test_every_generator_and_selector_gives_valid_deterministic_plans(generators, solver, graph):
+    plan = explore(graph, solver=solver, generators=generators)
+    check_plan(plan)
+    covered = {n for p in plan.patterns for n in p.nodes} | set(plan.views)
+    assert covered == set(fusable_names(plan.graph)), plan.explain()
+    assert same_plan(plan, explore(Graph.from_json(graph.to_json()), solver=solver, generators=generators))
+    assert plan.estimated_us is not None and plan.estimated_us > 0
     arrays = _arrays(graph)
     for k, (got, want) in enumerate(zip(run_plan(plan, arrays), reference.evaluate(graph, arrays))):
         assert_close(got, want, f"output {k} of\n{graph}\n{plan.explain()}", rtol=1e-3)
