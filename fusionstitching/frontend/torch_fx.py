@@ -214,7 +214,52 @@ def decompositions() -> dict:
     table = dict(core_aten_decompositions())
     composites = [getattr(torch.ops.aten, name) for name in aten_table.COMPOSITE_DECOMPOSITIONS]
     table.update(get_decompositions(composites))
+    table.update(foreach_decompositions())
     return table
+
+
+# Per-index tensors of scalars (one scalar per list element as a 1-D tensor): not expanded here.
+_FOREACH_KEPT = {"_foreach_addcmul.Tensor", "_foreach_addcdiv.Tensor"}
+
+
+def foreach_decompositions() -> dict:
+    """``aten._foreach_<op>`` (the multi-tensor ops of torch.optim's ``foreach`` implementations) as
+    one ``aten.<op>`` per list element, so that fusion sees every tensor's update (and may pack them
+    all into one kernel) instead of one opaque library call per list. Arguments that are lists of
+    the same length (tensors, or scalars for ``ScalarList`` overloads) are indexed; others are
+    passed to every element's op."""
+    table = {}
+    for name in dir(torch.ops.aten):
+        if not name.startswith("_foreach_") or name.endswith("_"):
+            continue
+        single = getattr(torch.ops.aten, name[len("_foreach_"):], None)
+        if single is None:
+            continue
+        packet = getattr(torch.ops.aten, name)
+        for overload in packet.overloads():
+            if f"{name}.{overload}" not in _FOREACH_KEPT:
+                table[getattr(packet, overload)] = _per_element(single)
+    return table
+
+
+def _per_element(single: Any) -> Callable[..., list]:
+    """The foreach op's trailing positional arguments beyond what ``single`` takes positionally are
+    its keyword-only parameters (``_foreach_addcmul(self, t1, t2, value)`` → ``addcmul(..., value=)``)."""
+    schemas = [getattr(single, o)._schema for o in single.overloads() if not o.startswith("out")]
+    positional = max(sum(1 for a in s.arguments if not a.kwarg_only) for s in schemas)
+    keywords = next(([a.name for a in s.arguments if a.kwarg_only and a.name != "out"] for s in schemas
+                     if any(a.kwarg_only and a.name != "out" for a in s.arguments)), [])
+
+    def decomposed(*args: Any, **kwargs: Any) -> list:
+        count = len(next(a for a in args if isinstance(a, (list, tuple))))
+        results = []
+        for i in range(count):
+            each = [a[i] if isinstance(a, (list, tuple)) and len(a) == count else a for a in args]
+            named = dict(kwargs, **dict(zip(keywords, each[positional:])))
+            results.append(single(*each[:positional], **named))
+        return results
+
+    return decomposed
 
 
 # ----------------------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ class CompiledGraph:
         self._constants: dict[Any, Any] = {}
         self._programs: dict[Any, GpuProgram | GraphedProgram] = {}
         self._checked: list | None = None
+        self._elsewhere: list[int] | None = None  # inputs on another device than the call's (copied there and back)
         self.calls = 0  # GPU calls
 
     @property
@@ -123,7 +124,14 @@ class CompiledGraph:
         if device.type != "cuda":
             return self._call_on_cpu(tensors)
         if not trusted:
-            self._check_inputs(tensors)
+            self._check_inputs(tensors, device)
+        elif self._elsewhere is None:  # a trusted caller keeps each input's device from call to call
+            self._elsewhere = [k for k, t in enumerate(tensors) if t.device != device]
+        originals = tensors
+        if self._elsewhere:  # 0-dim CPU tensors among CUDA ones (e.g. torch.optim's step counts)
+            tensors = list(tensors)
+            for k in self._elsewhere:
+                tensors[k] = tensors[k].to(device)
         program = self._programs.get(device)
         if program is None:
             program = GpuProgram(graph, self.steps, device, self._constant, _library_function)
@@ -131,12 +139,13 @@ class CompiledGraph:
                 program = GraphedProgram(program)
             self._programs[device] = program
         self.calls += 1
-        return self._finish(tensors, program.run(tensors))
+        return self._finish(originals, program.run(tensors))
 
-    def _check_inputs(self, tensors: Sequence[Any]) -> None:
-        signature = [(tuple(t.shape), t.stride(), t.dtype) for t in tensors]
+    def _check_inputs(self, tensors: Sequence[Any], device: Any) -> None:
+        signature = [(tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors]
         if signature == self._checked:
             return
+        self._elsewhere = [k for k, t in enumerate(tensors) if t.device != device]
         for node, t in zip(self.graph.parameters, tensors):
             expected = DTYPE_TO_TORCH[node.dtype]
             if tuple(t.shape) != node.shape or t.dtype != expected:
