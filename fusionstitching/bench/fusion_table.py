@@ -5,14 +5,17 @@ captures every workload of ``bench/workloads.py`` at benchmark sizes (``--quick`
 the 12-layer BERT (hidden 768, batch 8, sequence 128) forward and training graphs, explores each
 graph with every generator set × selector and prints a markdown table: generated kernels, library
 calls, the latency evaluator's estimate of the plan's kernels (``fusion/estimate.py``, H100) and the
-exploration seconds. A last table sums every column over the graphs, and checks the condition the
-default must meet: no more kernels and no higher estimated time than Fusion I on any graph.
+exploration seconds (each exploration runs in a forked process and is stopped after ``--limit``
+seconds: "> 120 s" in the table). A last table sums every column over the graphs, and checks the
+condition the default must meet: no more kernels and no higher estimated time than Fusion I on any
+graph.
 No GPU is needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
 import warnings
 from collections.abc import Sequence
@@ -29,6 +32,7 @@ GENERATOR_SETS: dict[str, tuple[str, ...]] = {
     "fusion-I+deep": FUSION_I + ("deep",),
     "fusion-I+exploratory": FUSION_I + ("exploratory",),
     "fusion-I+dp": FUSION_I + ("dp",),
+    "fusion-I+remote+deep": FUSION_I + ("remote", "deep"),
     "deep+remote": ("deep", "merging", "packing", "remote"),
     "dp+remote": ("dp", "merging", "packing", "remote"),
     "all": ("substitution", "deep", "exploratory", "dp", "merging", "packing", "remote"),
@@ -65,24 +69,44 @@ def graphs(names: Sequence[str], quick: bool) -> list[tuple[str, Graph]]:
     return found
 
 
-def measure(graph: Graph, generators: Sequence[str], solver: str, options: Options) -> Cell:
+def measure(graph: Graph, generators: Sequence[str], solver: str, options: Options, limit_s: float) -> Cell | None:
+    """One exploration, in a forked process so that one taking longer than ``limit_s`` can be stopped
+    (None then: far too slow for a JIT compiler, whatever plan it would find)."""
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+    worker = context.Process(target=_explore_into, args=(sender, graph, generators, solver, options))
+    worker.start()
+    sender.close()
+    cell = receiver.recv() if receiver.poll(limit_s) else None
+    if worker.is_alive():
+        worker.kill()
+    worker.join()
+    return cell
+
+
+def _explore_into(sender, graph: Graph, generators: Sequence[str], solver: str, options: Options) -> None:
     plan = explore(graph, solver=solver, options=options, generators=generators)
-    return Cell(plan.kernel_count, plan.library_count, plan.estimated_us or 0.0, plan.seconds)
+    sender.send(Cell(plan.kernel_count, plan.library_count, plan.estimated_us or 0.0, plan.seconds))
 
 
-def table(results: dict[tuple[str, str, str], Cell], labels: Sequence[str], sets: Sequence[str],
+def _text(cell: Cell | None, limit_s: float) -> str:
+    if cell is None:
+        return f"> {limit_s:.0f} s"
+    return f"{cell.kernels} / {cell.library} / {cell.estimated_us:.0f} / {cell.seconds:.2f}"
+
+
+def table(results: dict[tuple[str, str, str], Cell | None], limit_s: float, labels: Sequence[str], sets: Sequence[str],
           solvers: Sequence[str]) -> str:
     lines = ["| graph | generators | " + " | ".join(f"{s}: kernels / library / est. us / s" for s in solvers) + " |",
              "|---|---|" + "---|" * len(solvers)]
     for label in labels:
         for name in sets:
             cells = [results[(label, name, s)] for s in solvers]
-            lines.append(f"| {label} | {name} | " + " | ".join(
-                f"{c.kernels} / {c.library} / {c.estimated_us:.0f} / {c.seconds:.2f}" for c in cells) + " |")
+            lines.append(f"| {label} | {name} | " + " | ".join(_text(c, limit_s) for c in cells) + " |")
     return "\n".join(lines)
 
 
-def totals(results: dict[tuple[str, str, str], Cell], labels: Sequence[str], sets: Sequence[str],
+def totals(results: dict[tuple[str, str, str], Cell | None], labels: Sequence[str], sets: Sequence[str],
            solvers: Sequence[str]) -> str:
     lines = ["| generators | selector | kernels | est. us | exploration s | graphs worse than fusion-I (ilp) |",
              "|---|---|---|---|---|---|"]
@@ -91,15 +115,20 @@ def totals(results: dict[tuple[str, str, str], Cell], labels: Sequence[str], set
             cells = [results[(label, name, solver)] for label in labels]
             worse = [label for label in labels if ("fusion-I", "ilp") != (name, solver)
                      and _worse(results[(label, name, solver)], results.get((label, "fusion-I", "ilp")))]
+            if any(c is None for c in cells):
+                lines.append(f"| {name} | {solver} | - | - | - | {', '.join(worse)} |")
+                continue
             lines.append(f"| {name} | {solver} | {sum(c.kernels for c in cells)} | "
                          f"{sum(c.estimated_us for c in cells):.0f} | {sum(c.seconds for c in cells):.1f} | "
                          f"{', '.join(worse) or 'none'} |")
     return "\n".join(lines)
 
 
-def _worse(cell: Cell, reference: Cell | None) -> bool:
+def _worse(cell: Cell | None, reference: Cell | None) -> bool:
     if reference is None:
         return False
+    if cell is None:
+        return True
     return cell.kernels > reference.kernels or cell.estimated_us > reference.estimated_us + 1e-6
 
 
@@ -112,22 +141,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sets", default=",".join(GENERATOR_SETS), help="names of GENERATOR_SETS")
     parser.add_argument("--solvers", default=",".join(SOLVERS))
     parser.add_argument("--device", default="H100")
+    parser.add_argument("--limit", type=float, default=120.0, help="seconds one exploration may take")
     args = parser.parse_args(argv)
     sets = args.sets.split(",")
     if "fusion-I" not in sets:
         sets.insert(0, "fusion-I")
     solvers = args.solvers.split(",")
     options = Options(device=args.device)
-    results: dict[tuple[str, str, str], Cell] = {}
+    results: dict[tuple[str, str, str], Cell | None] = {}
     labels = []
     for label, graph in graphs(args.workloads.split(","), args.quick):
         labels.append(label)
         for name in sets:
             for solver in solvers:
-                results[(label, name, solver)] = measure(graph, GENERATOR_SETS[name], solver, options)
+                results[(label, name, solver)] = cell = measure(graph, GENERATOR_SETS[name], solver, options,
+                                                                  args.limit)
+                print(f"  {label} {name} {solver}: {cell}", file=sys.stderr, flush=True)
         print(f"{label}: done", file=sys.stderr, flush=True)
     print(f"Default generators: {', '.join(DEFAULT_GENERATORS)}\n")
-    print(table(results, labels, sets, solvers))
+    print(table(results, args.limit, labels, sets, solvers))
     print()
     print(totals(results, labels, sets, solvers))
     return 0

@@ -23,8 +23,14 @@ The paper lets a partition op open the pattern that follows it (a GEMM and its e
 reductions the opposite is as useful (a reduction and the ops that feed it), so every step after
 the first is run both ways: partition ops opening runs and partition ops closing them.
 
-The paper's exploratory fusion [B §4.2.2] and the richer generators of DESIGN.md come later; the
-selector takes candidates from any generator.
+The other generators of DESIGN.md live in their own modules and feed the same selectors:
+span-layer deep fusion [A §3.2] (``deep.py``), exploratory fusion from seed ops [B Alg. 2]
+(``exploratory.py``), approximate-DP PatternReduction [C §5.2] (``dp.py``) and remote fusion
+[C Figure 5] (``remote.py``). The two plan-seeded generators here are narrower relatives of two of
+them: ``NeighbourMerging`` is exploratory fusion seeded with a selected plan's patterns instead of
+single ops and expanded by one neighbouring pattern instead of one op; ``SinkPacking`` is remote
+fusion restricted to the patterns nothing depends on (any set of them packs without a cycle).
+All of them share ``_propose_union``'s or ``Legality``'s checks and the ``seen`` set.
 """
 
 from __future__ import annotations

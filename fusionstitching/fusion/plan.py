@@ -91,6 +91,8 @@ class FusionPlan:
                   f"{self.library_count} library calls, {len(self.views)} views "
                   f"({len(self.graph.nodes)} nodes; planned in {self.seconds:.2f} s)")
         lines = [header]
+        if self.estimated_us is not None:
+            lines.append(f"  estimated {self.estimated_us:.1f} us for the kernels (latency evaluator, fusion/estimate.py)")
         lines += [f"  {note}" for note in self.notes]
         for k, pattern in enumerate(self.patterns):
             template = format_template(pattern.schedule) if pattern.schedule is not None else "-"

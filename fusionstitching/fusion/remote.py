@@ -41,9 +41,10 @@ REMOTE_TOP_K = 3
 @dataclass(frozen=True)
 class _Pack:
     units: int  # bitmask of kernels
+    reach: int  # bitmask of the kernels reachable from them
     nodes: tuple[Node, ...]
     gain: float  # score of the union minus the scores of its kernels
-    score: float
+    parts: float  # the scores of its kernels, summed
 
 
 class RemoteFusion(PlanSeeded):
@@ -69,14 +70,14 @@ class RemoteFusion(PlanSeeded):
     # -- PatternReduction at h ------------------------------------------------------------------
     def _reduce(self, lo: int, hi: int) -> list[_Pack]:
         if hi - lo == 1:
-            return [_Pack(1 << lo, self.units[lo], 0.0, self.scores[lo])]
+            return [_Pack(1 << lo, self.descendants[lo], self.units[lo], 0.0, self.scores[lo])]
         mid = (lo + hi) // 2
         left, right = self._reduce(lo, mid), self._reduce(mid, hi)
         packs = left + right
         for a in left:
             for b in right:
-                if not self._independent(a.units, b.units):
-                    continue
+                if a.reach & b.units or b.reach & a.units:
+                    continue  # a path from one to the other
                 union = self._union(a, b)
                 if union is not None:
                     packs.append(union)
@@ -93,25 +94,12 @@ class RemoteFusion(PlanSeeded):
         if not verdict:
             return None
         score = self.scorer.score(nodes, verdict.schedule).value
-        parts = sum(self.scores[k] for k in range(len(self.units)) if units >> k & 1)
+        parts = a.parts + b.parts
         key = frozenset(nodes)
         if key not in self.seen:
             self.seen.add(key)
             self.found.append(Candidate(nodes, verdict, "remote fusion: packing of independent kernels"))
-        return _Pack(units, nodes, score - parts, score)
-
-    def _independent(self, a: int, b: int) -> bool:
-        return not (self._reach(a) & b) and not (self._reach(b) & a)
-
-    def _reach(self, units: int) -> int:
-        reach = 0
-        k = 0
-        while units:
-            if units & 1:
-                reach |= self.descendants[k]
-            units >>= 1
-            k += 1
-        return reach
+        return _Pack(units, a.reach | b.reach, nodes, score - parts, parts)
 
     # -- helpers --------------------------------------------------------------------------------
     def _descendants(self, units: Sequence[Sequence[Node]]) -> list[int]:
