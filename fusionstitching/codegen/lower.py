@@ -69,6 +69,14 @@ class LoweredKernel:
     aliases: dict[int, int]  # output position → input position whose storage it overwrites
     smem_plan: object = None  # schedule.smem.SmemPlan of a composed kernel
 
+    def _checked(self) -> LoweredKernel:
+        """Self, once its in-place outputs are known to be elementwise (``_NotElementwise`` if not)."""
+        names = [b.name for b in self.kernel.params]
+        outs = [n for n in names if n.startswith("out")]
+        ins = [n for n in names if n.startswith("in")]
+        _check_in_place(self.kernel, self.aliases, ins, outs)
+        return self
+
 
 def resolve_pattern(graph: Graph, nodes: Iterable[Node | str]) -> Pattern:
     index = graph.index
@@ -101,10 +109,20 @@ def resolve_pattern(graph: Graph, nodes: Iterable[Node | str]) -> Pattern:
 
 def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *,
           name: str = "fused", vectorize_access: bool = True, guard_tails: bool = True,
-          check_in_place: bool = True, smem_limit: int = 48 * 1024) -> LoweredKernel:
+          check_in_place: bool = True, smem_limit: int = 48 * 1024, in_place: bool = True) -> LoweredKernel:
     """Lower ``nodes`` of ``graph`` under ``schedule``. ``guard_tails`` and ``check_in_place``
     exist to show that the simulator catches the out-of-bounds accesses and cross-block races
-    they prevent; leave them on."""
+    they prevent; leave them on. An input mutation (``graph.mutations``) is written in place when
+    the update is elementwise; otherwise (a step counter every thread reads) the kernel writes a
+    new buffer, which the runtime copies into the input afterwards."""
+    nodes = list(nodes)
+    if check_in_place and in_place:
+        try:
+            return lower(graph, nodes, schedule, name=name, vectorize_access=vectorize_access,
+                         guard_tails=guard_tails, smem_limit=smem_limit, in_place=True, check_in_place=False)._checked()
+        except _NotElementwise:
+            return lower(graph, nodes, schedule, name=name, vectorize_access=vectorize_access,
+                         guard_tails=guard_tails, smem_limit=smem_limit, in_place=False, check_in_place=False)
     pattern = resolve_pattern(graph, nodes)
     launch = schedule.launch
     roots = {s.root for s in schedule.schedules}
@@ -118,7 +136,7 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
 
     _check_reduced_dims_in_one_block(schedule, by_name, {o.name for o in pattern.outputs})
     input_layouts = tuple(_input_layout(n) for n in pattern.inputs)
-    aliases = _aliases(graph, pattern)
+    aliases = _aliases(graph, pattern) if in_place else {}
     output_layouts = tuple(input_layouts[aliases[k]] if k in aliases else Layout.contiguous(o.shape)
                            for k, o in enumerate(pattern.outputs))
     extents = [_extent(n.shape, lay) for n, lay in zip(pattern.inputs, input_layouts)]
@@ -158,8 +176,6 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
                for k, (nm, n, ext) in enumerate(zip(in_names, pattern.inputs, extents))]
     kernel = K.Kernel(name, tuple(params), tuple(body), launch.threads, launch.blocks, tuple(shared),
                       notes=(str(schedule),))
-    if check_in_place:
-        _check_in_place(kernel, aliases, in_names, out_names)
     return LoweredKernel(kernel, pattern, input_layouts, output_layouts, aliases, smem_plan)
 
 
@@ -475,8 +491,12 @@ def _check_in_place(kernel: K.Kernel, aliases: dict[int, int], in_names, out_nam
                     loads[load.buffer].add((nest, load.index, 1))
     for name, read in loads.items():
         if not read <= stores[pairs[name]]:
-            raise CodegenError(f"in-place output {pairs[name]} overwrites {name}, which is also read at another "
-                               "element or by other threads; the update is not elementwise")
+            raise _NotElementwise(f"in-place output {pairs[name]} overwrites {name}, which is also read at another "
+                                  "element or by other threads; the update is not elementwise")
+
+
+class _NotElementwise(CodegenError):
+    """An in-place update that other threads could observe half done."""
 
 
 def _walk(body: Sequence[K.Stmt]):

@@ -14,10 +14,16 @@ disjoint cycles (the patterns of a cycle found are left out and the contracted g
 again): packs of independent kernels can close many cycles at once, and one per solve would take
 as many solves. HiGHS is deterministic for a given model, and the model is
 built in candidate order, so the plan is the same on every run.
+
+Compile time is bounded: once the rounds have taken ``budget`` seconds, the last solution is made
+acyclic by leaving out, cycle after cycle, the lowest-scoring pattern on it (``Selection.repaired``
+counts them; the plan is valid, possibly not optimal). Graphs of many small independent chains
+(torch.optim's per-tensor updates with their step counts) can otherwise take a hundred rounds.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -41,11 +47,13 @@ class Selection:
     objective: float
     rounds: int
     cycle_constraints: list[tuple[int, ...]] = field(default_factory=list)
+    repaired: int = 0  # patterns left out to break cycles once the time budget was spent
 
 
 def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequence[float],
-               time_limit: float = 30.0) -> Selection:
+               time_limit: float = 30.0, budget: float = 5.0) -> Selection:
     """The best set of disjoint, jointly acyclic patterns among those with a positive score."""
+    start = time.perf_counter()
     usable = [i for i, s in enumerate(scores) if s > 0]
     if not usable:
         return Selection([], 0.0, 0)
@@ -77,6 +85,10 @@ def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequenc
         if not found:
             return Selection(sorted(usable[k] for k in chosen), -float(result.fun), rounds,
                              [tuple(usable[k] for k in c) for c in cycles])
+        if time.perf_counter() - start > budget:
+            kept = _repair(graph, patterns, scores, [usable[k] for k in chosen])
+            return Selection(sorted(kept), sum(scores[i] for i in kept), rounds,
+                             [tuple(usable[k] for k in c) for c in cycles], len(chosen) - len(kept))
         for cycle in found:
             members = tuple(sorted(chosen[j] for j in cycle))
             cycles.append(members)
@@ -85,6 +97,17 @@ def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequenc
                 cols.append(k)
             upper.append(float(len(members) - 1))
     raise SelectionError(f"the plan still has a cycle after {MAX_CYCLE_ROUNDS} rounds of cycle constraints")
+
+
+def _repair(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequence[float], chosen: list[int]) -> list[int]:
+    """``chosen`` (candidate indices) less the lowest-scoring pattern of each cycle, until acyclic."""
+    kept = list(chosen)
+    while True:
+        cycle = contracted_cycle(graph, [patterns[i] for i in kept])
+        if cycle is None:
+            return kept
+        drop = min((kept[j] for j in cycle), key=lambda i: scores[i])
+        kept.remove(drop)
 
 
 def _cycles(graph: Graph, patterns: Sequence[Sequence[Node]]) -> list[list[int]]:
