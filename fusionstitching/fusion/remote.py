@@ -27,11 +27,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fusionstitching.fusion.legality import Roles, blas_layout
+from fusionstitching.fusion.legality import Legality, Roles, blas_layout
 from fusionstitching.fusion.patterns import Candidate, PlanSeeded
 from fusionstitching.fusion.plan import VIEW_OPS
 from fusionstitching.fusion.score import Scorer, counts_as_kernel
-from fusionstitching.graph.graph import Node
+from fusionstitching.graph.graph import Graph, Node
 
 REMOTE_MAX_OPS = 8
 REMOTE_MAX_KERNELS = 8
@@ -50,7 +50,8 @@ class _Pack:
 class RemoteFusion(PlanSeeded):
     """PatternReduction at a virtual producer of every small kernel of a plan (module docstring)."""
 
-    def __init__(self, graph, roles: Roles, legality, seen: set[frozenset[Node]], scorer: Scorer) -> None:
+    def __init__(self, graph: Graph, roles: Roles, legality: Legality, seen: set[frozenset[Node]],
+                 scorer: Scorer) -> None:
         super().__init__(graph, roles, legality, seen)
         self.scorer = scorer
         self.found: list[Candidate] = []
