@@ -1,12 +1,15 @@
 """Each generator of "Fusion exploration II" on its own, on hand-made graphs: paper C Figure 4's
 PatternReduction, the A/B/C choice of paper C §2.3, remote patterns packed through the virtual
 producer, span-layer deep fusion with ElementwiseFusion, exploratory fusion's seeds and budget, and
-the beam search."""
+the beam search; and the default generators against those of "Fusion exploration I" on every
+workload."""
 
 from __future__ import annotations
 
 import pytest
 
+from fusionstitching.bench.workloads import WORKLOADS
+from fusionstitching.cli import capture_workload
 from fusionstitching.fusion.beam import select_beam
 from fusionstitching.fusion.deep import DeepFusion, spans
 from fusionstitching.fusion.dp import PatternReduction
@@ -225,3 +228,17 @@ def test_beam_search_repairs_a_cycle_of_disjoint_patterns():
     graph = b.build([bb, d])
     selections = select_beam(graph, [[a, d], [bb, c]], [5.0, 1.0])
     assert [s.chosen for s in selections] == [[0], [1]] and selections[0].cycle_constraints == [(1,)]
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_the_default_is_never_worse_than_fusion_exploration_i(name):
+    """The condition the default was chosen under (bench/fusion_table.md), at test sizes: no more
+    kernels and no higher estimated time than the generators of "Fusion exploration I"."""
+    _, captured = capture_workload(name)
+    for graph in (captured.forward, captured.backward):
+        if graph is None:
+            continue
+        plan, first = explore(graph), explore(graph, generators=FUSION_I)
+        assert plan.kernel_count <= first.kernel_count, (name, graph.name, plan.explain())
+        assert plan.estimated_us <= first.estimated_us + 1e-6, (name, graph.name, plan.explain())
+        assert plan.library_count == first.library_count
