@@ -190,11 +190,19 @@ def dot_function(node: Node) -> Callable[[Any, Any], Any]:
     lhs_to = (m, k) if batch == 1 else (batch, m, k)
     rhs_to = (k, n) if batch == 1 else (batch, k, n)
     shape, dtype = tuple(node.shape), DTYPE_TO_TORCH[node.dtype]
+    # Host time matters here (hundreds of GEMMs per training step): no identity permutes, torch.mm /
+    # torch.bmm rather than torch.matmul's dispatch, no reshape or cast that would change nothing.
+    lhs_moves, rhs_moves = lhs_perm != tuple(range(len(lhs_shape))), rhs_perm != tuple(range(len(rhs_shape)))
+    product = torch.mm if batch == 1 else torch.bmm
+    final = shape != (lhs_to[:-1] + rhs_to[-1:])
 
     def dot(lhs: Any, rhs: Any) -> Any:
-        a = lhs.permute(lhs_perm).reshape(lhs_to)
-        b = rhs.permute(rhs_perm).reshape(rhs_to)
-        return torch.matmul(a, b).reshape(shape).to(dtype)
+        a = (lhs.permute(lhs_perm) if lhs_moves else lhs).reshape(lhs_to)
+        b = (rhs.permute(rhs_perm) if rhs_moves else rhs).reshape(rhs_to)
+        out = product(a, b)
+        if final:
+            out = out.reshape(shape)
+        return out if out.dtype == dtype else out.to(dtype)
 
     return dot
 

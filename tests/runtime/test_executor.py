@@ -83,10 +83,18 @@ def test_view_and_dot_functions_match_the_reference():
     r = b.reshape(x, (24, 8))
     bc = b.broadcast(b.parameter((8,), DType.F32, "v"), (3, 8), (1,))
     d = b.node("dot_general", [x, w], lhs_batch=(0,), rhs_batch=(0,), lhs_contract=(2,), rhs_contract=(1,))
+    m = b.parameter((24, 8), DType.F32, "m")
+    k = b.parameter((5, 8), DType.F32, "k")
+    plain = b.node("dot_general", [m, b.parameter((8, 5), DType.F32, "n")], lhs_batch=(), rhs_batch=(),
+                   lhs_contract=(1,), rhs_contract=(0,))
+    nt = b.node("dot_general", [m, k], lhs_batch=(), rhs_batch=(), lhs_contract=(1,), rhs_contract=(1,))
+    free2 = b.node("dot_general", [x, k], lhs_batch=(), rhs_batch=(), lhs_contract=(2,), rhs_contract=(1,))
     rng = np.random.default_rng(1)
-    xv, wv, vv = (rng.standard_normal(s).astype(np.float32) for s in ((4, 6, 8), (4, 8, 5), (8,)))
+    xv, wv, vv, mv, kv, nv = (rng.standard_normal(s).astype(np.float32)
+                              for s in ((4, 6, 8), (4, 8, 5), (8,), (24, 8), (5, 8), (8, 5)))
     for node, fn, args in ((t, view_function(t), [xv]), (r, view_function(r), [xv]), (bc, view_function(bc), [vv]),
-                           (d, dot_function(d), [xv, wv])):
+                           (d, dot_function(d), [xv, wv]), (plain, dot_function(plain), [mv, nv]),
+                           (nt, dot_function(nt), [mv, kv]), (free2, dot_function(free2), [xv, kv])):
         want = reference.evaluate_node(node, args)
         got = fn(*[torch.from_numpy(a) for a in args]).numpy()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
