@@ -119,14 +119,21 @@ class _Runner:
         self.outputs = len(gm.graph.output_node().args[0])
         self.compiled: dict[tuple, Any] = {}
         self.fallback: str | None = None
+        # A graph with static shapes and only tensor inputs is called with exactly the example
+        # inputs' shapes, strides, dtypes and devices (TorchDynamo's guards and AOTAutograd ensure
+        # it): its one specialization needs no signature per call (0.5 ms for BERT's 200 inputs).
+        self.static_key: tuple | None = None
         if not _symbolic(example_inputs):
-            self._compile(gm, example_inputs, _signature(example_inputs))
+            key = _signature(example_inputs)
+            self._compile(gm, example_inputs, key)
+            if all(isinstance(x, torch.Tensor) for x in example_inputs):
+                self.static_key = key
 
     def __call__(self, args: list[Any]) -> list[Any]:
         args = list(args)
         if self.fallback is not None:
             return list(self.gm(*args))
-        key = _signature(args)
+        key = self.static_key if self.static_key is not None else _signature(args)
         compiled = self.compiled.get(key)
         if compiled is None:
             _STATS["shape specializations"] += 1

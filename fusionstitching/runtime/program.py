@@ -195,10 +195,14 @@ def dot_function(node: Node) -> Callable[[Any, Any], Any]:
     lhs_moves, rhs_moves = lhs_perm != tuple(range(len(lhs_shape))), rhs_perm != tuple(range(len(rhs_shape)))
     product = torch.mm if batch == 1 else torch.bmm
     final = shape != (lhs_to[:-1] + rhs_to[-1:])
+    lhs_fold = tuple(lhs_shape[d] for d in lhs_perm) != lhs_to
+    rhs_fold = tuple(rhs_shape[d] for d in rhs_perm) != rhs_to
 
     def dot(lhs: Any, rhs: Any) -> Any:
-        a = (lhs.permute(lhs_perm) if lhs_moves else lhs).reshape(lhs_to)
-        b = (rhs.permute(rhs_perm) if rhs_moves else rhs).reshape(rhs_to)
+        a = lhs.permute(lhs_perm) if lhs_moves else lhs
+        b = rhs.permute(rhs_perm) if rhs_moves else rhs
+        a = a.reshape(lhs_to) if lhs_fold else a
+        b = b.reshape(rhs_to) if rhs_fold else b
         out = product(a, b)
         if final:
             out = out.reshape(shape)
