@@ -375,14 +375,17 @@ def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1
 
 
 def _candidate_templates(pattern):
-    """The default template first; for composed patterns, then one row per warp at a time (no THREAD
-    tile on the kept dim, which register composition needs to be exact), then block mode."""
+    """The default template first; for composed patterns, then 8, 16 and 32 warps per block (a
+    column reduction over few rows fits in one block), one row per warp at a time (no THREAD tile
+    on the kept dim, which register composition needs to be exact), then block mode."""
     yield lambda: choose_template(pattern)
     yield lambda: transpose_smem_template(pattern)  # transposed reads: tiles through shared memory
     reductions = _crossing(pattern)
     if reductions and _batched(pattern, reductions):
         yield lambda: batched_template(pattern, reductions, cache_operands=False)  # recompute instead
     if reductions and not _batched(pattern, reductions):
+        for warps in (8, 16, 32):  # more rows per block: a column reduction over few rows fits in one
+            yield lambda w=warps: composed_template(pattern, reductions, DEFAULT_THREADS, w)
         yield lambda: composed_template(pattern, reductions, DEFAULT_THREADS, WARP_ROWS, rows_per_warp=1)
         yield lambda: composed_template(pattern, reductions, DEFAULT_THREADS, None)
     if reductions and all(r.op == "reduce" for r in reductions):
