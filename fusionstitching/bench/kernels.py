@@ -158,8 +158,8 @@ def relu_transpose() -> Row:
     candidates = (None, "{out}[GRID-CTA_32,GRID-CTA_8-THREAD_4]; launch(blocks=16384,threads=256)",
                   "{out}[GRID-CTA_32-THREAD_2,GRID-CTA_8-THREAD_4]; launch(blocks=8192,threads=256)",
                   "{out}[GRID-CTA_16-THREAD_4,GRID-CTA_16-THREAD_4]; launch(blocks=4096,threads=256)",
-                  "transpose[GRID-CTA_32,GRID-WARP_8-THREAD_4]S; {out}[GRID-WARP_8-THREAD_4,GRID-CTA_32]; "
-                  "launch(blocks=16384,threads=256)")
+                  ("transpose[GRID-CTA_32,GRID-WARP_8-THREAD_4]S; {out}[GRID-WARP_8-THREAD_4,GRID-CTA_32]; "
+                   "launch(blocks=16384,threads=256)"))
     return compare("relu_t_mul_f32", fn, [x, y], 3 * x.numel() * 4, candidates)
 
 
