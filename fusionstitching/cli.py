@@ -130,6 +130,23 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain_command(args: argparse.Namespace) -> int:
+    """Every stage's output for a workload's graphs under ``args.out`` (``pipeline.dump``)."""
+    from pathlib import Path
+
+    from fusionstitching.options import Options
+    from fusionstitching.pipeline import compile_graph, dump
+
+    _, captured = capture_workload(args.workload, train=args.train, real=args.real)
+    out = Path(args.out)
+    for graph in filter(None, (captured.forward, captured.backward)):
+        compiled = compile_graph(graph, Options(device=args.device))
+        files = dump(compiled, graph, out, arch=args.arch)
+        print(f"{graph.name}: {compiled.plan.kernel_count} kernels, {compiled.plan.library_count} library calls; "
+              f"{len(files)} files in {out / graph.name}")
+    return 0
+
+
 def _demo_command(args: argparse.Namespace) -> int:
     from fusionstitching.bench.check import check_against_eager
     from fusionstitching.bench.workloads import WORKLOADS
@@ -171,6 +188,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument("--device", default="H100", help="GPU the plan is made for (cost model)")
     plan.add_argument("--explain", action="store_true", help="print every decision of the plan")
     plan.set_defaults(run=_plan_command)
+    explain = sub.add_parser("explain", help="write every stage's output for a workload's graphs to a directory")
+    explain.add_argument("workload")
+    explain.add_argument("--out", required=True, help="directory for the files (one folder per graph)")
+    explain.add_argument("--train", action="store_true", help="forward and backward graphs")
+    explain.add_argument("--real", action="store_true", help="benchmark sizes instead of small test sizes")
+    explain.add_argument("--device", default="H100", help="GPU the plan is made for (cost model)")
+    explain.add_argument("--arch", default="sm_90", help="NVRTC target for the resource report")
+    explain.set_defaults(run=_explain_command)
     demo = sub.add_parser("demo", help="capture every workload and check it against eager PyTorch")
     demo.set_defaults(run=_demo_command)
     args = parser.parse_args(argv)

@@ -11,8 +11,9 @@
 ``compile_graph`` runs explore → schedule → lower → render for one graph and returns the
 ``CompiledGraph`` (CUBINs are compiled on the first GPU call). With ``dump_dir`` (or the
 ``FUSIONSTITCHING_DUMP_DIR`` environment variable, which only switches on this debug dump) every
-stage's output is written as text: the graph, the plan with its reasons, and each kernel's template
-and CUDA C.
+stage's output is written as text: the graph, the plan with its reasons, and each kernel's template,
+shared-memory plan and CUDA C; ``fusionstitching explain WORKLOAD --out DIR`` writes the same for a
+workload's graphs, plus ptxas's resource report of every kernel.
 """
 
 from __future__ import annotations
@@ -40,13 +41,27 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
     return compiled
 
 
-def dump(compiled: CompiledGraph, graph: Graph, directory: Path) -> list[Path]:
-    """Write the stages' outputs for one graph under ``directory/<graph name>/``; returns the files."""
+def dump(compiled: CompiledGraph, graph: Graph, directory: Path, arch: str | None = None) -> list[Path]:
+    """Write the stages' outputs for one graph under ``directory/<graph name>/``; returns the files.
+    With ``arch`` (e.g. "sm_90") every kernel is also compiled with NVRTC and ptxas's resource
+    report (registers, shared memory, spills) goes to ``4-resources.txt``."""
     root = directory / graph.name
     root.mkdir(parents=True, exist_ok=True)
     files = {"1-graph.txt": str(graph), "2-explore.txt": compiled.plan.explain()}
     for k, kernel in enumerate(compiled.kernels):
-        files[f"3-kernel{k:03d}-{kernel.name}.cu"] = f"// template: {kernel.template}\n{kernel.cuda_source}"
+        plan = f"// shared memory plan:\n// {str(kernel.smem_plan).replace(chr(10), chr(10) + '// ')}\n" \
+            if kernel.smem_plan is not None else ""
+        files[f"3-kernel{k:03d}-{kernel.name}.cu"] = f"// template: {kernel.template}\n{plan}{kernel.cuda_source}"
+    if arch is not None:
+        lines = [f"ptxas resource report per kernel for {arch}:",
+                 "| kernel | registers | shared bytes | spill stores | spill loads | stack bytes |",
+                 "|---|---|---|---|---|---|"]
+        for kernel in compiled.kernels:
+            report = kernel.compile(arch).resources.get(kernel.name)
+            if report is not None:
+                lines.append(f"| {kernel.name} | {report.registers} | {report.shared_bytes} | {report.spill_stores} "
+                             f"| {report.spill_loads} | {report.stack_bytes} |")
+        files["4-resources.txt"] = "\n".join(lines) + "\n"
     written = []
     for name, text in files.items():
         path = root / name

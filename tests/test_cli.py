@@ -44,3 +44,23 @@ def test_plan_command_explains_training_plans(capsys):
     assert "edges left unfused:" in out
     edges = out.split("edges left unfused:")[1].split("fusionstitching (")[0].strip().splitlines()
     assert edges and all(" -> " in e and e.split(": ", 1)[1].strip() for e in edges)
+
+
+def test_explain_command_writes_every_stage_of_every_graph(tmp_path, capsys):
+    assert main(["explain", "layernorm", "--train", "--out", str(tmp_path)]) == 0
+    assert "layernorm_train_backward: 1 kernels" in capsys.readouterr().out
+    for name in ("layernorm_train_forward", "layernorm_train_backward"):
+        folder = tmp_path / name
+        assert (folder / "1-graph.txt").read_text().startswith(f"graph {name}(")
+        assert "kernel 0:" in (folder / "2-explore.txt").read_text()
+        (source,) = folder.glob("3-kernel000-*.cu")
+        text = source.read_text()
+        assert text.startswith("// template: ") and "// shared memory plan:" in text and "__global__" in text
+        resources = (folder / "4-resources.txt").read_text().splitlines()
+        assert resources[0] == "ptxas resource report per kernel for sm_90:"
+        assert len(resources) == 4 and int(resources[3].split("|")[2]) > 0  # registers of the one kernel
+
+
+def test_explain_command_rejects_unknown_workloads(tmp_path, capsys):
+    assert main(["explain", "no_such_workload", "--out", str(tmp_path)]) == 2
+    assert "unknown workload 'no_such_workload'" in capsys.readouterr().err
