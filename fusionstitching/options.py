@@ -14,7 +14,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Options:
     device: str = "H100"
-    solver: str = "ilp"  # "ilp" (HiGHS) for fusion.explore
+    solver: str = "ilp"  # plan selection in fusion.explore: "ilp" (HiGHS) or "beam" (width 3)
+    generators: tuple[str, ...] | None = None  # candidate generators (fusion/explore.py); None: the default set
     score: str = "delta"  # "delta" [C §5.4] or "model" [B §4.3]
     # A dot_general is "small" (fused in generated kernels) when its FLOPs and its per-batch output
     # stay under these; larger dots are library calls. Measured on an NVIDIA H200 with
@@ -30,7 +31,7 @@ class Options:
     smem_limit: int = 48 * 1024  # bytes of shared memory a generated kernel may use per block
 
     def __post_init__(self) -> None:
-        if self.solver not in ("ilp",):
-            raise ValueError(f"Options.solver: unknown solver {self.solver!r}; known: 'ilp'")
+        if self.solver not in ("ilp", "beam"):
+            raise ValueError(f"Options.solver: unknown solver {self.solver!r}; known: 'ilp', 'beam'")
         if self.score not in ("delta", "model"):
             raise ValueError(f"Options.score: unknown score {self.score!r}; known: 'delta', 'model'")

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 from fusionstitching.fusion import explore
+from fusionstitching.fusion.explore import DEFAULT_GENERATORS
 from fusionstitching.graph.graph import Graph
 from fusionstitching.options import Options
 from fusionstitching.runtime.executor import CompiledGraph
@@ -33,7 +34,9 @@ DUMP_VARIABLE = "FUSIONSTITCHING_DUMP_DIR"
 def compile_graph(graph: Graph, options: Options | None = None, mode: str | None = None,
                   dump_dir: str | os.PathLike | None = None) -> CompiledGraph:
     """Plan ``graph`` and generate its kernels; dump every stage's text when asked."""
-    plan = explore(graph, options=options)
+    options = options or Options()
+    plan = explore(graph, solver=options.solver, options=options,
+                   generators=options.generators or DEFAULT_GENERATORS)
     compiled = CompiledGraph(plan, mode=mode)
     directory = dump_dir if dump_dir is not None else os.environ.get(DUMP_VARIABLE)
     if directory:

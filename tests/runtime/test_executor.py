@@ -166,3 +166,19 @@ def test_pipeline_dumps_every_stage_as_text(tmp_path):
     source = (tmp_path / captured.forward.name / kernels[0]).read_text()
     assert source.startswith("// template: ") and "__global__" in source
     assert "plan for graph layernorm" in (tmp_path / captured.forward.name / "2-explore.txt").read_text()
+
+
+def test_pipeline_takes_the_selector_and_generators_from_options():
+    from fusionstitching.fusion.explore import FUSION_I
+    from fusionstitching.options import Options
+    from fusionstitching.pipeline import compile_graph
+
+    _, captured = capture_workload("mlp_train")
+    for options, expected in ((Options(), "generators substitution, deep, merging, packing, remote"),
+                              (Options(solver="beam", generators=FUSION_I), "generators substitution, merging, packing")):
+        plan = compile_graph(captured.backward, options).plan
+        notes = "\n".join(plan.notes)
+        assert expected + ":" in notes, notes
+        assert plan.strategy.startswith(f"fusionstitching ({options.solver},"), plan.strategy
+    with pytest.raises(ValueError, match="unknown solver 'guess'"):
+        Options(solver="guess")
