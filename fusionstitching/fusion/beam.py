@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fusionstitching.fusion.select import Selection, contracted_cycle
+from fusionstitching.fusion.select import Selection, break_cycles
 from fusionstitching.graph.graph import Graph, Node
 
 BEAM_WIDTH = 3
@@ -63,26 +63,13 @@ def select_beam(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequen
     selections = []
     seen: set[tuple[int, ...]] = set()
     for buffer in beam:
-        chosen, dropped = _repair(graph, patterns, scores, list(buffer.chosen))
+        chosen, dropped = break_cycles(graph, patterns, scores, list(buffer.chosen))
         key = tuple(sorted(chosen))
         if key in seen:
             continue
         seen.add(key)
         selections.append(Selection(list(key), sum(scores[i] for i in key), 1, [tuple(dropped)] if dropped else []))
     return selections
-
-
-def _repair(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequence[float], chosen: list[int]
-            ) -> tuple[list[int], list[int]]:
-    """``chosen`` without the lowest-scoring pattern of each cycle, until the contracted graph is a DAG."""
-    dropped = []
-    while True:
-        cycle = contracted_cycle(graph, [patterns[i] for i in chosen])
-        if cycle is None:
-            return chosen, dropped
-        worst = min((chosen[k] for k in cycle), key=lambda i: (scores[i], i))
-        chosen = [i for i in chosen if i != worst]
-        dropped.append(worst)
 
 
 __all__ = ["BEAM_WIDTH", "select_beam"]

@@ -86,7 +86,7 @@ def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequenc
             return Selection(sorted(usable[k] for k in chosen), -float(result.fun), rounds,
                              [tuple(usable[k] for k in c) for c in cycles])
         if time.perf_counter() - start > budget:
-            kept = _repair(graph, patterns, scores, [usable[k] for k in chosen])
+            kept, _ = break_cycles(graph, patterns, scores, [usable[k] for k in chosen])
             return Selection(sorted(kept), sum(scores[i] for i in kept), rounds,
                              [tuple(usable[k] for k in c) for c in cycles], len(chosen) - len(kept))
         for cycle in found:
@@ -99,15 +99,18 @@ def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequenc
     raise SelectionError(f"the plan still has a cycle after {MAX_CYCLE_ROUNDS} rounds of cycle constraints")
 
 
-def _repair(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequence[float], chosen: list[int]) -> list[int]:
-    """``chosen`` (candidate indices) less the lowest-scoring pattern of each cycle, until acyclic."""
-    kept = list(chosen)
+def break_cycles(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequence[float], chosen: list[int]
+                 ) -> tuple[list[int], list[int]]:
+    """``chosen`` (candidate indices) less the lowest-scoring pattern of each cycle of the contracted
+    graph (ties: the first candidate), until it is a DAG; and the patterns left out."""
+    kept, dropped = list(chosen), []
     while True:
         cycle = contracted_cycle(graph, [patterns[i] for i in kept])
         if cycle is None:
-            return kept
-        drop = min((kept[j] for j in cycle), key=lambda i: scores[i])
-        kept.remove(drop)
+            return kept, dropped
+        worst = min((kept[j] for j in cycle), key=lambda i: (scores[i], i))
+        kept.remove(worst)
+        dropped.append(worst)
 
 
 def _cycles(graph: Graph, patterns: Sequence[Sequence[Node]]) -> list[list[int]]:
