@@ -6,10 +6,12 @@ and prints its node count by category, the fusable fraction and the library ops 
 [--explain]`` plans
 the captured graphs: the patterns with their ops, the kernel counts of fusionstitching, of the
 XLA-like baseline and unfused, and the exploration time.
-``fusionstitching demo`` captures every workload, checks the captured graphs against eager PyTorch
-with ``graph/reference.py`` and prints the summary table; then it plans each small workload,
-compiles every kernel of the plan with NVRTC, checks the simulated plan against the reference and,
-on a GPU, runs and times it.
+``fusionstitching bench [WORKLOAD...] [--systems eager,inductor,fusionstitching[,xla]] [--json FILE]``
+times the bench workloads (``bench/suite.py``) on every system in one process and prints a table.
+``fusionstitching demo`` plans a BERT encoder layer and prints the plan (ops, composition schemes
+and shared memory per kernel) and the CUDA C of its largest kernel, checks the plan with the
+simulator (no GPU) or on the GPU, and on a GPU prints the bench table against eager and Inductor;
+then it plans each small workload, compiles every kernel with NVRTC and checks the simulated plan.
 """
 
 from __future__ import annotations
@@ -147,24 +149,32 @@ def _explain_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_command(args: argparse.Namespace) -> int:
+    """``fusionstitching bench``: the table of ``bench/suite.py`` and, with ``--json``, the same as JSON."""
+    import json
+
+    from fusionstitching.bench import suite
+
+    names = args.workloads or list(suite.MICRO)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    results = suite.run(names, systems, device=args.device, small=args.small, rounds=args.rounds,
+                        warm_caches=args.warm_caches)
+    device = suite.to_json(results)["device"]
+    print(f"device: {device}; wall and GPU ms per call (median), kernels per call, × = that system's wall / this one's")
+    print(suite.format_table(results, systems))
+    if args.json:
+        Path(args.json).write_text(json.dumps(suite.to_json(results), indent=1))
+        print(f"results written to {args.json}")
+    return 0
+
+
 def _demo_command(args: argparse.Namespace) -> int:
-    from fusionstitching.bench.check import check_against_eager
-    from fusionstitching.bench.workloads import WORKLOADS
+    from fusionstitching.bench.demo import DEMO_WORKLOADS, bert_layer_demo, plan_demo
 
-    rows, worst = [], 0.0
-    for name in WORKLOADS:
-        workload, captured = capture_workload(name)
-        errors = check_against_eager(captured, workload.fn, workload.inputs, workload.train)
-        worst = max(worst, errors.worst)
-        print(f"{name:20s} reference vs eager: max relative error {errors.worst:.2e}")
-        rows += rows_for(name, captured)
-    print()
-    print(format_table(rows))
-    print("\nFusion plans (forward graphs), their kernels compiled with NVRTC and simulated:")
-    from fusionstitching.bench.demo import DEMO_WORKLOADS, plan_demo
-
+    worst = bert_layer_demo()
+    print("\nSmall workloads (forward graphs): planned, every kernel compiled with NVRTC, the plan simulated:")
     for name in DEMO_WORKLOADS:
-        worst = max(worst, plan_demo(name, show_source=name == "bias_gelu"))
+        worst = max(worst, plan_demo(name))
     return 0 if worst < 1e-5 else 1
 
 
@@ -196,7 +206,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     explain.add_argument("--device", default="H100", help="GPU the plan is made for (cost model)")
     explain.add_argument("--arch", default="sm_90", help="NVRTC target for the resource report")
     explain.set_defaults(run=_explain_command)
-    demo = sub.add_parser("demo", help="capture every workload and check it against eager PyTorch")
+    bench = sub.add_parser("bench", help="time workloads on eager PyTorch, Inductor, fusionstitching (and XLA)")
+    bench.add_argument("workloads", nargs="*",
+                       help="bench workloads (bench/suite.py CASES; default: the micro workloads)")
+    bench.add_argument("--systems", default="eager,inductor,fusionstitching",
+                       help="comma-separated: eager, inductor, fusionstitching, xla (JAX, micro workloads)")
+    bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    bench.add_argument("--rounds", type=int, default=5, help="timing rounds (the median is reported)")
+    bench.add_argument("--small", action="store_true", help="the small test sizes instead of benchmark sizes")
+    bench.add_argument("--device", default=None, help="torch device (default: cuda if there is one, else cpu)")
+    bench.add_argument("--warm-caches", action="store_true",
+                       help="keep the compile caches (default: empty ones, so first calls compile)")
+    bench.set_defaults(run=_bench_command)
+    demo = sub.add_parser("demo", help="plan a BERT layer, show its kernels, check them and (on a GPU) bench them")
     demo.set_defaults(run=_demo_command)
     args = parser.parse_args(argv)
     try:

@@ -96,7 +96,8 @@ def adam_step(shapes: tuple[tuple[int, ...], ...] = ADAM_SHAPES, lr: float = 1e-
         for i, shape in enumerate(shapes):
             t = _rand(*shape, seed=seed + i)
             tensors.append(t.abs() if group == "v" else t)
-    return Workload("adam_step", fn, tuple(tensors), notes=f"{len(shapes)} parameter tensors")
+    hyper = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "step": step}
+    return Workload("adam_step", fn, tuple(tensors), notes=f"{len(shapes)} parameter tensors", extra=hyper)
 
 
 class MLP(nn.Module):
@@ -160,6 +161,35 @@ def bert(batch: int = 2, seq: int = 16, train: bool = False, hidden: int = 128, 
     return Workload("bert_train" if train else "bert", BertOutputs(), (ids, mask), train)
 
 
+def bert_layer(batch: int = 2, seq: int = 16, hidden: int = 128, heads: int = 2, train: bool = False,
+               dropout: float = 0.0) -> Workload:
+    """One BERT encoder layer (attention + feed-forward, eager attention) on hidden states, with an
+    additive attention mask that hides the second half of the first sequence."""
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    config = BertConfig(hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden,
+                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                        attn_implementation="eager")
+    torch.manual_seed(0)
+    layer = BertLayer(config)
+    layer.train(train)
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            out = self.layer(hidden_states, attention_mask=mask)
+            return out[0] if isinstance(out, tuple) else out
+
+    mask = torch.zeros(batch, 1, 1, seq)
+    mask[0, :, :, seq // 2 :] = torch.finfo(torch.float32).min
+    x = _rand(batch, seq, hidden, requires_grad=train)
+    return Workload("bert_layer_train" if train else "bert_layer", Layer(), (x, mask), train)
+
+
 def dropout(numel: int = 4096, p: float = 0.3) -> Workload:
     def fn(x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, p=p, training=True)
@@ -177,6 +207,8 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "din_attention": din_attention,
     "bert": bert,
     "bert_train": lambda **kw: bert(train=True, **kw),
+    "bert_layer": bert_layer,
+    "bert_layer_train": lambda **kw: bert_layer(train=True, **kw),
 }
 
 REAL_SIZES: dict[str, dict[str, Any]] = {
@@ -189,6 +221,8 @@ REAL_SIZES: dict[str, dict[str, Any]] = {
     "din_attention": {"batch": 2048, "history": 50, "dim": 64},
     "bert": {"batch": 8, "seq": 128, "vocab": 30522},
     "bert_train": {"batch": 8, "seq": 128, "vocab": 30522},
+    "bert_layer": {"batch": 32, "seq": 128, "hidden": 768, "heads": 12},
+    "bert_layer_train": {"batch": 32, "seq": 128, "hidden": 768, "heads": 12},
 }
 
 

@@ -133,7 +133,13 @@ def _check_arch(arch: str) -> None:
         )
 
 
+CACHE_VARIABLE = "FUSIONSTITCHING_CACHE_DIR"
+
+
 def default_cache_dir() -> Path:
+    """``$FUSIONSTITCHING_CACHE_DIR`` if set, else ``fusionstitching/nvrtc`` in the user's cache directory."""
+    if os.environ.get(CACHE_VARIABLE):
+        return Path(os.environ[CACHE_VARIABLE])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "fusionstitching" / "nvrtc"
 

@@ -1,0 +1,431 @@
+"""``fusionstitching bench``: every system on the same inputs in one process, one table.
+
+For each workload (``CASES``) and each system (eager PyTorch, TorchInductor, fusionstitching and,
+for the micro workloads where JAX is installed, XLA through ``jax.jit``) the bench reports
+
+- the first call in seconds (Dynamo capture + compilation + the call; compile caches are empty:
+  Inductor's, Triton's and our NVRTC cache point to a new directory per workload unless
+  ``warm_caches``);
+- the wall time per call: the median over rounds of (calls of one round / their time, with one
+  synchronization at the end of the round);
+- the GPU time and the kernel count per call from the torch profiler (CUPTI), the kernels split by
+  name into GEMM/library (cuBLAS, cuBLASLt, CUTLASS and Triton GEMM templates) and the rest, the
+  memory-intensive kernels;
+- the largest relative error of the outputs against eager (‖out − ref‖ / ‖ref‖; not for workloads
+  that draw random numbers);
+- the speedup of each system's wall time against every other system's.
+
+A call is a forward pass (inference: ``torch.no_grad``) or, for training workloads, a forward and
+backward pass of the sum of the outputs with the gradients set to None first, as
+``optimizer.zero_grad()`` does. Mixed-precision workloads run the forward under ``torch.autocast``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from fusionstitching.bench import workloads as W
+
+SYSTEMS = ("eager", "inductor", "fusionstitching", "xla")
+DEFAULT_SYSTEMS = ("eager", "inductor", "fusionstitching")
+
+# Kernel names of GEMM libraries: cuBLAS (gemm, gemv, nvjet, xmma, splitKreduce), CUTLASS, and
+# Inductor's Triton GEMM templates (triton_tem_*). Everything else is memory-intensive work.
+GEMM_KERNEL = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|splitkreduce|triton_tem|wgmma|dot_kernel", re.I)
+
+
+@dataclass
+class Case:
+    """One benchmark workload: what is called, on which inputs, and how a call runs."""
+
+    name: str
+    fn: Callable[..., Any]  # a function or an nn.Module
+    inputs: tuple[Any, ...]
+    train: bool = False
+    autocast: torch.dtype | None = None
+    random: bool = False  # draws random numbers: outputs are not compared with eager's
+    micro: bool = True  # a micro workload (JAX has a version of it)
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to(self, device: torch.device) -> Case:
+        if isinstance(self.fn, torch.nn.Module):
+            self.fn = self.fn.to(device)
+        self.inputs = tuple(_to(x, device) for x in self.inputs)
+        return self
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    y = x.detach().to(device)
+    return y.requires_grad_(x.requires_grad)
+
+
+def _layernorm(dtype, train):
+    return lambda small: W.layernorm(**({} if small else {"batch": 16384, "hidden": 1024}), train=train,
+                                     dtype=dtype)
+
+
+def _bert(batch: int, train: bool):
+    def build(small: bool) -> W.Workload:
+        if small:
+            return W.bert(batch=2, seq=16, train=train, dropout=0.1 if train else 0.0)
+        return W.bert(batch=batch, seq=128, hidden=768, layers=12, heads=12, vocab=30522, train=train,
+                      dropout=0.1 if train else 0.0)
+    return build
+
+
+def _sized(factory: Callable[..., W.Workload], **real: Any) -> Callable[[bool], W.Workload]:
+    return lambda small: factory() if small else factory(**real)
+
+
+# name → (workload factory taking ``small``, autocast dtype, micro workload, random, description)
+CASES: dict[str, tuple[Callable[[bool], W.Workload], torch.dtype | None, bool, bool, str]] = {
+    "layernorm": (_layernorm(torch.float32, False), None, True, False, "LayerNorm 16384×1024 f32 forward"),
+    "layernorm_bf16": (_layernorm(torch.bfloat16, False), None, True, False, "LayerNorm 16384×1024 bf16 forward"),
+    "layernorm_train": (_layernorm(torch.float32, True), None, True, False,
+                        "LayerNorm 16384×1024 f32 forward + backward"),
+    "layernorm_train_bf16": (_layernorm(torch.bfloat16, True), None, True, False,
+                             "LayerNorm 16384×1024 bf16 forward + backward"),
+    "softmax": (_sized(W.softmax_scale_mask, batch=32, heads=12, seq=128), None, True, False,
+                "softmax(x·0.125 + mask) 32×12×128×128 f32"),
+    "bias_gelu": (_sized(W.bias_gelu, tokens=16384, hidden=3072, dtype=torch.bfloat16), None, True, False,
+                  "GELU(x + bias) 16384×3072 bf16"),
+    "adam": (_sized(W.adam_step, shapes=W.bert_base_parameter_shapes()), None, True, False,
+             "AdamW in place over BERT-base's 199 parameter shapes"),
+    "mlp_train": (_sized(W.mlp_train, batch=4096, features=512, hidden=1024, classes=1000), None, True, False,
+                  "MLP 512→1024→1000 + cross-entropy, batch 4096, forward + backward"),
+    "din_attention": (_sized(W.din_attention, batch=2048, history=50, dim=64), None, True, False,
+                      "DIN attention 2048×50×64: bmm, masked softmax, bmm"),
+    "bert_layer": (_sized(W.bert_layer, batch=32, seq=128, hidden=768, heads=12), torch.bfloat16, False, False,
+                   "one BERT-base encoder layer, batch 32 × 128, bf16 autocast, inference"),
+    "bert_infer": (_bert(32, False), torch.bfloat16, False, False,
+                   "BERT-base (12 layers) batch 32 × 128, bf16 autocast, inference"),
+    "bert_infer_b1": (_bert(1, False), torch.bfloat16, False, False,
+                      "BERT-base (12 layers) batch 1 × 128, bf16 autocast, inference"),
+    "bert_train": (_bert(32, True), torch.bfloat16, False, True,
+                   "BERT-base (12 layers) batch 32 × 128, bf16 autocast, dropout 0.1, forward + backward"),
+}
+MICRO = tuple(name for name, spec in CASES.items() if spec[2])
+
+
+def make_case(name: str, small: bool = False) -> Case:
+    """The benchmark case ``name`` (``small``: the test sizes of ``bench/workloads.py``)."""
+    if name not in CASES:
+        raise KeyError(f"unknown bench workload {name!r}; known: {', '.join(CASES)}")
+    factory, autocast, micro, random, notes = CASES[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        workload = factory(small)
+    return Case(name, workload.fn, workload.inputs, workload.train, autocast, random, micro, notes, workload.extra)
+
+
+# ----------------------------------------------------------------------------------------------
+# One call of a case
+# ----------------------------------------------------------------------------------------------
+
+
+def _leaves(case: Case) -> list[torch.Tensor]:
+    params = list(case.fn.parameters()) if isinstance(case.fn, torch.nn.Module) else []
+    return params + [x for x in case.inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
+def step_function(case: Case, fn: Callable[..., Any]) -> Callable[[], Any]:
+    """A zero-argument callable running one call of ``case`` through ``fn``; returns the outputs."""
+    leaves = _leaves(case) if case.train else []
+    device = next((x.device for x in case.inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    autocast = (lambda: torch.autocast(device.type, dtype=case.autocast)) if case.autocast else contextlib.nullcontext
+
+    def step() -> Any:
+        if case.train:
+            for leaf in leaves:
+                leaf.grad = None
+            with autocast():
+                outs = fn(*case.inputs)
+            tensors = _tensors(outs)
+            sum(t.float().sum() for t in tensors if t.requires_grad).backward()
+            return outs
+        with torch.no_grad(), autocast():
+            return fn(*case.inputs)
+
+    return step
+
+
+def _tensors(outs: Any) -> list[torch.Tensor]:
+    if isinstance(outs, torch.Tensor):
+        return [outs]
+    if isinstance(outs, (tuple, list)):
+        return [t for o in outs for t in _tensors(o)]
+    return []
+
+
+def relative_error(outs: Any, reference: Any) -> float:
+    """The largest ‖out − ref‖ / ‖ref‖ over the outputs (inf on a shape mismatch, NaN if any NaN)."""
+    got, want = _tensors(outs), _tensors(reference)
+    if len(got) != len(want):
+        return math.inf
+    worst = 0.0
+    for g, w in zip(got, want):
+        g, w = g.detach().float().cpu(), w.detach().float().cpu()
+        if g.shape != w.shape:
+            return math.inf
+        norm = float(w.norm())
+        error = float((g - w).norm()) / (norm if norm > 0 else 1.0)
+        if math.isnan(error):
+            return math.nan
+        worst = max(worst, error)
+    return worst
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurements
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    workload: str
+    system: str
+    wall_ms: float | None = None
+    gpu_ms: float | None = None
+    kernels: int | None = None
+    gemm_kernels: int | None = None
+    mi_kernels: int | None = None
+    first_call_s: float | None = None
+    error: float | None = None
+    skipped: str = ""  # why the system did not run this workload
+    speedup: dict[str, float] = field(default_factory=dict)  # other system → its wall / ours
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall_ms(step: Callable[[], Any], sync: Callable[[Any], None], rounds: int = 5,
+            round_seconds: float = 0.2) -> float:
+    """Median over ``rounds`` of the wall time per call; calls per round chosen to last ~``round_seconds``.
+    ``sync(outputs)`` waits for the device once per round."""
+    sync(step())
+    start = time.perf_counter()
+    sync(step())
+    once = time.perf_counter() - start
+    calls = max(1, min(1000, int(round_seconds / max(once, 1e-6))))
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            outs = step()
+        sync(outs)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times) * 1e3
+
+
+def profile_kernels(step: Callable[[], Any], sync: Callable[[Any], None], calls: int = 3) -> tuple[float, int, int]:
+    """(GPU ms, GEMM/library kernels, memory-intensive kernels) per call, from the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(step())
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            outs = step()
+        sync(outs)
+    busy, gemm, other = 0.0, 0, 0
+    for event in prof.events():
+        if event.device_type.name != "CUDA":
+            continue
+        name = event.name.lower()
+        if "memcpy" in name or "memset" in name:
+            continue
+        busy += event.time_range.elapsed_us()
+        if GEMM_KERNEL.search(event.name):
+            gemm += 1
+        else:
+            other += 1
+    return busy / calls / 1e3, round(gemm / calls), round(other / calls)
+
+
+@contextlib.contextmanager
+def fresh_caches(enabled: bool):
+    """Inductor's, Triton's and the NVRTC cache in a new empty directory while inside."""
+    if not enabled:
+        yield
+        return
+    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FUSIONSTITCHING_CACHE_DIR")
+    saved = {name: os.environ.get(name) for name in names}
+    with tempfile.TemporaryDirectory(prefix="fusionstitching-bench-") as root:
+        for name in names:
+            os.environ[name] = os.path.join(root, name.lower())
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def _compiled(case: Case, system: str) -> Callable[..., Any]:
+    if system == "eager":
+        return case.fn
+    torch._dynamo.reset()
+    if system == "inductor":
+        return torch.compile(case.fn, backend="inductor")
+    if system == "fusionstitching":
+        import fusionstitching  # noqa: F401  (registers the backend)
+
+        return torch.compile(case.fn, backend="fusionstitching")
+    raise KeyError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
+
+
+class Progress:
+    """One status line on stderr, rewritten in place on a terminal."""
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def __call__(self, text: str) -> None:
+        if self.tty:
+            self.stream.write(f"\r\x1b[K{text}")
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+
+def _torch_system(case: Case, system: str, device: torch.device, warm_caches: bool,
+                  progress: Callable[[str], None]):
+    """(step, sync, first-call seconds, comparable outputs of a call) for a PyTorch system."""
+    with fresh_caches(not warm_caches):
+        progress(f"{case.name}: {system}: compiling and first call")
+        fn = _compiled(case, system)
+        start = time.perf_counter()
+        step = step_function(case, fn)
+        step()
+        _synchronize(device)
+        first = time.perf_counter() - start
+    return step, lambda _: _synchronize(device), first, _tensors
+
+
+def run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: int = 5,
+             warm_caches: bool = False, progress: Callable[[str], None] = lambda _: None) -> list[Result]:
+    """Every system on ``case`` (already on ``device``); eager's outputs are the reference."""
+    results: list[Result] = []
+    reference: list[torch.Tensor] = []
+    for system in systems:
+        result = Result(case.name, system)
+        results.append(result)
+        if system == "xla":
+            from fusionstitching.bench import jax_cases
+
+            reason = jax_cases.unavailable(case, device)
+            if reason:
+                result.skipped = reason
+                continue
+            progress(f"{case.name}: xla: compiling and first call")
+            step, sync, first, comparable = jax_cases.system(case)
+        else:
+            step, sync, first, comparable = _torch_system(case, system, device, warm_caches, progress)
+        result.first_call_s = first
+        outs = comparable(step())
+        if system == "eager":
+            reference = outs
+        elif reference and not case.random:
+            result.error = relative_error(outs, reference)
+        del outs
+        progress(f"{case.name}: {system}: timing")
+        result.wall_ms = wall_ms(step, sync, rounds=rounds)
+        if device.type == "cuda":
+            progress(f"{case.name}: {system}: profiling")
+            result.gpu_ms, result.gemm_kernels, result.mi_kernels = profile_kernels(step, sync)
+            result.kernels = result.gemm_kernels + result.mi_kernels
+        del step
+        gc.collect()
+    timed = [r for r in results if r.wall_ms]
+    for r in timed:
+        r.speedup = {o.system: o.wall_ms / r.wall_ms for o in timed if o is not r}
+    return results
+
+
+def run(names: Sequence[str], systems: Sequence[str] = DEFAULT_SYSTEMS, device: str | None = None,
+        small: bool = False, rounds: int = 5, warm_caches: bool = False,
+        progress: Callable[[str], None] | None = None) -> list[Result]:
+    """Run ``names`` (bench workloads) on every system; ``device`` defaults to the GPU if any."""
+    for system in systems:
+        if system not in SYSTEMS:
+            raise KeyError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    progress = progress or Progress()
+    results: list[Result] = []
+    for k, name in enumerate(names):
+        prefix = f"[{k + 1}/{len(names)}] "
+        progress(f"{prefix}{name}: building inputs")
+        case = make_case(name, small=small).to(target)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results += run_case(case, systems, target, rounds, warm_caches, lambda text: progress(prefix + text))
+        del case
+        gc.collect()
+        if target.type == "cuda":
+            torch.cuda.empty_cache()
+    if isinstance(progress, Progress):
+        progress.done()
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Reporting
+# ----------------------------------------------------------------------------------------------
+
+
+def _number(value: float | None, digits: int) -> str:
+    if value is None:
+        return "—"
+    if math.isnan(value) or math.isinf(value):
+        return str(value)
+    return f"{value:.{digits}f}"
+
+
+def format_table(results: Sequence[Result], systems: Sequence[str]) -> str:
+    """A markdown table: one row per workload and system."""
+    others = [s for s in systems if s != "xla"] + (["xla"] if "xla" in systems else [])
+    header = ["workload", "system", "wall ms", "GPU ms", "kernels (GEMM + MI)", "first call s", "rel. error"]
+    header += [f"× {s}" for s in others]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in results:
+        if r.skipped:
+            cells = [r.workload, r.system, f"skipped: {r.skipped}"] + [""] * (len(header) - 3)
+        else:
+            kernels = "—" if r.kernels is None else f"{r.kernels} ({r.gemm_kernels} + {r.mi_kernels})"
+            error = "—" if r.error is None else f"{r.error:.1e}"
+            cells = [r.workload, r.system, _number(r.wall_ms, 3), _number(r.gpu_ms, 3), kernels,
+                     _number(r.first_call_s, 1), error]
+            cells += ["" if s == r.system or s not in r.speedup else f"{r.speedup[s]:.2f}" for s in others]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def to_json(results: Sequence[Result]) -> dict[str, Any]:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": device, "torch": torch.__version__, "results": [asdict(r) for r in results]}

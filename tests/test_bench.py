@@ -1,0 +1,110 @@
+"""The bench (``fusionstitching bench``, ``bench/suite.py``) and the demo's plan table."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+from fusionstitching.bench import demo, suite
+from fusionstitching.cli import main
+
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_gemm_kernels_are_told_from_memory_intensive_ones_by_name():
+    gemm = ["nvjet_tst_128x64_64x8_1x2_h_bz_coopA_TNN", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize",
+            "ampere_sgemm_128x64_tn", "cutlass::Kernel2<cutlass_80_tensorop_s1688gemm>", "gemv2T_kernel_val",
+            "splitKreduce_kernel", "triton_tem_fused_mm_0"]
+    memory = ["triton_per_fused_native_layer_norm_0", "fs_bert_forward_1_add_7",
+              "void at::native::vectorized_elementwise_kernel<4>", "void at::native::reduce_kernel<512, 1>"]
+    assert all(suite.GEMM_KERNEL.search(name) for name in gemm)
+    assert not any(suite.GEMM_KERNEL.search(name) for name in memory)
+
+
+def test_relative_error_compares_every_output():
+    a, b = torch.ones(4), torch.ones(4)
+    assert suite.relative_error((a, [b]), (a, [b])) == 0.0
+    assert suite.relative_error(a + 1, a) == pytest.approx(1.0)
+    assert suite.relative_error((a,), (a, b)) == math.inf
+    assert math.isnan(suite.relative_error(a * math.nan, a))
+
+
+def test_cases_build_at_small_sizes_and_say_what_they_are():
+    for name in ("layernorm_train_bf16", "adam", "din_attention", "bert_layer"):
+        case = suite.make_case(name, small=True)
+        assert case.notes and case.inputs
+    assert suite.make_case("bert_layer", small=True).autocast is torch.bfloat16
+    assert suite.make_case("layernorm_train", small=True).train
+    assert suite.make_case("adam", small=True).extra["lr"] == 1e-3
+    assert "bert_train" not in suite.MICRO and "adam" in suite.MICRO
+    with pytest.raises(KeyError, match="unknown bench workload 'nope'"):
+        suite.make_case("nope")
+
+
+def test_a_small_run_on_the_cpu_times_and_checks_every_system():
+    lines = io.StringIO()
+    results = suite.run(["layernorm_train", "adam"], ("eager", "fusionstitching", "xla"), device="cpu", small=True,
+                        rounds=1, progress=suite.Progress(lines))
+    assert [(r.workload, r.system) for r in results] == [
+        ("layernorm_train", "eager"), ("layernorm_train", "fusionstitching"), ("layernorm_train", "xla"),
+        ("adam", "eager"), ("adam", "fusionstitching"), ("adam", "xla")]
+    ours = results[1]
+    assert ours.wall_ms > 0 and ours.first_call_s > 0 and ours.error < 1e-5
+    assert ours.speedup["eager"] == pytest.approx(results[0].wall_ms / ours.wall_ms)
+    assert ours.gpu_ms is None and ours.kernels is None  # no profiler kernels without a GPU
+    assert results[2].skipped  # no GPU (or no JAX) here: the row says why
+    assert results[4].error is None  # adam returns nothing: its updates are in place
+    assert "[2/2] adam: fusionstitching: timing" in lines.getvalue()
+    table = suite.format_table(results, ("eager", "fusionstitching", "xla"))
+    assert table.count("\n") == 2 + len(results) - 1 and "skipped:" in table
+
+
+def test_bench_command_prints_the_table_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["bench", "softmax", "--small", "--device", "cpu", "--rounds", "1",
+                     "--systems", "eager,fusionstitching", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| softmax | fusionstitching |" in out and "× eager" in out
+    data = json.loads(path.read_text())
+    assert data["device"] and [r["system"] for r in data["results"]] == ["eager", "fusionstitching"]
+    assert data["results"][1]["error"] < 1e-5
+
+
+def test_bench_command_rejects_unknown_workloads_and_systems(capsys):
+    assert main(["bench", "nope", "--small", "--device", "cpu"]) == 2
+    assert "unknown bench workload 'nope'" in capsys.readouterr().err
+    assert main(["bench", "softmax", "--small", "--device", "cpu", "--systems", "eager,tvm"]) == 2
+    assert "unknown system 'tvm'" in capsys.readouterr().err
+
+
+def test_demo_plan_table_shows_composition_and_shared_memory(capsys):
+    from fusionstitching.cli import capture_workload
+    from fusionstitching.pipeline import compile_graph
+
+    _, captured = capture_workload("din_attention")
+    compiled = compile_graph(captured.forward)
+    table = demo.plan_table(compiled)
+    kernel = compiled.kernels[0]
+    assert "block" in demo.composition(kernel) and demo.shared_bytes(kernel) > 0
+    assert table.count("\n") == 1 + len(compiled.kernels)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_bench_on_the_gpu_counts_kernels_and_runs_xla_where_installed():
+    results = suite.run(["layernorm", "din_attention"], suite.SYSTEMS, small=True, rounds=1,
+                        progress=lambda _: None)
+    by = {(r.workload, r.system): r for r in results}
+    for name in ("layernorm", "din_attention"):
+        ours, eager = by[name, "fusionstitching"], by[name, "eager"]
+        assert ours.kernels == ours.mi_kernels == 1 and ours.gpu_ms > 0
+        assert eager.kernels > 1 and ours.error < 1e-5
+        xla = by[name, "xla"]
+        assert xla.skipped or (xla.kernels >= 1 and xla.error < 1e-4)
