@@ -17,6 +17,7 @@ from fusionstitching.graph import reference
 from fusionstitching.pipeline import compile_graph
 from fusionstitching.runtime.executor import CompiledGraph
 
+
 def composition(kernel) -> str:
     """The composition schemes a generated kernel uses, read from its CUDA C: thread composition
     always; warp (shuffles); block (shared memory and barriers); packing (several root groups)."""

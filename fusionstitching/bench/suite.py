@@ -45,7 +45,7 @@ DEFAULT_SYSTEMS = ("eager", "inductor", "fusionstitching")
 
 # Kernel names of GEMM libraries: cuBLAS (gemm, gemv, nvjet, xmma, splitKreduce), CUTLASS, and
 # Inductor's Triton GEMM templates (triton_tem_*). Everything else is memory-intensive work.
-GEMM_KERNEL = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|splitkreduce|triton_tem|wgmma|dot_kernel", re.I)
+GEMM_KERNEL = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|splitkreduce|triton_tem|wgmma|dot_kernel", re.IGNORECASE)
 
 
 @dataclass
@@ -384,7 +384,7 @@ def run(names: Sequence[str], systems: Sequence[str] = DEFAULT_SYSTEMS, device: 
         case = make_case(name, small=small).to(target)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            results += run_case(case, systems, target, rounds, warm_caches, lambda text: progress(prefix + text))
+            results += run_case(case, systems, target, rounds, warm_caches, lambda text, p=prefix: progress(p + text))
         del case
         gc.collect()
         if target.type == "cuda":
