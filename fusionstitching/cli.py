@@ -162,6 +162,9 @@ def _bench_command(args: argparse.Namespace) -> int:
     device = suite.to_json(results)["device"]
     print(f"device: {device}; wall and GPU ms per call (median), kernels per call, × = that system's wall / this one's")
     print(suite.format_table(results, systems))
+    if args.top:
+        print()
+        print(suite.format_top_kernels(results, args.top))
     if args.json:
         Path(args.json).write_text(json.dumps(suite.to_json(results), indent=1))
         print(f"results written to {args.json}")
@@ -212,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--systems", default="eager,inductor,fusionstitching",
                        help="comma-separated: eager, inductor, fusionstitching, xla (JAX, micro workloads)")
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    bench.add_argument("--top", type=int, default=0, metavar="N",
+                       help="also print each system's N kernels with the most GPU time per call")
     bench.add_argument("--rounds", type=int, default=5, help="timing rounds (the median is reported)")
     bench.add_argument("--small", action="store_true", help="the small test sizes instead of benchmark sizes")
     bench.add_argument("--device", default=None, help="torch device (default: cuda if there is one, else cpu)")

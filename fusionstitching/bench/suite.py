@@ -40,6 +40,7 @@ import torch
 
 from fusionstitching.bench import workloads as W
 
+TOP_KERNELS = 20  # kernels kept per result, by GPU time
 SYSTEMS = ("eager", "inductor", "fusionstitching", "xla")
 DEFAULT_SYSTEMS = ("eager", "inductor", "fusionstitching")
 
@@ -210,6 +211,7 @@ class Result:
     error: float | None = None
     skipped: str = ""  # why the system did not run this workload
     speedup: dict[str, float] = field(default_factory=dict)  # other system → its wall / ours
+    top_kernels: list[tuple[str, float, float]] = field(default_factory=list)  # (name, µs, launches) per call
 
 
 def _synchronize(device: torch.device) -> None:
@@ -236,8 +238,10 @@ def wall_ms(step: Callable[[], Any], sync: Callable[[Any], None], rounds: int = 
     return statistics.median(times) * 1e3
 
 
-def profile_kernels(step: Callable[[], Any], sync: Callable[[Any], None], calls: int = 3) -> tuple[float, int, int]:
-    """(GPU ms, GEMM/library kernels, memory-intensive kernels) per call, from the torch profiler."""
+def profile_kernels(step: Callable[[], Any], sync: Callable[[Any], None], calls: int = 3,
+                    by_name: dict[str, list[float]] | None = None) -> tuple[float, int, int]:
+    """(GPU ms, GEMM/library kernels, memory-intensive kernels) per call, from the torch profiler;
+    ``by_name`` receives [µs, launches] per call of each kernel name."""
     from torch.profiler import ProfilerActivity, profile
 
     sync(step())
@@ -253,6 +257,10 @@ def profile_kernels(step: Callable[[], Any], sync: Callable[[Any], None], calls:
         if "memcpy" in name or "memset" in name:
             continue
         busy += event.time_range.elapsed_us()
+        if by_name is not None:
+            entry = by_name.setdefault(event.name, [0.0, 0.0])
+            entry[0] += event.time_range.elapsed_us() / calls
+            entry[1] += 1 / calls
         if GEMM_KERNEL.search(event.name):
             gemm += 1
         else:
@@ -358,7 +366,10 @@ def run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: i
         result.wall_ms = wall_ms(step, sync, rounds=rounds)
         if device.type == "cuda":
             progress(f"{case.name}: {system}: profiling")
-            result.gpu_ms, result.gemm_kernels, result.mi_kernels = profile_kernels(step, sync)
+            by_name: dict[str, list[float]] = {}
+            result.gpu_ms, result.gemm_kernels, result.mi_kernels = profile_kernels(step, sync, by_name=by_name)
+            ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+            result.top_kernels = [(name, round(us, 2), round(n, 2)) for name, (us, n) in ranked[:TOP_KERNELS]]
             result.kernels = result.gemm_kernels + result.mi_kernels
         del step
         gc.collect()
@@ -423,6 +434,18 @@ def format_table(results: Sequence[Result], systems: Sequence[str]) -> str:
                      _number(r.first_call_s, 1), error]
             cells += ["" if s == r.system or s not in r.speedup else f"{r.speedup[s]:.2f}" for s in others]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_top_kernels(results: Sequence[Result], count: int) -> str:
+    """The ``count`` kernels with the most GPU time per call, for every result."""
+    lines = []
+    for r in results:
+        if not r.top_kernels:
+            continue
+        lines.append(f"{r.workload} / {r.system}: {r.gpu_ms:.3f} GPU ms per call")
+        for name, us, launches in r.top_kernels[:count]:
+            lines.append(f"  {us:9.1f} µs  {launches:6.1f}×  {name[:110]}")
     return "\n".join(lines)
 
 

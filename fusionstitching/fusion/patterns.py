@@ -71,6 +71,35 @@ def _column_reduction(node: Node) -> bool:
     return node.op == "reduce" and len(node.operands[0].shape) - 1 not in node.attrs["dims"] and node.size > 1
 
 
+def _stitched_partial(node: Node) -> bool:
+    """A partial column sum over blocks of rows: reduce the second-to-last dim (4 to 32 rows) of
+    a split ``[..., blocks, rows, columns]`` (``graph/transforms.split_reductions`` row blocks)."""
+    if node.op != "reduce" or node.operands[0].op != "reshape":
+        return False
+    shape = node.operands[0].shape
+    return len(shape) >= 3 and tuple(node.attrs["dims"]) == (len(shape) - 2,) and shape[-2] in (4, 8, 16, 32)
+
+
+def _elementwise_part(partial: Node, fusable: set[Node]) -> set[Node]:
+    """``partial`` and its operands' elementwise and shape ops, back to reductions, library calls
+    and parameters."""
+    part, stack = {partial}, list(partial.operands)
+    while stack:
+        node = stack.pop()
+        if node in part or node not in fusable or is_reduction(node) or node.op == "dot_general":
+            continue
+        part.add(node)
+        stack.extend(node.operands)
+    return part
+
+
+def _same_rows(partial: Node, row: Node) -> bool:
+    """Whether a stitched partial sums blocks of the rows that row reduction ``row`` reduces."""
+    split, shape = partial.operands[0].shape, row.operands[0].shape
+    return (len(split) == len(shape) + 1 and split[:-3] == shape[:-2] and split[-1] == shape[-1]
+            and split[-3] * split[-2] == shape[-2])
+
+
 def _scalar_reduction(node: Node) -> bool:
     return is_reduction(node) and node.op == "reduce" and node.size == 1
 
@@ -109,7 +138,37 @@ class SubstitutionFusion:
                 suffix = " (closing runs)" if closing else ""
                 for segment in self._segments(partition, closing):
                     self._propose_segment(segment, origin + suffix)
+        self._propose_stitched()
         return self.candidates
+
+    def _propose_stitched(self) -> None:
+        """Row reductions with the partial column sums over their rows (``fusion/split.py`` splits
+        such column reductions into parts of a row kernel's block). A partial's own part is its
+        operand's elementwise and shape ops back to reductions, library calls or parameters; it is
+        added to every candidate so far that holds a row reduction over the same rows and shares
+        an input with it (LayerNorm backward's dgamma/dbeta partials and the dx kernel read dy),
+        one partial after another, so the partials ride in the row reductions' kernel."""
+        partials = [n for n in self.graph.nodes if _stitched_partial(n)]
+        if not partials:
+            return
+        fusable = set(self.roles.fusable)
+        parts = {p: _elementwise_part(p, fusable) for p in partials}
+        position = self.graph.index.position
+        origin = "substitution fusion, row reductions stitched with partial column sums"
+        for candidate in list(self.candidates):
+            rows = [n for n in candidate.nodes if _row_reduction(n)]
+            union = set(candidate.nodes)
+            for partial, part in parts.items():
+                if partial in union or not any(_same_rows(partial, r) for r in rows):
+                    continue
+                reads = {o for n in union for o in n.operands} | union
+                if not any(o in reads for n in part for o in n.operands) and not (part & union):
+                    continue
+                grown = sorted(union | part, key=position.__getitem__)
+                found = _propose_union(grown, self.seen, self.legality, origin)
+                if found is not None:
+                    self.candidates.append(found)
+                    union = set(grown)
 
     # -- Algorithm 1 ----------------------------------------------------------------------------
     def _segments(self, partition: Sequence[Callable[[Node], bool]], closing: bool) -> list[list[Node]]:

@@ -35,6 +35,8 @@ LOAD_LATENCY_CYCLES = 600  # a global load that misses the caches, H100-class GP
 LOADS_IN_FLIGHT = 4
 MIN_GAIN = 0.25
 WARP_ROW_MAX = 1024
+STITCH_MIN_ROWS = 1024
+STITCH_ROWS = 8  # rows per part of a column reduction stitched to row reductions (8 warps per block)
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,12 @@ class SplitDecision:
     parts: int
     before_us: float
     after_us: float
+    stitched: bool = False  # parts aligned with a row reduction's blocks
 
     def __str__(self) -> str:
+        if self.stitched:
+            return (f"{self.node}: split in blocks of {STITCH_ROWS} rows, the rows of a block of the row "
+                    f"reductions over the same tensor shape (partial sums stitched into their kernel)")
         return (f"{self.node}: split in {self.parts} parts (estimated {self.before_us:.1f} us as one kernel, "
                 f"{self.after_us:.1f} us as partial + final)")
 
@@ -108,14 +114,49 @@ def _shaped(node: Node, input_size: int, output_size: int) -> Node:
     return Node(node.name, "reduce", (operand,), (output_size,), node.dtype, {"dims": (0,), "kind": "sum"})
 
 
+def _row_reduced_shapes(graph: Graph) -> set[tuple[int, ...]]:
+    """Operand shapes of the graph's row reductions (a reduce over the innermost dim only)."""
+    return {n.operands[0].shape for n in graph.nodes
+            if n.op == "reduce" and tuple(n.attrs["dims"]) == (len(n.operands[0].shape) - 1,)}
+
+
+def stitched_rows(node: Node, row_shapes: set[tuple[int, ...]]) -> int | None:
+    """Rows per block for a column reduction over at least ``STITCH_MIN_ROWS`` rows (fewer fit one
+    kernel) and over the same rows as a row reduction of the graph
+    (LayerNorm backward's dgamma/dbeta beside dx): ``STITCH_ROWS``, the rows a block of the row
+    reduction's warp-per-row kernel holds, so the partial sums can be computed in that kernel
+    (``schedule/grouping.row_partial_template``) and only a small final sum is left."""
+    if node.op != "reduce":
+        return None
+    shape, dims = node.operands[0].shape, tuple(node.attrs["dims"])
+    if len(shape) < 2 or dims != tuple(range(len(dims))) or len(dims) >= len(shape) or shape not in row_shapes:
+        return None
+    last = shape[len(dims) - 1]
+    if math.prod(shape[: len(dims)]) < STITCH_MIN_ROWS:
+        return None
+    if last % STITCH_ROWS or last < 2 * STITCH_ROWS or shape[-1] % 32:
+        return None
+    return STITCH_ROWS
+
+
 def split_underfilled_reductions(graph: Graph, spec: GpuSpec, memory: BandwidthModel
                                  ) -> tuple[Graph, list[SplitDecision]]:
     splitter = ReductionSplitter(spec, memory)
-    decisions = []
+    decisions, blocks = [], {}
+    row_shapes = _row_reduced_shapes(graph)
     for node in graph.nodes:
-        decision = splitter.decide(node) if node.op == "reduce" else None
+        if node.op != "reduce":
+            continue
+        rows = stitched_rows(node, row_shapes)
+        if rows is not None:
+            blocks[node.name] = rows
+            size = node.operands[0].shape[max(node.attrs["dims"])]
+            decisions.append(SplitDecision(node.name, size // rows, 0.0, 0.0, stitched=True))
+            continue
+        decision = splitter.decide(node)
         if decision is not None:
             decisions.append(decision)
     if not decisions:
         return graph, []
-    return split_reductions(graph, {d.node: d.parts for d in decisions}), decisions
+    parts = {d.node: d.parts for d in decisions if not d.stitched}
+    return split_reductions(graph, parts, blocks), decisions

@@ -64,12 +64,26 @@ def split_reduction(graph: Graph, node: Node | str, parts: int) -> Graph:
     return split_reductions(graph, {node: parts})
 
 
-def split_reductions(graph: Graph, splits: Mapping[Node | str, int]) -> Graph:
-    """``split_reduction`` of several reduces in one rebuild of the graph (same rules, same names)."""
-    targets: dict[int, tuple[Node, int, int]] = {}
+def split_reductions(graph: Graph, splits: Mapping[Node | str, int],
+                     row_blocks: Mapping[Node | str, int] | None = None) -> Graph:
+    """``split_reduction`` of several reduces in one rebuild of the graph (same rules, same names).
+
+    ``row_blocks`` maps column reductions (over leading dims, keeping the innermost) to a number
+    of rows ``r``: the last reduced dim is split into (size / r, r), the partial reduce sums only
+    the ``r`` rows of each block and keeps every other dim, the final reduce sums the rest
+    (``fusion/split.stitched_parts``: the partial then tiles its grid like a row reduction's
+    warp-per-row kernel over the same tensor)."""
+    targets: dict[int, tuple[Node, int, int, bool]] = {}
     for node, parts in splits.items():
         target = _find(graph, node)
-        targets[id(target)] = (target, split_dim(target, parts), parts)
+        targets[id(target)] = (target, split_dim(target, parts), parts, False)
+    for node, rows in (row_blocks or {}).items():
+        target = _find(graph, node)
+        dim = max(target.attrs["dims"])
+        size = target.operands[0].shape[dim]
+        if size % rows or size == rows:
+            raise ValueError(f"split_reductions: {target.name}'s dim {dim} of size {size} is not blocks of {rows} rows")
+        targets[id(target)] = (target, dim, size // rows, True)
     names = _Names(n.name for n in graph.nodes)
     copies: dict[int, Node] = {id(p): p for p in graph.parameters}
     for old in graph.nodes:
@@ -77,8 +91,8 @@ def split_reductions(graph: Graph, splits: Mapping[Node | str, int]) -> Graph:
             continue
         operands = tuple(copies[id(x)] for x in old.operands)
         if id(old) in targets:
-            _, dim, parts = targets[id(old)]
-            copies[id(old)] = _split(old, operands[0], dim, parts, names)
+            _, dim, parts, blocks = targets[id(old)]
+            copies[id(old)] = _split(old, operands[0], dim, parts, names, blocks)
         else:
             copies[id(old)] = dataclasses.replace(old, operands=operands)
     result = Graph(
@@ -198,8 +212,9 @@ def _find(graph: Graph, node: Node | str) -> Node:
     return node
 
 
-def _split(reduce: Node, operand: Node, dim: int, parts: int, names: _Names) -> Node:
-    """The nodes replacing ``reduce`` (whose operand copy is ``operand``); returns the replacement."""
+def _split(reduce: Node, operand: Node, dim: int, parts: int, names: _Names, blocks: bool = False) -> Node:
+    """The nodes replacing ``reduce`` (whose operand copy is ``operand``); returns the replacement.
+    With ``blocks`` the partial reduces only the chunk dim (row blocks, see ``split_reductions``)."""
     name, kind, dims = reduce.name, reduce.attrs["kind"], tuple(reduce.attrs["dims"])
     accumulate = reduce.dtype.compute if kind in ("sum", "prod") else reduce.dtype
     x = operand
@@ -209,13 +224,14 @@ def _split(reduce: Node, operand: Node, dim: int, parts: int, names: _Names) -> 
     split_shape = x.shape[:dim] + (parts, size // parts) + x.shape[dim + 1 :]
     x = _make("reshape", [x], names.new(f"{name}_split"), shape=split_shape)
     # In the reshaped operand, dims after ``dim`` move up by one; ``dim`` itself is the parts dim.
-    partial_dims = tuple(d if d < dim else d + 1 for d in dims)
+    partial_dims = (dim + 1,) if blocks else tuple(d if d < dim else d + 1 for d in dims)
     partial = _make("reduce", [x], names.new(f"{name}_partial"), dims=partial_dims, kind=kind)
     parts_position = dim - sum(1 for d in dims if d < dim)
     widened = accumulate != reduce.dtype
     final_name = names.new(f"{name}_final") if widened else name
     final_layout = None if widened else reduce.layout
-    result = _make("reduce", [partial], final_name, dims=(parts_position,), kind=kind, layout=final_layout)
+    final_dims = dims if blocks else (parts_position,)
+    result = _make("reduce", [partial], final_name, dims=final_dims, kind=kind, layout=final_layout)
     if widened:
         result = _make("convert", [result], name, dtype=reduce.dtype, layout=reduce.layout)
     return result

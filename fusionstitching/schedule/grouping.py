@@ -306,6 +306,25 @@ def _reads_transposed(pattern) -> bool:
     return False
 
 
+def _narrow_vector_rows(space, kept: list[int], threads: int, vector: int) -> tuple[int, int] | None:
+    """(dim, lanes) when the innermost dim is too short for a block of vector accesses but splits
+    into ``lanes`` (a power of two, 32 to ``threads``/2) vectors per block row, the rest of the
+    block taking rows of the dim before it (BERT's 768-wide rows: 64 lanes × 4 rows of a block)."""
+    if len(kept) < 2 or kept[-1] != len(space) - 1 or kept[-2] != len(space) - 2:
+        return None
+    d = kept[-1]
+    size = space[d]
+    if size % vector or size >= vector * threads:
+        return None
+    per_row = size // vector
+    lanes = per_row & -per_row  # largest power of two dividing it
+    while lanes > threads // 2:
+        lanes //= 2
+    if lanes < 32 or space[d - 1] < threads // lanes:
+        return None
+    return d, lanes
+
+
 def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedule:
     space = _space(root)
     reduced = set(reduced_dims(root)) if is_reduction(root) else set()
@@ -322,6 +341,13 @@ def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedu
                                     for d in range(len(space))]
     remaining = threads
     vector = max(1, 16 // root.dtype.itemsize)
+    narrow = _narrow_vector_rows(space, kept, threads, vector) if not is_reduction(root) else None
+    if narrow is not None:
+        d, lanes = narrow
+        dims[d] = ((Tile(Level.GRID),) if space[d] > lanes * vector else ()) + (
+            Tile(Level.CTA, lanes), Tile(Level.THREAD, vector))
+        dims[d - 1] = (Tile(Level.GRID), Tile(Level.CTA, threads // lanes))
+        return Schedule(root.name, tuple(dims))
     for position, d in enumerate(reversed(kept)):
         size = space[d]
         if position == 0 and not is_reduction(root) and size % vector == 0 and size >= vector * threads:
@@ -374,10 +400,56 @@ def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1
     return reasons[0]  # the default template's reason
 
 
+def _stitched_partials(pattern) -> list[Node]:
+    """Outputs that are partial column sums over blocks of rows: reduce the second-to-last dim
+    (4 to 32 rows) of a ``[..., blocks, rows, columns]`` split (``fusion/split.stitched_rows``)."""
+    found = []
+    for o in pattern.outputs:
+        shape = o.operands[0].shape if o.op == "reduce" else ()
+        if len(shape) >= 3 and tuple(o.attrs["dims"]) == (len(shape) - 2,) and shape[-2] in (4, 8, 16, 32) \
+                and o.operands[0].op == "reshape":
+            found.append(o)
+    return found
+
+
+def row_partial_template(pattern) -> KernelSchedule:
+    """Row reductions with partial column sums over the same rows in one kernel (LayerNorm
+    backward: dx with its two row reductions, and dgamma/dbeta's per-block partials): a warp per
+    row and a block per ``r`` rows (``GRID-WARP_r`` on the last kept dim); each partial sums its
+    block of rows across the block's warps (``WARP_r``) with the row kernel's grid and column
+    tiling, so both read the same elements in the same block."""
+    partials = _stitched_partials(pattern)
+    rows = [r for r in _crossing(pattern) if not any(r is p for p in partials)]
+    if not partials or not rows:
+        raise ValueError("no row reductions with stitched partial column sums")
+    per_part = partials[0].operands[0].shape[-2]
+    base = composed_template(pattern, rows, DEFAULT_THREADS, per_part, rows_per_warp=1)
+    lead = base.schedule(rows[0].name)
+    space = _space(rows[0])
+    if len(lead.dims) != len(space) or len(space) < 2 or lead.dims[-2] != (Tile(Level.GRID), Tile(Level.WARP, per_part)):
+        raise ValueError(f"row reductions of {list(space)} are not a warp per row: {lead}")
+    schedules = []
+    for sched in base.schedules:
+        partial = next((p for p in partials if p.name == sched.root), None)
+        if partial is None:
+            schedules.append(sched)
+            continue
+        split = partial.operands[0].shape
+        if split[:-3] != space[:-2] or split[-1] != space[-1] or split[-3] * split[-2] != space[-2] \
+                or split[-2] != per_part:
+            raise ValueError(f"partial {partial.name} over {list(split)} does not match rows of {list(space)}")
+        dims = lead.dims[:-2] + ((Tile(Level.GRID),), (Tile(Level.WARP, per_part),), lead.dims[-1])
+        schedules.append(Schedule(partial.name, dims))
+    blocks = level_extent(lead, space, Level.GRID)
+    return KernelSchedule(tuple(schedules), Launch(max(1, min(blocks, MAX_BLOCKS)), base.launch.threads))
+
+
 def _candidate_templates(pattern):
     """The default template first; for composed patterns, then 8, 16 and 32 warps per block (a
     column reduction over few rows fits in one block), one row per warp at a time (no THREAD tile
     on the kept dim, which register composition needs to be exact), then block mode."""
+    if _stitched_partials(pattern):
+        yield lambda: row_partial_template(pattern)
     yield lambda: choose_template(pattern)
     yield lambda: transpose_smem_template(pattern)  # transposed reads: tiles through shared memory
     reductions = _crossing(pattern)

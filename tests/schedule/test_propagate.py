@@ -336,8 +336,9 @@ def _workload_patterns():
         for graph in (captured.forward, captured.backward):
             if graph is None:
                 continue
-            for k, pattern in enumerate(explore(graph).patterns):
-                found.append((f"{name}/{graph.name}/{k}", graph, list(pattern.nodes),
+            plan = explore(graph)  # the plan's graph: reductions may have been split
+            for k, pattern in enumerate(plan.patterns):
+                found.append((f"{name}/{graph.name}/{k}", plan.graph, list(pattern.nodes),
                               [str(pattern.schedule)]))
     return found
 
