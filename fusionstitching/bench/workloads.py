@@ -208,7 +208,6 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "bert": bert,
     "bert_train": lambda **kw: bert(train=True, **kw),
     "bert_layer": bert_layer,
-    "bert_layer_train": lambda **kw: bert_layer(train=True, **kw),
 }
 
 REAL_SIZES: dict[str, dict[str, Any]] = {
@@ -222,7 +221,6 @@ REAL_SIZES: dict[str, dict[str, Any]] = {
     "bert": {"batch": 8, "seq": 128, "vocab": 30522},
     "bert_train": {"batch": 8, "seq": 128, "vocab": 30522},
     "bert_layer": {"batch": 32, "seq": 128, "hidden": 768, "heads": 12},
-    "bert_layer_train": {"batch": 32, "seq": 128, "hidden": 768, "heads": 12},
 }
 
 
