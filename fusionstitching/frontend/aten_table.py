@@ -2,7 +2,7 @@
 
 Capture runs AOTAutograd with the core-ATen decompositions plus torch's own decompositions of the
 composite ops it would otherwise leave whole (``COMPOSITE_DECOMPOSITIONS``: layer norm, softmax,
-log-softmax, GELU, dropout, embedding, addmm), so what reaches this table is a small set of
+log-softmax, GELU, dropout, embedding), so what reaches this table is a small set of
 primitive ATen ops. Each lowering receives converted arguments (see ``context.py``) and returns an
 IR node, or a tuple of them for multi-result ops. A lowering raises ``Unsupported`` for a case it
 does not cover; the converter then keeps the op as a ``library`` node.
@@ -28,7 +28,7 @@ TABLE: dict[str, Lowering] = {}
 
 # Composite ops that AOTAutograd leaves whole and that capture expands with torch's decompositions.
 COMPOSITE_DECOMPOSITIONS = (
-    "native_layer_norm", "_softmax", "_log_softmax", "gelu", "native_dropout", "embedding", "addmm",
+    "native_layer_norm", "_softmax", "_log_softmax", "gelu", "native_dropout", "embedding",
 )
 
 
@@ -520,6 +520,22 @@ def _index_put(cx: LoweringContext, x: Node, indices: Sequence[Node | None], val
 def _mm(cx: LoweringContext, a: Node, b: Node) -> Node:
     a, b = cx.lift(a, cx.dtype, a.shape), cx.lift(b, cx.dtype, b.shape)
     return cx.node("dot_general", a, b, lhs_batch=(), rhs_batch=(), lhs_contract=(1,), rhs_contract=(0,))
+
+
+@lowers("aten.addmm.default")
+def _addmm(cx: LoweringContext, bias: Any, a: Node, b: Node, beta: Any = 1, alpha: Any = 1) -> Node:
+    """``beta * bias + alpha * (a @ b)`` with the product in the operands' dtype (torch's own
+    decomposition computes a bf16 ``addmm`` in f32, which would make cuBLAS run an f32 GEMM
+    without tensor cores under autocast: 6x the time of BERT's GEMMs)."""
+    a, b = cx.lift(a, cx.dtype, a.shape), cx.lift(b, cx.dtype, b.shape)
+    product = cx.node("dot_general", a, b, lhs_batch=(), rhs_batch=(), lhs_contract=(1,), rhs_contract=(0,))
+    if alpha != 1:
+        product = cx.elementwise("mul", product, alpha)
+    if beta == 0:
+        return product
+    if beta != 1:
+        bias = cx.elementwise("mul", bias, beta)
+    return cx.elementwise("add", product, bias)
 
 
 @lowers("aten.bmm.default")

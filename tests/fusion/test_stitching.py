@@ -1,11 +1,12 @@
 """Row reductions stitched with the partial column sums over their rows (LayerNorm backward), the
-vectorized tiling of narrow rows."""
+vectorized tiling of narrow rows, and bf16 ``addmm`` kept a bf16 GEMM (frontend)."""
 
 from __future__ import annotations
 
 import warnings
 
 import numpy as np
+import torch
 
 from fusionstitching.bench.workloads import layernorm
 from fusionstitching.codegen import default_template
@@ -70,3 +71,19 @@ def test_narrow_rows_get_vector_accesses_with_several_rows_per_block():
     inputs = _inputs(graph)
     got = kernel.simulate(inputs)[0]
     np.testing.assert_allclose(got, inputs[0] * inputs[1] + inputs[1], rtol=1e-6)
+
+
+def test_bf16_addmm_is_a_bf16_dot():
+    linear = torch.nn.Linear(32, 16).to(torch.bfloat16)
+    x = torch.randn(8, 32).to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(linear, x, name="linear").forward
+    dots = [n for n in graph.nodes if n.op == "dot_general"]
+    assert len(dots) == 1 and dots[0].dtype == DType.BF16
+    assert all(o.dtype == DType.BF16 for o in dots[0].operands)
+    inputs = [np.asarray(t.detach().float().numpy()).astype(DType.BF16.numpy)
+              for t in (linear.weight, linear.bias, x)]
+    got = reference.evaluate(graph, inputs)[0]
+    want = linear(x).float().detach().numpy()
+    assert _relative(got, want) < 2e-2
