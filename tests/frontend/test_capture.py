@@ -204,3 +204,17 @@ def test_captured_graphs_round_trip_through_json(name):
     for a, b in zip(reference.evaluate(captured.forward, arrays),
                     reference.evaluate(type(captured.forward).from_json(captured.forward.to_json()), arrays)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_large_embedding_gradients_are_a_scatter_add_not_a_one_hot_gemm():
+    from fusionstitching.frontend.aten_table import ONE_HOT_MAX_ROWS
+
+    for rows, library in ((ONE_HOT_MAX_ROWS, False), (ONE_HOT_MAX_ROWS + 1, True)):
+        table = torch.nn.Embedding(rows, 8)
+        ids = torch.tensor([[0, 3, rows - 1, 3]])
+        captured, fallbacks = _capture_quietly(table, ids, train=True)
+        ops = [n for n in captured.backward.nodes if n.category == Category.LIBRARY]
+        dots = [n for n in captured.backward.nodes if n.op == "dot_general"]
+        assert (len(ops) == 1 and not dots) if library else (not ops and len(dots) == 1), rows
+        errors = check_against_eager(captured, table, (ids,), train=True)
+        assert max(errors.backward) < 1e-6
