@@ -43,6 +43,7 @@ from fusionstitching.codegen.values import is_reduction
 from fusionstitching.fusion.legality import Legality, Roles, Verdict
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
+from fusionstitching.schedule.grouping import is_stitched_partial
 
 
 @dataclass(frozen=True)
@@ -69,15 +70,6 @@ class Rejection:
 
 def _column_reduction(node: Node) -> bool:
     return node.op == "reduce" and len(node.operands[0].shape) - 1 not in node.attrs["dims"] and node.size > 1
-
-
-def _stitched_partial(node: Node) -> bool:
-    """A partial column sum over blocks of rows: reduce the second-to-last dim (4 to 32 rows) of
-    a split ``[..., blocks, rows, columns]`` (``graph/transforms.split_reductions`` row blocks)."""
-    if node.op != "reduce" or node.operands[0].op != "reshape":
-        return False
-    shape = node.operands[0].shape
-    return len(shape) >= 3 and tuple(node.attrs["dims"]) == (len(shape) - 2,) and shape[-2] in (4, 8, 16, 32)
 
 
 def _elementwise_part(partial: Node, fusable: set[Node]) -> set[Node]:
@@ -148,7 +140,7 @@ class SubstitutionFusion:
         added to every candidate so far that holds a row reduction over the same rows and shares
         an input with it (LayerNorm backward's dgamma/dbeta partials and the dx kernel read dy),
         one partial after another, so the partials ride in the row reductions' kernel."""
-        partials = [n for n in self.graph.nodes if _stitched_partial(n)]
+        partials = [n for n in self.graph.nodes if is_stitched_partial(n)]
         if not partials:
             return
         fusable = set(self.roles.fusable)

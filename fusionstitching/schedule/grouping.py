@@ -400,16 +400,17 @@ def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1
     return reasons[0]  # the default template's reason
 
 
+def is_stitched_partial(node: Node) -> bool:
+    """A partial column sum over blocks of rows: reduce the second-to-last dim (4 to 32 rows) of a
+    ``[..., blocks, rows, columns]`` split (``fusion/split.stitched_rows``)."""
+    if node.op != "reduce" or node.operands[0].op != "reshape":
+        return False
+    shape = node.operands[0].shape
+    return len(shape) >= 3 and tuple(node.attrs["dims"]) == (len(shape) - 2,) and shape[-2] in (4, 8, 16, 32)
+
+
 def _stitched_partials(pattern) -> list[Node]:
-    """Outputs that are partial column sums over blocks of rows: reduce the second-to-last dim
-    (4 to 32 rows) of a ``[..., blocks, rows, columns]`` split (``fusion/split.stitched_rows``)."""
-    found = []
-    for o in pattern.outputs:
-        shape = o.operands[0].shape if o.op == "reduce" else ()
-        if len(shape) >= 3 and tuple(o.attrs["dims"]) == (len(shape) - 2,) and shape[-2] in (4, 8, 16, 32) \
-                and o.operands[0].op == "reshape":
-            found.append(o)
-    return found
+    return [o for o in pattern.outputs if is_stitched_partial(o)]
 
 
 def row_partial_template(pattern) -> KernelSchedule:
