@@ -82,6 +82,8 @@ def test_bench_command_rejects_unknown_workloads_and_systems(capsys):
     assert "unknown bench workload 'nope'" in capsys.readouterr().err
     assert main(["bench", "softmax", "--small", "--device", "cpu", "--systems", "eager,tvm"]) == 2
     assert "unknown system 'tvm'" in capsys.readouterr().err
+    assert main(["bench", "softmax", "--small", "--device", "tpu0"]) == 2
+    assert "unknown device 'tpu0'" in capsys.readouterr().err
 
 
 def test_demo_plan_table_shows_composition_and_shared_memory(capsys):

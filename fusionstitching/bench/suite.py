@@ -386,7 +386,10 @@ def run(names: Sequence[str], systems: Sequence[str] = DEFAULT_SYSTEMS, device: 
     for system in systems:
         if system not in SYSTEMS:
             raise KeyError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
-    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as err:
+        raise KeyError(f"unknown device {device!r}: {err}") from None
     progress = progress or Progress()
     results: list[Result] = []
     for k, name in enumerate(names):
