@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,16 @@ class GeneratedKernel:
     _modules: dict = field(default_factory=dict, repr=False)  # arch → loaded kernel
     _launchers: dict = field(default_factory=dict, repr=False)  # device → loaded kernel, ready to launch
     _checked_signature: list | None = field(default=None, repr=False)  # inputs' last checked metadata
+    _twin: GeneratedKernel | None = field(default=None, repr=False)  # the kernel whose code this one shares
+
+    def twin(self, graph: Graph, nodes: Iterable[Node], template: KernelSchedule) -> GeneratedKernel:
+        """This kernel for another pattern of ``graph`` with the same structure and scalar constants
+        (``graph.analysis.pattern_structure``) and the same template up to names: the same CUDA
+        source, so one compile and one module, with the other pattern's nodes, inputs and outputs.
+        Lowering is skipped: the twelve layers of a transformer lower each of their kernels once."""
+        lowered = dataclasses.replace(self.lowered, pattern=resolve_pattern(graph, nodes))
+        scalar = self._scalar_variant.twin(graph, nodes, template) if self._scalar_variant is not None else None
+        return GeneratedKernel(lowered, template, self.cuda_source, scalar, _twin=self)
 
     @property
     def name(self) -> str:

@@ -7,11 +7,9 @@ default template [C §4.1]). Legality says nothing about whether fusing pays off
 
 Exploration asks about thousands of candidates, many of them copies of each other (the twelve
 layers of a transformer give twelve identical LayerNorm patterns), so answers of ``feasible`` are
-cached by the pattern's *structure*: each node's op, shape, dtype, attributes and operands (inside
-the pattern by position, outside by input number, shape, dtype and layout), which nodes are
-outputs and which outputs overwrite an input in place. Two patterns with one structure lower to
-the same kernel up to names, so a cached schedule is renamed onto the new pattern's nodes and a
-cached reason has its node names substituted.
+cached by the pattern's *structure* (``graph.analysis.pattern_structure``). Two patterns with one
+structure lower to the same kernel up to names, so a cached schedule is renamed onto the new
+pattern's nodes and a cached reason has its node names substituted.
 
 ``Roles`` is the classification every plan starts from: graph inputs (parameters, constants),
 library calls (``library`` nodes and dots above the small-dot threshold of ``Options``, which run
@@ -27,9 +25,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from fusionstitching.graph.analysis import CycleChecker
+from fusionstitching.graph.analysis import CycleChecker, in_place_outputs, pattern_structure
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
 from fusionstitching.options import Options
@@ -138,6 +134,7 @@ class Legality:
         self.cycles = CycleChecker(graph)
         self.index = graph.index
         self._cache: dict[tuple, tuple[tuple[str, ...], KernelSchedule | Reason]] = {}
+        self._aliases = in_place_outputs(graph)
         self.feasible_calls = 0
         self.cache_hits = 0
 
@@ -166,45 +163,7 @@ class Legality:
         return Verdict(True, schedule=result)
 
     def _signature(self, members: Sequence[Node]) -> tuple:
-        local = {node: i for i, node in enumerate(members)}
-        inputs: dict[Node, int] = {}
-        aliased = self._aliased()
-        items = []
-        for node in members:
-            operands = []
-            for operand in node.operands:
-                if operand in local:
-                    operands.append(local[operand])
-                    continue
-                number = inputs.setdefault(operand, len(inputs))
-                scalar = operand.op == "constant" and operand.attrs["value"].ndim == 0
-                operands.append(("in", number, operand.shape, operand.dtype, operand.layout, scalar))
-            output = id(node) in self.index.output_ids or any(u not in local for u in self.index.users[node])
-            alias = aliased.get(node)
-            alias_key = inputs.get(alias, -1) if alias is not None else None
-            items.append((node.op, node.shape, node.dtype, _freeze(node.attrs), tuple(operands), output,
-                          alias_key, node.layout))
-        return tuple(items)
-
-    def _aliased(self) -> dict[Node, Node]:
-        """Graph outputs that overwrite a parameter in place → that parameter."""
-        if not hasattr(self, "_aliases"):
-            graph = self.graph
-            self._aliases = {graph.outputs[o]: graph.parameters[p] for o, p in graph.mutations.items()
-                             if graph.outputs[o] is not None}
-        return self._aliases
-
-
-def _freeze(attrs) -> tuple:
-    items = []
-    for key in sorted(attrs):
-        value = attrs[key]
-        if isinstance(value, np.ndarray):
-            value = (value.dtype.str, value.shape, value.tobytes())
-        elif isinstance(value, list):
-            value = tuple(value)
-        items.append((key, value))
-    return tuple(items)
+        return pattern_structure(self.graph, members, self._aliases)
 
 
 def _rename(result: KernelSchedule | Reason, names: dict[str, str]) -> KernelSchedule | Reason:

@@ -17,15 +17,23 @@ answers that by walking forward from the pattern's outside users and pruning eve
 topological position is past the pattern's last node, since such a node cannot reach the pattern.
 Exploration asks this question many times per graph, so the checker precomputes users and
 positions once.
+
+``pattern_structure`` is a pattern up to names: each node's op, shape, dtype, layout, attributes and
+operands (inside the pattern by position, outside by input number, shape, dtype and layout), which
+nodes are outputs and which outputs overwrite an input in place. Two patterns with one structure
+lower to the same kernel up to names (the twelve layers of a transformer give twelve copies of each
+of its patterns); with ``scalar_values`` the values of the scalar constants a kernel inlines are part
+of it too, so that equal structures also compute equal values.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
+import numpy as np
 
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
@@ -242,3 +250,49 @@ def summarize(graph: Graph) -> GraphSummary:
     fusable = [n for n in computing if n.category.fusable and n.category != Category.DOT]
     fraction = len(fusable) / len(computing) if computing else 0.0
     return GraphSummary(len(graph.nodes), by_category, fraction, library)
+
+
+def in_place_outputs(graph: Graph) -> dict[Node, Node]:
+    """Graph outputs that overwrite a parameter in place → that parameter."""
+    return {graph.outputs[o]: graph.parameters[p] for o, p in graph.mutations.items() if graph.outputs[o] is not None}
+
+
+def pattern_structure(graph: Graph, members: Sequence[Node], aliased: Mapping[Node, Node] | None = None,
+                      scalar_values: bool = False) -> tuple:
+    """``members`` (in graph order) up to names; see the module note. ``aliased`` is
+    ``in_place_outputs(graph)``, passed by callers that ask for many patterns of one graph."""
+    index = graph.index
+    if aliased is None:
+        aliased = in_place_outputs(graph)
+    local = {node: i for i, node in enumerate(members)}
+    inputs: dict[Node, int] = {}
+    items = []
+    for node in members:
+        operands = []
+        for operand in node.operands:
+            if operand in local:
+                operands.append(local[operand])
+                continue
+            number = inputs.setdefault(operand, len(inputs))
+            scalar = operand.op == "constant" and operand.attrs["value"].ndim == 0
+            if scalar and scalar_values:
+                scalar = ("value", _frozen(operand.attrs["value"]))
+            operands.append(("in", number, operand.shape, operand.dtype, operand.layout, scalar))
+        output = id(node) in index.output_ids or any(u not in local for u in index.users[node])
+        alias = aliased.get(node)
+        alias_key = inputs.get(alias, -1) if alias is not None else None
+        items.append((node.op, node.shape, node.dtype, _frozen_attrs(node.attrs), tuple(operands), output,
+                      alias_key, node.layout))
+    return tuple(items)
+
+
+def _frozen(value):
+    if isinstance(value, np.ndarray):
+        return (value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _frozen_attrs(attrs) -> tuple:
+    return tuple((key, _frozen(attrs[key])) for key in sorted(attrs))

@@ -35,9 +35,11 @@ from fusionstitching.codegen.generate import GeneratedKernel, generate
 from fusionstitching.frontend.context import DTYPE_TO_TORCH
 from fusionstitching.fusion.plan import FusionPlan
 from fusionstitching.graph import reference
+from fusionstitching.graph.analysis import in_place_outputs, pattern_structure
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
 from fusionstitching.runtime.program import GpuProgram, GraphedProgram, dot_function
+from fusionstitching.schedule.template import KernelSchedule
 
 
 @dataclass(frozen=True)
@@ -206,14 +208,31 @@ class CompiledGraph:
 
 
 def _make_steps(plan: FusionPlan) -> list[Step]:
+    """A step per pattern, library call and view. A pattern with the structure and template of an
+    earlier one (up to names) gets that kernel's twin: one lowering, one compile, one module."""
     graph = plan.graph
+    position = graph.index.position
+    aliased = in_place_outputs(graph)
+    made: dict[tuple, GeneratedKernel] = {}
     steps = []
     for pattern in plan.patterns:
-        nodes = tuple(graph.node(n) for n in pattern.nodes)
-        steps.append(Step("kernel", nodes, generate(graph, list(nodes), pattern.schedule)))
+        nodes = sorted((graph.node(n) for n in pattern.nodes), key=position.__getitem__)
+        key = (pattern_structure(graph, nodes, aliased, scalar_values=True), _template_key(pattern.schedule, nodes))
+        first = made.get(key)
+        if first is not None:
+            kernel = first.twin(graph, nodes, pattern.schedule)
+        else:
+            kernel = made[key] = generate(graph, nodes, pattern.schedule)
+        steps.append(Step("kernel", tuple(nodes), kernel))
     steps += [Step("library", (graph.node(n),)) for n in plan.library]
     steps += [Step("view", (graph.node(n),)) for n in plan.views]
     return steps
+
+
+def _template_key(schedule: KernelSchedule, nodes: Sequence[Node]) -> tuple:
+    """``schedule`` with each group root named by its position in ``nodes``."""
+    local = {node.name: i for i, node in enumerate(nodes)}
+    return (tuple((local[s.root], s.dims, s.shared) for s in schedule.schedules), schedule.launch)
 
 
 def _order_steps(graph: Graph, steps: list[Step]) -> list[Step]:

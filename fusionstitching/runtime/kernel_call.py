@@ -26,16 +26,41 @@ def device_arch(device: Any = None) -> str:
 
 
 def _launcher(kernel, arch: str):
+    """The kernel's LoadedKernel for ``arch``: compiled (or read from the disk cache) on first use;
+    a twin (``GeneratedKernel.twin``) shares its original's module and has its own arguments."""
     from fusionstitching.runtime.launch import LoadedKernel
     from fusionstitching.runtime.nvrtc import compile_cuda
 
     launcher = kernel._modules.get(arch)
     if launcher is None:
-        ir = kernel.lowered.kernel
-        module = compile_cuda(kernel.cuda_source, arch, name=f"{ir.name}.cu")
-        launcher = LoadedKernel(module.cubin, ir.name, len(ir.params), ir.blocks, ir.threads)
+        if kernel._twin is not None:
+            launcher = _launcher(kernel._twin, arch).twin()
+        else:
+            ir = kernel.lowered.kernel
+            module = compile_cuda(kernel.cuda_source, arch, name=f"{ir.name}.cu")
+            launcher = LoadedKernel(module.cubin, ir.name, len(ir.params), ir.blocks, ir.threads)
         kernel._modules[arch] = launcher
     return launcher
+
+
+def precompile(kernels: Sequence[Any], arch: str, workers: int | None = None) -> None:
+    """Compile the kernels' CUDA sources for ``arch`` in a thread pool (NVRTC runs without the
+    interpreter lock), each distinct source once, so that their first calls find their modules.
+    Scalar variants are left to the first misaligned call that needs them."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    originals = {}
+    for kernel in kernels:
+        while kernel._twin is not None:
+            kernel = kernel._twin
+        if arch not in kernel._modules:
+            originals[id(kernel)] = kernel
+    if not originals:
+        return
+    workers = workers or min(16, os.cpu_count() or 1, len(originals))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(lambda k: _launcher(k, arch), originals.values()))
 
 
 def check_inputs(kernel, tensors: Sequence[Any]) -> None:

@@ -142,6 +142,14 @@ class LoadedKernel:
         self._make_stream = None
         self._stream_int = None
         self._stream = None
+        self._original: LoadedKernel | None = None
+
+    def twin(self) -> LoadedKernel:
+        """A launcher of the same function with its own prepacked arguments: the module is loaded
+        once (by whichever of the two launches first) and shared."""
+        twin = LoadedKernel(self.cubin, self.name, self.num_params, self.blocks, self.threads, self.dynamic_smem)
+        twin._original = self
+        return twin
 
     def __repr__(self) -> str:
         return (
@@ -171,6 +179,14 @@ class LoadedKernel:
     def load(self) -> None:
         """Load the CUBIN into the current device's primary context (done by the first launch)."""
         if self._function is not None:
+            return
+        if self._original is not None:
+            original = self._original
+            original.load()
+            self._device, self._context, self._module = original._device, original._context, original._module
+            self._launch, self._make_stream = original._launch, original._make_stream
+            self._stream_int, self._stream = 0, original._make_stream(0)
+            self._function = original._function
             return
         driver = _driver()
         torch.cuda.init()

@@ -11,8 +11,9 @@ outputs it allocates, and, for a kernel, its loaded launcher. A call then only
   inside the call keep their buffers from one call to the next, so their pointers never change);
 - launches on the stream that was current when the call began.
 
-The first call of each kernel goes through ``GeneratedKernel.__call__`` (full input checks,
-NVRTC compile or disk cache, module load); later calls skip the checks, which is sound because the
+Preparing also compiles every kernel not yet compiled, in parallel (``kernel_call.precompile``).
+The first call of each kernel goes through ``GeneratedKernel.__call__`` (full input checks, module
+load); later calls skip the checks, which is sound because the
 program's inputs are checked once per call by ``CompiledGraph`` (or guaranteed by the backend's
 shape signature) and every other value is produced by the program itself. A kernel with 16-byte
 vector accesses falls back to its scalar variant when a pointer is misaligned, as
@@ -126,6 +127,10 @@ class GpuProgram:
                 fn = view_function(node) if step.kind == "view" else library(node)
                 self.ops.append(CallOp(fn, [slot[x] for x in node.operands], slot[node]))
                 produced_by_call.add(node)
+        from fusionstitching.runtime.kernel_call import device_arch, precompile
+
+        if device.type == "cuda":
+            precompile([op.kernel for op in self.ops if isinstance(op, KernelOp)], device_arch(device))
         self.size = len(slot)
         self.output_slots = [None if out is None else slot[out] for out in graph.outputs]
         self.kinds = [step.kind for step in steps]

@@ -233,3 +233,24 @@ def test_creates_cycle_matches_brute_force(case):
         assert len(witness) >= 3 and not any(n in members for n in witness[1:-1])
         for operand, user in itertools.pairwise(witness):
             assert operand in user.operands
+
+
+def test_pattern_structure_is_names_free_and_tells_scalar_constants_apart():
+    """x*0.5+1 and y*0.25+1: one structure up to names, two when scalar values count (kernels
+    inline scalar constants, so only equal values may share a kernel)."""
+    from fusionstitching.graph.analysis import pattern_structure
+
+    b = GraphBuilder("scalars")
+    x, y = b.parameter((64, 32), DType.F32, "x"), b.parameter((64, 32), DType.F32, "y")
+
+    def affine(v, scale):
+        s = b.broadcast(b.constant(scale, DType.F32), (64, 32), ())
+        one = b.broadcast(b.constant(1.0, DType.F32), (64, 32), ())
+        m = b.binary("mul", v, s)
+        return [s, one, m, b.binary("add", m, one)]
+
+    first, second, third = affine(x, 0.5), affine(y, 0.25), affine(y, 0.5)
+    graph = b.build([first[-1], second[-1], third[-1]])
+    assert pattern_structure(graph, first) == pattern_structure(graph, second)
+    assert pattern_structure(graph, first, scalar_values=True) != pattern_structure(graph, second, scalar_values=True)
+    assert pattern_structure(graph, first, scalar_values=True) == pattern_structure(graph, third, scalar_values=True)

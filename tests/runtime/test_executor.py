@@ -184,3 +184,40 @@ def test_pipeline_takes_the_selector_and_generators_from_options():
         assert plan.strategy.startswith(f"fusionstitching ({options.solver},"), plan.strategy
     with pytest.raises(ValueError, match="unknown solver 'guess'"):
         Options(solver="guess")
+
+
+def test_structurally_equal_patterns_share_one_kernel_and_keep_their_own_nodes():
+    """The two layers of the small BERT give kernels that differ only in names: the second layer's
+    are twins (one source, no second lowering), each with its own pattern; the plan still
+    simulates to the reference (test_whole_plans_match_the_reference_on_cpu)."""
+    _, captured = capture_workload("bert", train=True)
+    compiled = CompiledGraph(explore(captured.backward))
+    twins = [k for k in compiled.kernels if k._twin is not None]
+    assert twins and len(twins) < len(compiled.kernels)
+    for kernel in twins:
+        original = kernel._twin
+        assert original._twin is None and kernel.cuda_source == original.cuda_source
+        assert set(kernel.lowered.pattern.nodes).isdisjoint(original.lowered.pattern.nodes)
+        assert [n.shape for n in kernel.lowered.pattern.inputs] == [n.shape for n in original.lowered.pattern.inputs]
+    sources = {k.cuda_source for k in compiled.kernels}
+    assert len(sources) == len(compiled.kernels) - len(twins)
+
+
+def test_precompile_compiles_each_distinct_source_once(monkeypatch):
+    from fusionstitching.runtime import kernel_call, nvrtc
+
+    _, captured = capture_workload("bert", train=True)
+    compiled = CompiledGraph(explore(captured.backward))
+    seen = []
+    real = nvrtc.compile_cuda
+
+    def counting(source, arch, **kwargs):
+        seen.append(source)
+        return real(source, arch, **kwargs)
+
+    monkeypatch.setattr(nvrtc, "compile_cuda", counting)
+    kernel_call.precompile(compiled.kernels, "sm_90", workers=2)
+    assert len(seen) == len(set(seen)) == len({k.cuda_source for k in compiled.kernels})
+    assert all("sm_90" in k._modules for k in compiled.kernels if k._twin is None)
+    kernel_call.precompile(compiled.kernels, "sm_90")
+    assert len(seen) == len(set(seen))  # nothing compiled twice
