@@ -204,6 +204,7 @@ class Result:
     system: str
     wall_ms: float | None = None
     gpu_ms: float | None = None
+    mi_ms: float | None = None  # GPU ms of the memory-intensive kernels
     kernels: int | None = None
     gemm_kernels: int | None = None
     mi_kernels: int | None = None
@@ -368,6 +369,7 @@ def run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: i
             progress(f"{case.name}: {system}: profiling")
             by_name: dict[str, list[float]] = {}
             result.gpu_ms, result.gemm_kernels, result.mi_kernels = profile_kernels(step, sync, by_name=by_name)
+            result.mi_ms = sum(us for name, (us, _) in by_name.items() if not GEMM_KERNEL.search(name)) / 1e3
             ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
             result.top_kernels = [(name, round(us, 2), round(n, 2)) for name, (us, n) in ranked[:TOP_KERNELS]]
             result.kernels = result.gemm_kernels + result.mi_kernels
@@ -424,7 +426,7 @@ def _number(value: float | None, digits: int) -> str:
 def format_table(results: Sequence[Result], systems: Sequence[str]) -> str:
     """A markdown table: one row per workload and system."""
     others = [s for s in systems if s != "xla"] + (["xla"] if "xla" in systems else [])
-    header = ["workload", "system", "wall ms", "GPU ms", "kernels (GEMM + MI)", "first call s", "rel. error"]
+    header = ["workload", "system", "wall ms", "GPU ms (MI)", "kernels (GEMM + MI)", "first call s", "rel. error"]
     header += [f"× {s}" for s in others]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
@@ -433,7 +435,8 @@ def format_table(results: Sequence[Result], systems: Sequence[str]) -> str:
         else:
             kernels = "—" if r.kernels is None else f"{r.kernels} ({r.gemm_kernels} + {r.mi_kernels})"
             error = "—" if r.error is None else f"{r.error:.1e}"
-            cells = [r.workload, r.system, _number(r.wall_ms, 3), _number(r.gpu_ms, 3), kernels,
+            gpu = _number(r.gpu_ms, 3) + ("" if r.mi_ms is None else f" ({r.mi_ms:.3f})")
+            cells = [r.workload, r.system, _number(r.wall_ms, 3), gpu, kernels,
                      _number(r.first_call_s, 1), error]
             cells += ["" if s == r.system or s not in r.speedup else f"{r.speedup[s]:.2f}" for s in others]
         lines.append("| " + " | ".join(cells) + " |")

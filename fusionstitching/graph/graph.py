@@ -169,7 +169,8 @@ class GraphIndex:
 
 
 def _topological(parameters: Sequence[Node], outputs: Sequence[Node | None]) -> list[Node]:
-    """Operands before users, by an iterative depth-first walk from the outputs."""
+    """Operands before users, by an iterative depth-first walk from the outputs; then every *free*
+    node (see ``_free_nodes``) moved to just before its first user that is not free."""
     order: list[Node] = list(parameters)
     seen = {id(p) for p in parameters}
     for root in outputs:
@@ -186,7 +187,60 @@ def _topological(parameters: Sequence[Node], outputs: Sequence[Node | None]) -> 
             elif id(node) not in seen:
                 seen.add(id(node))
                 order.append(node)
-    return order
+    return _sink_free_nodes(order)
+
+
+def _free_nodes(order: Sequence[Node]) -> set[int]:
+    """Ids of the nodes computed from constants and scalar parameters alone, such as a dropout mask
+    (random bits from a seed and an offset, compared with a constant) or an iota."""
+    free: set[int] = set()
+    for node in order:
+        if node.op in ("parameter", "constant"):
+            continue
+        if all(id(x) in free or x.op == "constant" or (x.op == "parameter" and not x.shape) for x in node.operands):
+            free.add(id(node))
+    return free
+
+
+def _sink_free_nodes(order: list[Node]) -> list[Node]:
+    """``order`` with each free node just before its first non-free user (direct or through free
+    nodes); free nodes without one keep their place. The walk can meet a free subgraph wherever
+    a path from an output first needs it (a saved dropout mask: long before the layer that applies
+    it); next to its user it lands in the user's run of graph-order segments, which is where fusion
+    should consider it."""
+    free = _free_nodes(order)
+    if not free:
+        return order
+    needed: set[int] = set()  # free nodes with a non-free user, directly or through free nodes
+    for node in reversed(order):
+        if id(node) in free and id(node) not in needed:
+            continue
+        for x in node.operands:
+            if id(x) in free:
+                needed.add(id(x))
+    result: list[Node] = []
+    placed: set[int] = set()
+
+    def place(node: Node) -> None:
+        stack = [(node, 0)]
+        while stack:
+            current, k = stack.pop()
+            if k < len(current.operands):
+                stack.append((current, k + 1))
+                operand = current.operands[k]
+                if id(operand) in free and id(operand) not in placed:
+                    stack.append((operand, 0))
+            elif id(current) not in placed:
+                placed.add(id(current))
+                result.append(current)
+
+    for node in order:
+        if id(node) in free:
+            if id(node) not in needed:
+                place(node)
+        else:
+            place(node)
+    return result
 
 
 # ----------------------------------------------------------------------------------------------
