@@ -89,6 +89,7 @@ class Roles:
                 library[node] = (f"dot of {dot_flops(node) / 1e6:.1f} MFLOP is above the small-dot threshold "
                                  "(GEMM library)")
         views = gemm_operand_views(graph, library)
+        views.update(output_views(graph, library, views))
         fusable = tuple(n for n in graph.nodes if n not in inputs and n not in library and n not in views)
         return Roles(frozenset(inputs), library, fusable, views)
 
@@ -118,6 +119,59 @@ def gemm_operand_views(graph: Graph, library: dict[Node, str]) -> dict[Node, str
         if all((u in library and u.op == "dot_general") or u in views for u in users[node]):
             views[node] = "operand of GEMM library calls, passed as a strided view"
     return views
+
+
+def output_views(graph: Graph, library: dict[Node, str], views: dict[Node, str]) -> dict[Node, str]:
+    """Transposes and reshapes that are graph outputs whose promised layout (``graph.output_layouts``)
+    is that of a view of their operand, used by nothing but GEMM library calls and views. AOTAutograd
+    saves such values for the backward graph (BERT's attention saves the transposes of its batched
+    GEMMs' operands, with the strides of a view): as views they cost nothing, while a kernel would
+    write them contiguously and the runtime would copy them into the promised strides."""
+    users = graph.index.users
+    promised = {id(o): graph.output_layouts[k] for k, o in enumerate(graph.outputs)
+                if o is not None and k not in graph.mutations}
+    found: dict[Node, str] = {}
+    for node in reversed(graph.nodes):
+        layout = promised.get(id(node))
+        if node.op not in ("transpose", "reshape") or layout is None or node in views:
+            continue
+        if not all((u in library and u.op == "dot_general") or u in views or u in found for u in users[node]):
+            continue
+        strides = _view_strides(node, {**views, **found, node: ""})
+        if strides is not None and _same_strides(node.shape, strides, layout.strides):
+            found[node] = "graph output promised in the layout of a view of its operand"
+    return found
+
+
+def _view_strides(node: Node, views) -> tuple[int, ...] | None:
+    """The strides ``node`` has when the views among its producers are views of materialized
+    (contiguous) tensors or parameters; None where torch would have to copy (a reshape of
+    non-contiguous memory) or the op is not a transpose or reshape."""
+    if node not in views:
+        if node.op == "parameter" and node.layout is not None:
+            return tuple(node.layout.strides)
+        return _contiguous_strides(node.shape)
+    operand = _view_strides(node.operands[0], views)
+    if operand is None:
+        return None
+    if node.op == "transpose":
+        return tuple(operand[p] for p in node.attrs["permutation"])
+    if node.op == "reshape" and _same_strides(node.operands[0].shape, operand, _contiguous_strides(node.operands[0].shape)):
+        return _contiguous_strides(node.shape)
+    return None
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _same_strides(shape, a, b) -> bool:
+    """Equal strides over the dims that have more than one element (the others are never used)."""
+    return all(x == y for size, x, y in zip(shape, a, b) if size > 1)
 
 
 # ----------------------------------------------------------------------------------------------
