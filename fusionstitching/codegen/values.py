@@ -362,12 +362,24 @@ class ValueEmitter:
     _op_dot_general = _reduction
 
     def _op_rng_uniform(self, node: Node, index):
+        """Element ``i`` is word ``i % 4`` of the Philox block ``i // 4`` (``graph/reference.py``).
+        When the row-major index is provably ``base + c`` with ``base`` a multiple of 4 (a thread's
+        vector of 4 or 8 consecutive elements), the block is ``base / 4 + c // 4`` and the word the
+        constant ``c % 4``: the elements of one block share one counter, so one Philox evaluation
+        serves four elements (it dominates a dropout kernel's instructions otherwise)."""
         seed_node, offset_node = node.operands
         seed = self.value(seed_node, ())
         offset = self.value(offset_node, ())
-        linear = K.Cast(self.linear(index, _row_major(node.shape)), "u64")
-        quad = K.Binary("shr", linear, K.Const(2, "u64"), "u64")
-        word = K.Cast(K.Binary("and", linear, K.Const(3, "u64"), "u64"), "u32")
+        linear = self.linear(index, _row_major(node.shape))
+        split = self._aligned(linear, 4)
+        if split is not None:
+            base, c = split
+            quad = K.add(K.Binary("shr", K.Cast(base, "u64"), K.Const(2, "u64"), "u64"), K.Const(c // 4, "u64"))
+            word: K.Expr | int = c % 4
+        else:
+            wide = K.Cast(linear, "u64")
+            quad = K.Binary("shr", wide, K.Const(2, "u64"), "u64")
+            word = K.Cast(K.Binary("and", wide, K.Const(3, "u64"), "u64"), "u32")
         counter = (K.Cast(quad, "u32"), K.Const(node.attrs["stream"] & 0xFFFFFFFF, "u32"),
                    K.Cast(K.Cast(offset, "u64"), "u32"),
                    K.Cast(K.Binary("shr", K.Cast(offset, "u64"), K.Const(32, "u64"), "u64"), "u32"))
@@ -375,16 +387,54 @@ class ValueEmitter:
                K.Cast(K.Binary("shr", K.Cast(seed, "u64"), K.Const(32, "u64"), "u64"), "u32"))
         counter = tuple(self.let("c", c) for c in counter)
         key = tuple(self.let("k", k) for k in key)
-        word = self.let("w", word)
-        bits: K.Expr = K.Philox(counter, key, 3)
-        for w in (2, 1, 0):
-            bits = K.Select(K.Binary("eq", word, K.Const(w, "u32"), "bool"), K.Philox(counter, key, w), bits, "u32")
+        if isinstance(word, int):
+            bits: K.Expr = K.Philox(counter, key, word)
+        else:
+            word = self.let("w", word)
+            bits = K.Philox(counter, key, 3)
+            for w in (2, 1, 0):
+                bits = K.Select(K.Binary("eq", word, K.Const(w, "u32"), "bool"), K.Philox(counter, key, w), bits,
+                                "u32")
         bits = self.let("bits", bits)
         top = K.Cast(K.Binary("shr", bits, K.Const(8, "u32"), "u32"), "f32")
         uniform = K.Binary("mul", top, K.Const(2.0**-24, "f32"), "f32")
         if node.dtype == DType.F32:
             return self.let("u", uniform)
         return self._round(node, K.Cast(uniform, register_type(node.dtype)))
+
+    def _aligned(self, e: K.Expr, m: int) -> tuple[K.Expr, int] | None:
+        """``(base, c)`` with ``e == base + c`` and ``base`` provably a multiple of ``m`` (index
+        arithmetic: sums, products with constants, registers bound to such expressions), or None.
+        ``base`` is spelled out through registers, so that the elements of one vector get the same
+        ``base`` expression."""
+        if isinstance(e, K.Const):
+            return K.Const(0, e.dtype), int(e.value)
+        if isinstance(e, K.Var):
+            definition = self.definitions.get(e.name)
+            if definition is None or e.name in self.mutable:
+                return None
+            return self._aligned(definition, m)
+        if not isinstance(e, K.Binary):
+            return None
+        if e.op == "add":
+            a, b = self._aligned(e.a, m), self._aligned(e.b, m)
+            if a is None or b is None:
+                return None
+            return K.add(a[0], b[0]), a[1] + b[1]
+        if e.op == "mul":
+            for x, y in ((e.a, e.b), (e.b, e.a)):
+                if isinstance(y, K.Const):
+                    if int(y.value) % m == 0:
+                        return e, 0
+                    split = self._aligned(x, m)
+                    if split is None:
+                        return None
+                    return K.mul(split[0], y), split[1] * int(y.value)
+            for x in (e.a, e.b):
+                split = self._aligned(x, m)
+                if split is not None and split[1] % m == 0:
+                    return e, 0
+        return None
 
 
 def _row_major(shape: Sequence[int]) -> tuple[int, ...]:

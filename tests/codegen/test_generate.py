@@ -256,3 +256,36 @@ def test_index_math_is_64_bit_when_sizes_need_it():
     nodes = [n for n in graph.nodes if n.op != "parameter"]
     source = generate(graph, nodes, default_template(graph, nodes)).cuda_source.split('extern "C"')[1]
     assert "long long" in source
+
+
+@pytest.mark.parametrize("template, word_chosen_at_run_time", [
+    # 4 consecutive elements per thread: one Philox block, a constant word per element
+    ("select[GRID,CTA_16-THREAD_4]; rng_uniform[GRID,CTA_16-THREAD_4]; launch(blocks=6,threads=32)", False),
+    # 50-wide rows one element per thread: the word is chosen at run time
+    ("select[GRID,CTA_64]; rng_uniform[GRID,CTA_64]; launch(blocks=3,threads=64)", True),
+])
+def test_dropout_mask_shares_a_philox_block_between_a_threads_four_elements(template, word_chosen_at_run_time):
+    b = GraphBuilder("rng4")
+    rows, cols = (6, 64) if "THREAD_4" in template else (3, 50)
+    x = b.parameter((rows, cols), DType.F32, "x")
+    seed, offset = b.parameter((), DType.I64, "seed"), b.parameter((), DType.I64, "offset")
+    u = b.node("rng_uniform", [seed, offset], shape=(rows, cols), dtype=DType.F32, stream=1)
+    keep = b.compare("LT", u, b.broadcast(b.constant(0.9, DType.F32), (rows, cols), ()))
+    out = b.select(keep, x, b.broadcast(b.constant(0, DType.F32), (rows, cols), ()))
+    graph = b.build([out, u])
+    kernel = generate(graph, ["rng_uniform", "compare", "select"] + [n.name for n in graph.nodes
+                                                                     if n.op in ("broadcast_in_dim", "constant")
+                                                                     and n.shape], template, vectorize=False)
+    arrays = [np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32), np.int64(987654321),
+              np.int64(2**33 + 5)]
+    by_name = dict(zip(["x", "seed", "offset"], arrays))
+    got_all = dict(zip(kernel.outputs, kernel.simulate([by_name[name] for name in kernel.inputs])))
+    for node, want in zip(graph.outputs, reference.evaluate(graph, arrays)):
+        got = got_all[node.name]
+        np.testing.assert_array_equal(got, want)
+    # a thread's four elements: four words of one block (one counter); else a select over the four words
+    source = kernel.cuda_source
+    assert ("== 2u" in source) == word_chosen_at_run_time
+    if not word_chosen_at_run_time:
+        assert all(f").{w}" in source for w in "xyzw")
+        assert len({line.split("=")[0] for line in source.splitlines() if "fs_philox(" in line and "=" in line}) == 4
