@@ -350,3 +350,25 @@ def test_layernorm_backward_dx_and_partials_in_one_kernel_then_final_matches_ref
         env.update(zip(kernel.outputs, kernel.simulate([env[n] for n in kernel.inputs])))
     for node, want in zip(graph.outputs, fn(*inputs)):
         assert relative_error(env[node.name], want.numpy()) < 1e-5
+
+
+def test_final_sums_of_stitched_partials_take_a_full_block_of_warps():
+    """[32, 16, 768] → [768] over dims (0, 1): 512 rows per column, so 32 warps (on the first dim,
+    16 rows each) rather than the 2 that the second dim alone divides into; every independent final
+    of a packed kernel shares the tiling and each is simulated against the reference."""
+    from fusionstitching.codegen import default_template, generate
+    from fusionstitching.graph import reference
+    from fusionstitching.graph.graph import GraphBuilder
+    from fusionstitching.graph.ops import DType
+
+    b = GraphBuilder("finals")
+    xs = [b.parameter((32, 16, 768), DType.F32, f"x{i}") for i in range(3)]
+    sums = [b.reduce(x, (0, 1), "sum") for x in xs]
+    graph = b.build(sums)
+    template = default_template(graph, [s.name for s in sums])
+    assert template.launch.threads == 1024
+    assert "THREAD_1-WARP_32" in str(template) or "WARP_32," in str(template)
+    kernel = generate(graph, [s.name for s in sums], template)
+    arrays = [np.random.default_rng(i).standard_normal((32, 16, 768)).astype(np.float32) for i in range(3)]
+    for got, want in zip(kernel.simulate(arrays), reference.evaluate(graph, arrays)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
