@@ -207,14 +207,25 @@ def _lower_packed(emitter, schedule, pattern, out_names, output_layouts, vectori
     """Thread composition only: one loop nest per group of same-shape roots, packed by block ranges."""
     groups = _group_schedules(schedule, {o.name: o for o in pattern.outputs})
     ranges = _block_ranges(groups, schedule.launch.blocks)
-    body: list[K.Stmt] = []
+    parts: list[tuple[int, list[K.Stmt]]] = []
     out_position = {o.name: k for k, o in enumerate(pattern.outputs)}
     for (sched, group_roots), (start, stop) in zip(groups, ranges):
         stores = [(r, out_names[out_position[r.name]], output_layouts[out_position[r.name]]) for r in group_roots]
         emitter.stmts = []
-        body.extend(_lower_group(emitter, sched, stores, start, stop, schedule.launch.threads, len(groups) > 1,
-                                 vectorize_access, guard_tails))
-    return body
+        parts.append((start, _lower_group(emitter, sched, stores, start, stop, schedule.launch.threads,
+                                          len(groups) > 1, vectorize_access, guard_tails)))
+    return _dispatch(parts)
+
+
+def _dispatch(parts: list[tuple[int, list[K.Stmt]]]) -> list[K.Stmt]:
+    """Sub-kernels (first block, statements) in block order, reached by a binary search on the block
+    index: a block of the last of 199 sub-kernels (AdamW over BERT-base) tests 8 ranges, not 199,
+    and does not fetch the code of the others on the way (each sub-kernel keeps its own range test)."""
+    if len(parts) <= 2:
+        return [stmt for _, stmts in parts for stmt in stmts]
+    mid = len(parts) // 2
+    below = K.lt(K.Special("bid"), K.Const(parts[mid][0], "i32"))
+    return [K.If(below, tuple(_dispatch(parts[:mid])), tuple(_dispatch(parts[mid:])))]
 
 
 def _input_layout(node: Node) -> Layout:

@@ -147,8 +147,13 @@ def composed_template(pattern, reductions: list[Node], threads: int, warp_rows: 
 def _reduced_tiles(length: int, lanes: int, vector: int) -> tuple[Tile, ...]:
     """Tiles of the last reduced dim: each thread holds ``k x vector`` elements in registers
     (``THREAD_k-CTA_lanes-THREAD_vector``: 16-byte vectors, coalesced) when the row divides evenly
-    and stays small; otherwise a lane- or block-stride loop."""
-    for v in (vector, 1):
+    and stays small (the widest power-of-two vector that divides it: BERT's bf16 attention rows of
+    128 take 8-byte vectors of 4, so a thread's elements are consecutive and share one Philox
+    block of a dropout mask); otherwise a lane- or block-stride loop."""
+    widths = [vector]
+    while widths[-1] > 1:
+        widths.append(widths[-1] // 2)
+    for v in widths:
         if length % (lanes * v) == 0 and length // lanes <= MAX_REGISTER_ELEMENTS:
             k = length // (lanes * v)
             tiles = ([Tile(Level.THREAD, k)] if k > 1 else []) + [Tile(Level.CTA, lanes)]
