@@ -372,3 +372,22 @@ def test_final_sums_of_stitched_partials_take_a_full_block_of_warps():
     arrays = [np.random.default_rng(i).standard_normal((32, 16, 768)).astype(np.float32) for i in range(3)]
     for got, want in zip(kernel.simulate(arrays), reference.evaluate(graph, arrays)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_feasible_refuses_a_large_result_fused_into_a_one_block_reduction():
+    """A [4096, 1000] result next to its full sum: the sum's template is one block, which would
+    compute all 4M elements; ``feasible`` refuses it with the reason (they stay two kernels)."""
+    from fusionstitching.graph.graph import GraphBuilder
+    from fusionstitching.graph.ops import DType
+    from fusionstitching.schedule import feasible
+
+    b = GraphBuilder("crowded")
+    x = b.parameter((4096, 1000), DType.F32, "x")
+    y = b.binary("mul", x, b.broadcast(b.constant(2.0, DType.F32), (4096, 1000), ()))
+    total = b.reduce(y, (0, 1), "sum")
+    graph = b.build([y, total])
+    result = feasible(graph, [n for n in graph.nodes if n.op not in ("parameter", "constant")])
+    if result:
+        assert result.launch.blocks * result.launch.threads * 2048 >= 4096 * 1000
+    else:
+        assert "too little parallelism" in str(result)
