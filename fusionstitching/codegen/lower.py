@@ -528,7 +528,7 @@ def _check_in_place(kernel: K.Kernel, aliases: dict[int, int], in_names, out_nam
     pairs = {in_names[j]: out_names[k] for k, j in aliases.items()}
     loads: dict[str, set] = {name: set() for name in pairs}
     stores: dict[str, set] = {name: set() for name in pairs.values()}
-    for nest, top in enumerate(kernel.body):
+    for nest, top in enumerate(_nests(kernel.body)):
         for stmt in _walk([top]):
             if isinstance(stmt, K.Store) and stmt.buffer in stores:
                 stores[stmt.buffer].add((nest, stmt.index, 1))
@@ -543,6 +543,18 @@ def _check_in_place(kernel: K.Kernel, aliases: dict[int, int], in_names, out_nam
         if not read <= stores[pairs[name]]:
             raise _NotElementwise(f"in-place output {pairs[name]} overwrites {name}, which is also read at another "
                                   "element or by other threads; the update is not elementwise")
+
+
+def _nests(body: Sequence[K.Stmt]) -> list[K.Stmt]:
+    """The top-level loop nests of a kernel body, looking through ``_dispatch``'s block-index tests."""
+    nests: list[K.Stmt] = []
+    for stmt in body:
+        if (isinstance(stmt, K.If) and isinstance(stmt.cond, K.Binary) and stmt.cond.op == "lt"
+                and isinstance(stmt.cond.a, K.Special) and stmt.cond.a.name == "bid"):
+            nests += _nests(stmt.then) + _nests(stmt.orelse)
+        else:
+            nests.append(stmt)
+    return nests
 
 
 class _NotElementwise(CodegenError):
