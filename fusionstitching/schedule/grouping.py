@@ -411,19 +411,23 @@ def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1
     return reasons[0]  # the default template's reason
 
 
-MAX_ELEMENTS_PER_THREAD = 2048
+MAX_ELEMENTS_PER_THREAD = 1024
 
 
 def _crowded(pattern, template: KernelSchedule) -> Reason | None:
     """A template whose threads would each compute more than ``MAX_ELEMENTS_PER_THREAD`` elements of
-    some node of the pattern: fused into a small grid (the block of a full reduction), a large
-    elementwise result runs on a sliver of the GPU (cross-entropy's [4096, 1000] log-softmax
-    output next to its scalar loss: one block, 196 µs on an H100, against 10 µs in the row kernel)."""
+    some node of the pattern (its result; for a reduction or a dot, its operands): fused into a small grid (the
+    block of a full reduction), a large elementwise result runs on a sliver of the GPU
+    (cross-entropy's [4096, 1000] log-softmax output next to its scalar loss: one block, 196 µs on
+    an H100, against 10 µs in the row kernel), and a column sum with a cast of its result, which
+    the column template cannot take, would sum 2048 rows per thread on four blocks."""
     threads = template.launch.blocks * template.launch.threads
-    largest = max(pattern.nodes, key=lambda n: n.size)
-    if largest.size > MAX_ELEMENTS_PER_THREAD * threads:
-        return Reason(f"{largest.name} has {largest.size} elements for the template's {threads} threads "
-                      f"(over {MAX_ELEMENTS_PER_THREAD} each): too little parallelism")
+    work = {n: max([n.size] + [o.size for o in n.operands if n.op in ("reduce", "dot_general")])
+            for n in pattern.nodes}
+    largest = max(pattern.nodes, key=work.__getitem__)
+    if work[largest] > MAX_ELEMENTS_PER_THREAD * threads:
+        return Reason(f"{largest.name} takes {work[largest]} elements for the template's {threads} "
+                      f"threads (over {MAX_ELEMENTS_PER_THREAD} each): too little parallelism")
     return None
 
 

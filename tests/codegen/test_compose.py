@@ -391,3 +391,25 @@ def test_feasible_refuses_a_large_result_fused_into_a_one_block_reduction():
         assert result.launch.blocks * result.launch.threads * 2048 >= 4096 * 1000
     else:
         assert "too little parallelism" in str(result)
+
+
+def test_feasible_refuses_a_cast_column_sum_on_a_few_blocks():
+    """LayerNorm backward's bf16 dγ: the final sum of [2048, 1024] partials with a cast of the
+    result. The column template cannot take the cast, and the template that can sums 2048 rows
+    per thread on four blocks: refused, so the sum gets the column template and the cast its own
+    small kernel (107 → 10 µs on an H100)."""
+    from fusionstitching.graph.graph import GraphBuilder
+    from fusionstitching.graph.ops import DType
+    from fusionstitching.schedule import feasible
+
+    b = GraphBuilder("cast_sum")
+    x = b.parameter((2048, 1024), DType.F32, "x")
+    total = b.reduce(x, (0,), "sum")
+    cast = b.convert(total, DType.BF16)
+    graph = b.build([cast])
+    result = feasible(graph, [total, cast])
+    if result:
+        assert result.launch.blocks * result.launch.threads * 1024 >= 2048 * 1024
+    else:
+        assert "too little parallelism" in str(result)
+    assert feasible(graph, [total])  # the sum alone: the column template
