@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from fusionstitching.graph.analysis import CycleChecker, in_place_outputs, pattern_structure
-from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.graph import Graph, Node, contiguous_strides
 from fusionstitching.graph.ops import Category
 from fusionstitching.options import Options
 from fusionstitching.schedule.grouping import Reason, feasible
@@ -150,23 +150,15 @@ def _view_strides(node: Node, views) -> tuple[int, ...] | None:
     if node not in views:
         if node.op == "parameter" and node.layout is not None:
             return tuple(node.layout.strides)
-        return _contiguous_strides(node.shape)
+        return contiguous_strides(node.shape)
     operand = _view_strides(node.operands[0], views)
     if operand is None:
         return None
     if node.op == "transpose":
         return tuple(operand[p] for p in node.attrs["permutation"])
-    if node.op == "reshape" and _same_strides(node.operands[0].shape, operand, _contiguous_strides(node.operands[0].shape)):
-        return _contiguous_strides(node.shape)
+    if node.op == "reshape" and _same_strides(node.operands[0].shape, operand, contiguous_strides(node.operands[0].shape)):
+        return contiguous_strides(node.shape)
     return None
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 def _same_strides(shape, a, b) -> bool:

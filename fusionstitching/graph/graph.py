@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -174,20 +174,27 @@ def _topological(parameters: Sequence[Node], outputs: Sequence[Node | None]) -> 
     order: list[Node] = list(parameters)
     seen = {id(p) for p in parameters}
     for root in outputs:
-        if root is None or id(root) in seen:
-            continue
-        stack = [(root, 0)]
-        while stack:
-            node, next_operand = stack.pop()
-            if next_operand < len(node.operands):
-                stack.append((node, next_operand + 1))
-                operand = node.operands[next_operand]
-                if id(operand) not in seen:
-                    stack.append((operand, 0))
-            elif id(node) not in seen:
-                seen.add(id(node))
-                order.append(node)
+        if root is not None:
+            _post_order(root, seen, order, lambda operand: True)
     return _sink_free_nodes(order)
+
+
+def _post_order(root: Node, done: set[int], out: list[Node], follow: Callable[[Node], bool]) -> None:
+    """Append ``root`` and the operands it reaches through ``follow`` that are not in ``done`` to
+    ``out``, operands first (iterative depth-first walk, operands in order)."""
+    if id(root) in done:
+        return
+    stack = [(root, 0)]
+    while stack:
+        node, next_operand = stack.pop()
+        if next_operand < len(node.operands):
+            stack.append((node, next_operand + 1))
+            operand = node.operands[next_operand]
+            if id(operand) not in done and follow(operand):
+                stack.append((operand, 0))
+        elif id(node) not in done:
+            done.add(id(node))
+            out.append(node)
 
 
 def _free_nodes(order: Sequence[Node]) -> set[int]:
@@ -222,17 +229,7 @@ def _sink_free_nodes(order: list[Node]) -> list[Node]:
     placed: set[int] = set()
 
     def place(node: Node) -> None:
-        stack = [(node, 0)]
-        while stack:
-            current, k = stack.pop()
-            if k < len(current.operands):
-                stack.append((current, k + 1))
-                operand = current.operands[k]
-                if id(operand) in free and id(operand) not in placed:
-                    stack.append((operand, 0))
-            elif id(current) not in placed:
-                placed.add(id(current))
-                result.append(current)
+        _post_order(node, placed, result, lambda operand: id(operand) in free)
 
     for node in order:
         if id(node) in free:

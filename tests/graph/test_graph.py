@@ -116,3 +116,21 @@ def test_builder_names_are_unique_even_against_given_names():
         node = b.binary("add", x, x)
         assert node.name not in names
         names.add(node.name)
+
+
+def test_nodes_from_constants_and_scalar_parameters_sit_just_before_their_first_user():
+    """A dropout mask (random bits from a scalar seed and offset, compared with a constant) that an
+    earlier output also needs is placed right before the op that applies it, not where the walk
+    from that output met it; the order stays topological."""
+    b = GraphBuilder("order")
+    x = b.parameter((4, 8), DType.F32, "x")
+    seed, offset = b.parameter((), DType.I64, "seed"), b.parameter((), DType.I64, "offset")
+    u = b.node("rng_uniform", [seed, offset], shape=(4, 8), dtype=DType.F32, stream=0)
+    keep = b.compare("LT", u, b.broadcast(b.constant(0.9, DType.F32), (4, 8), ()))
+    h = b.unary("exp", b.unary("tanh", x))
+    dropped = b.select(keep, h, b.broadcast(b.constant(0.0, DType.F32), (4, 8), ()))
+    graph = b.build([keep, dropped])  # the saved mask is the first output
+    position = graph.index.position
+    assert position[u] > position[h] and position[keep] == position[dropped] - 2
+    for node in graph.nodes:
+        assert all(position[o] < position[node] for o in node.operands)
