@@ -44,15 +44,26 @@ class RegisterComposition:
             return False
         first = self._local(groups[0])
         count = WARP if self.warp_mode else self.threads
+        if self._row_value(groups[0]):
+            return False
         for g in groups:
             if self._local(g) != first:
                 return False
+            if self._row_value(g):
+                continue
             for d, size in enumerate(g.space):
                 if math.prod(f.extent for f in g.factors if f.dim == d) != size:
                     return False
         cta = math.prod(e for _, level, e in first if level == Level.CTA)
         serial = math.prod(e for _, level, e in first if level == Level.THREAD)
         return cta == count and serial <= 64
+
+    @staticmethod
+    def _row_value(group: Group) -> bool:
+        """An output with one element per row (a LayerNorm's saved mean or rstd, [rows, 1]): tiled
+        like the rows, it has tails on its last dim; the lane holding element 0 stores it."""
+        return (not group.reduced and not group.shared and group.output is not None and len(group.space) > 1
+                and group.space[-1] == 1)
 
     def _register_groups(self) -> list[Group]:
         """The groups register composition covers; reductions across warps follow them (they only
@@ -93,6 +104,20 @@ class RegisterComposition:
                     for f, value in zip(kept_thread, key):
                         f.var = em.idx(value)
                     em.stmts.extend(self._finish_reduction(group, acc))
+                continue
+            if self._row_value(group):
+                rows = [f for f in thread_factors if group.space[f.dim] > 1]  # e.g. two rows per warp
+                for combo in itertools.product(*[range(f.extent) for f in rows]):
+                    for f in thread_factors:
+                        f.var = em.idx(0)
+                    for f, value in zip(rows, combo):
+                        f.var = em.idx(value)
+                    index, guard = self._index(group)
+                    value = em.value(group.root, tuple(index))
+                    name, layout = group.output
+                    store = K.Cast(value, group.root.dtype.value) if group.root.dtype.is_half else value
+                    stmt = K.Store(name, em.linear(index, layout.strides), store)
+                    em.stmts.append(K.If(guard, (stmt,)) if guard is not None else stmt)
                 continue
             buffer = self._shared_buffer(group) if group.shared else None
             for combo in combos:

@@ -413,3 +413,27 @@ def test_feasible_refuses_a_cast_column_sum_on_a_few_blocks():
     else:
         assert "too little parallelism" in str(result)
     assert feasible(graph, [total])  # the sum alone: the column template
+
+
+def test_layernorm_training_forward_keeps_rows_in_registers_and_stores_mean_and_rstd_once():
+    """A training LayerNorm also writes the [rows, 1] mean and rstd: those outputs must not turn off
+    register composition (the row is loaded once); one lane stores each, for each of the two rows a
+    warp holds here."""
+    from fusionstitching.cli import capture_workload
+    from fusionstitching.fusion import explore
+    from fusionstitching.graph import reference
+    from fusionstitching.runtime.executor import CompiledGraph
+
+    _, captured = capture_workload("layernorm_train", train=True)
+    compiled = CompiledGraph(explore(captured.forward))
+    (kernel,) = compiled.kernels
+    assert any(n.shape[-1] == 1 for n in kernel.lowered.pattern.outputs)
+    source = kernel.cuda_source
+    assert "(registers)" in source
+    mean = kernel.lowered.pattern.outputs.index(next(n for n in kernel.lowered.pattern.outputs if n.shape[-1] == 1))
+    assert source.count(f"out{mean}[") == 2  # a store per row of the warp's two
+    inputs = [np.random.default_rng(k).standard_normal(p.shape).astype(p.dtype.numpy)
+              for k, p in enumerate(compiled.graph.parameters)]
+    for got, want in zip(compiled.run_numpy(inputs), reference.evaluate(compiled.graph, inputs)):
+        if want is not None:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
