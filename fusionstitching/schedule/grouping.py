@@ -27,7 +27,9 @@ sub-roots by a template; the default recomputes them).
 ``feasible`` asks the code generator itself: it lowers the default template and returns it; when
 lowering refuses it, a composed pattern is tried with one row per warp at a time, then in block
 mode, then thread-serial (``thread_serial_template``), and the first template that lowers is returned, else the reason lowering gave for the default (block locality, shared memory, an unsupported op), so that whatever it
-accepts, ``generate`` builds.
+accepts, ``generate`` builds. A template that would leave each thread more than
+``MAX_ELEMENTS_PER_THREAD`` elements of some node is refused before lowering (too little
+parallelism: a large result fused into the one block of a full reduction).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ WARP_ROWS = 4  # rows (warps) per block in warp mode: measured best for softmax 
 WARP_MODE_MAX_LENGTH = 1024
 WARP_SIZE = 32
 MAX_REGISTER_ELEMENTS = 32
+MAX_ELEMENTS_PER_THREAD = 1024  # feasible refuses templates that leave a thread more work (``_crowded``)
 
 
 @dataclass(frozen=True)
@@ -409,9 +412,6 @@ def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1
             continue
         return template
     return reasons[0]  # the default template's reason
-
-
-MAX_ELEMENTS_PER_THREAD = 1024
 
 
 def _crowded(pattern, template: KernelSchedule) -> Reason | None:
