@@ -42,7 +42,15 @@ from fusionstitching.codegen.compose import iteration_space as _space
 from fusionstitching.codegen.values import is_reduction, reduced_dims
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
-from fusionstitching.schedule.template import KernelSchedule, Launch, Level, Schedule, Tile, level_extent
+from fusionstitching.schedule.template import (
+    KernelSchedule,
+    Launch,
+    Level,
+    Schedule,
+    Tile,
+    level_extent,
+    tile_extents,
+)
 
 DEFAULT_THREADS = 256
 MAX_BLOCKS = 65535
@@ -415,19 +423,30 @@ def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1
 
 
 def _crowded(pattern, template: KernelSchedule) -> Reason | None:
-    """A template whose threads would each compute more than ``MAX_ELEMENTS_PER_THREAD`` elements of
-    some node of the pattern (its result; for a reduction or a dot, its operands): fused into a small grid (the
-    block of a full reduction), a large elementwise result runs on a sliver of the GPU
-    (cross-entropy's [4096, 1000] log-softmax output next to its scalar loss: one block, 196 µs on
-    an H100, against 10 µs in the row kernel), and a column sum with a cast of its result, which
-    the column template cannot take, would sum 2048 rows per thread on four blocks."""
-    threads = template.launch.blocks * template.launch.threads
-    work = {n: max([n.size] + [o.size for o in n.operands if n.op in ("reduce", "dot_general")])
-            for n in pattern.nodes}
-    largest = max(pattern.nodes, key=work.__getitem__)
-    if work[largest] > MAX_ELEMENTS_PER_THREAD * threads:
-        return Reason(f"{largest.name} takes {work[largest]} elements for the template's {threads} "
-                      f"threads (over {MAX_ELEMENTS_PER_THREAD} each): too little parallelism")
+    """A template that leaves some root's threads more than ``MAX_ELEMENTS_PER_THREAD`` points of
+    its iteration space each (a reduction's space is its operand's): counted per schedule, since a
+    packed root gets only its own tiles' threads. Such a template runs a large result on a sliver
+    of the GPU: cross-entropy's [4096, 1000] log-softmax output fused into the one block of its
+    scalar loss (196 µs on an H100, against 10 µs in the row kernel), a cast column sum that the
+    column template cannot take summed 2048 rows per thread on four blocks, a full sum packed next
+    to an elementwise result and computed by one thread."""
+    by_name = {n.name: n for n in pattern.nodes}
+    launched = template.launch.blocks * template.launch.threads
+    for sched in template.schedules:
+        root = by_name.get(sched.root)
+        space = _space(root) if root is not None else ()
+        if len(sched.dims) != len(space):
+            continue  # lowering reports the mismatch
+        parallel = 1
+        for size, tiles in zip(space, sched.dims):
+            for tile, extent in zip(tiles, tile_extents(size, tiles)):
+                if tile.level != Level.THREAD:
+                    parallel *= extent
+        parallel = min(parallel, launched)
+        work = math.prod(space)
+        if work > MAX_ELEMENTS_PER_THREAD * parallel:
+            return Reason(f"{root.name} has {work} points for {parallel} threads in the template (over "
+                          f"{MAX_ELEMENTS_PER_THREAD} each): too little parallelism")
     return None
 
 
