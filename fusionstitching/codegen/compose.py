@@ -38,6 +38,8 @@ both nodes, so whatever lowers is correct by construction.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,12 +79,12 @@ class Group:
     output: tuple[str, Layout] | None
     shared: bool
 
-    @property
+    @functools.cached_property
     def cross_thread(self) -> bool:
         """Reduced across the lanes of a warp or the threads of a block (CTA tiles on reduced dims)."""
         return any(f.dim in self.reduced and f.level == Level.CTA for f in self.factors)
 
-    @property
+    @functools.cached_property
     def cross_warp(self) -> bool:
         """Reduced across the warps of a block (WARP tiles on reduced dims), kept dims on the lanes."""
         return not self.cross_thread and any(f.dim in self.reduced and f.level == Level.WARP for f in self.factors)
@@ -160,9 +162,10 @@ def _level_extents(group: Group, level: Level) -> list[int]:
 
 class Composer(Reductions, RegisterComposition):
     def __init__(self, em: ValueEmitter, groups: list[Group], threads: int, blocks: int, guard_tails: bool,
-                 vectorize: bool = True) -> None:
+                 vectorize: bool = True, probe: bool = False) -> None:
         self.em, self.groups, self.threads, self.blocks = em, groups, threads, blocks
         self.vectorize = vectorize
+        self.probe = probe  # lower register copies once, symbolically (``RegisterComposition._combos``)
         self.guard_tails = guard_tails
         self.warp_mode = any(_level_extents(g, Level.WARP) for g in groups)
         self.ranges: dict[str, int] = {}  # register → exclusive upper bound (factor registers)

@@ -109,21 +109,28 @@ def resolve_pattern(graph: Graph, nodes: Iterable[Node | str]) -> Pattern:
 
 def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *,
           name: str = "fused", vectorize_access: bool = True, guard_tails: bool = True,
-          check_in_place: bool = True, smem_limit: int = 48 * 1024, in_place: bool = True) -> LoweredKernel:
+          check_in_place: bool = True, smem_limit: int = 48 * 1024, in_place: bool = True,
+          probe: bool = False, pattern: Pattern | None = None) -> LoweredKernel:
     """Lower ``nodes`` of ``graph`` under ``schedule``. ``guard_tails`` and ``check_in_place``
     exist to show that the simulator catches the out-of-bounds accesses and cross-block races
-    they prevent; leave them on. An input mutation (``graph.mutations``) is written in place when
+    they prevent; leave them on. ``probe`` (``schedule.feasible``) lowers register-composed copies
+    of a body once, with registers for their THREAD indices: it refuses whatever the full lowering
+    refuses, but its kernel is not one to run. ``pattern`` is ``resolve_pattern(graph, nodes)``
+    where the caller has it. An input mutation (``graph.mutations``) is written in place when
     the update is elementwise; otherwise (a step counter every thread reads) the kernel writes a
     new buffer, which the runtime copies into the input afterwards."""
     nodes = list(nodes)
+    if pattern is None:
+        pattern = resolve_pattern(graph, nodes)
     if check_in_place and in_place:
         try:
             return lower(graph, nodes, schedule, name=name, vectorize_access=vectorize_access,
-                         guard_tails=guard_tails, smem_limit=smem_limit, in_place=True, check_in_place=False)._checked()
+                         guard_tails=guard_tails, smem_limit=smem_limit, in_place=True, check_in_place=False,
+                         probe=probe, pattern=pattern)._checked()
         except _NotElementwise:
             return lower(graph, nodes, schedule, name=name, vectorize_access=vectorize_access,
-                         guard_tails=guard_tails, smem_limit=smem_limit, in_place=False, check_in_place=False)
-    pattern = resolve_pattern(graph, nodes)
+                         guard_tails=guard_tails, smem_limit=smem_limit, in_place=False, check_in_place=False,
+                         probe=probe, pattern=pattern)
     launch = schedule.launch
     roots = {s.root for s in schedule.schedules}
     for out in pattern.outputs:
@@ -155,7 +162,7 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
         order = {n.name: k for k, n in enumerate(pattern.nodes)}
         stores_by_root = {o.name: (out_names[k], output_layouts[k]) for k, o in enumerate(pattern.outputs)}
         composer = Composer(emitter, make_groups(schedule.schedules, by_name, stores_by_root, order),
-                            launch.threads, launch.blocks, guard_tails, vectorize_access)
+                            launch.threads, launch.blocks, guard_tails, vectorize_access, probe)
         smem_plan = composer.plan_shared(graph, pattern.nodes, smem_limit)
         emitter.reader = composer.read
         body = composer.lower()

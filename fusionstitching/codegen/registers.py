@@ -70,6 +70,25 @@ class RegisterComposition:
         write the kernel's outputs, so nothing in the register body waits for them)."""
         return [g for g in self.groups if not g.cross_warp]
 
+    def _combos(self, extents: list[int]) -> list[tuple[K.Expr, ...]]:
+        """The values of a thread's THREAD factors, one tuple per register copy of the body: every
+        combination of constants; when probing (``feasible``), one tuple of registers ranging over
+        the extents, so the body is lowered once and its reads are checked for all copies at once
+        (an affine index within bounds over the ranges, or equal as a form, holds for every constant
+        in them)."""
+        em = self.em
+        if not self.probe:
+            return [tuple(em.idx(v) for v in combo) for combo in itertools.product(*[range(e) for e in extents])]
+        symbolic = []
+        for extent in extents:
+            if extent == 1:
+                symbolic.append(em.idx(0))
+                continue
+            var = em.fresh("t", em.index_type)
+            self.ranges[var.name] = extent
+            symbolic.append(var)
+        return [tuple(symbolic)]
+
     def _fused_groups(self) -> list[K.Stmt]:
         em = self.em
         groups = self._register_groups()
@@ -80,7 +99,7 @@ class RegisterComposition:
         for g in groups[1:]:
             self._share(g, Level.CTA, [f for f in lead.factors if f.level == Level.CTA])
         serial = [(f.dim, f.extent) for f in lead.factors if f.level == Level.THREAD]
-        combos = list(itertools.product(*[range(e) for _, e in serial]))
+        combos = self._combos([e for _, e in serial])
         for group in groups:
             em.current = group.root.name
             em.stmts.append(K.Comment(f"group {group.root.name}: {group.sched} (registers)"))
@@ -92,8 +111,8 @@ class RegisterComposition:
                 accs: dict[tuple, K.Var] = {}  # one accumulator per kept element this thread holds
                 for combo in combos:
                     for f, value in zip(thread_factors, combo):
-                        f.var = em.idx(value)
-                    key = tuple(f.var.value for f in kept_thread)
+                        f.var = value
+                    key = tuple(f.var for f in kept_thread)
                     if key not in accs:
                         accs[key] = em.accumulator("acc", rtype)
                         em.stmts.append(K.Let(accs[key], reduce_identity(kind, root.dtype)))
@@ -102,16 +121,16 @@ class RegisterComposition:
                     em.stmts.append(K.Assign(accs[key], combine(kind, accs[key], value, rtype)))
                 for key, acc in accs.items():
                     for f, value in zip(kept_thread, key):
-                        f.var = em.idx(value)
+                        f.var = value
                     em.stmts.extend(self._finish_reduction(group, acc))
                 continue
             if self._row_value(group):
                 rows = [f for f in thread_factors if group.space[f.dim] > 1]  # e.g. two rows per warp
-                for combo in itertools.product(*[range(f.extent) for f in rows]):
+                for combo in self._combos([f.extent for f in rows]):
                     for f in thread_factors:
                         f.var = em.idx(0)
                     for f, value in zip(rows, combo):
-                        f.var = em.idx(value)
+                        f.var = value
                     index, guard = self._index(group)
                     value = em.value(group.root, tuple(index))
                     name, layout = group.output
@@ -122,7 +141,7 @@ class RegisterComposition:
             buffer = self._shared_buffer(group) if group.shared else None
             for combo in combos:
                 for f, value in zip(thread_factors, combo):
-                    f.var = em.idx(value)
+                    f.var = value
                 index, _ = self._index(group)
                 value = em.value(group.root, tuple(index))
                 if group.output is not None:

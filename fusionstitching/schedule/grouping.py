@@ -390,7 +390,7 @@ def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedu
 def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1024) -> KernelSchedule | Reason:
     """A template that ``generate`` builds for this pattern, or the Reason there is none. A candidate
     that ``propagate.check_block_locality`` proves non-local is refused without lowering it."""
-    from fusionstitching.codegen.lower import lower, resolve_pattern
+    from fusionstitching.codegen.lower import resolve_pattern
     from fusionstitching.codegen.values import CodegenError
     from fusionstitching.schedule.propagate import check_block_locality
 
@@ -411,7 +411,7 @@ def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1
             if refused is not None:  # lowering would refuse it too; the pre-check costs far less
                 reasons.append(refused)
                 continue
-            lower(graph, nodes, template, vectorize_access=False, smem_limit=smem_limit)
+            _lowers(graph, nodes, pattern, template, smem_limit)
         except CodegenError as err:
             reasons.append(Reason(str(err)))
             continue
@@ -420,6 +420,20 @@ def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1
             continue
         return template
     return reasons[0]  # the default template's reason
+
+
+def _lowers(graph: Graph, nodes: list[Node], pattern, template: KernelSchedule, smem_limit: int) -> None:
+    """Raise the CodegenError that ``generate`` would raise for this template, if any. A probe
+    lowering (register-composed copies of a body lowered once, symbolically) goes first: what it
+    accepts, the full lowering accepts. It can refuse more (an index that is affine only once its
+    THREAD indices are constants), so its refusals are confirmed by the full lowering."""
+    from fusionstitching.codegen.lower import lower
+    from fusionstitching.codegen.values import CodegenError
+
+    try:
+        lower(graph, nodes, template, vectorize_access=False, smem_limit=smem_limit, probe=True, pattern=pattern)
+    except CodegenError:
+        lower(graph, nodes, template, vectorize_access=False, smem_limit=smem_limit, pattern=pattern)
 
 
 def _crowded(pattern, template: KernelSchedule) -> Reason | None:

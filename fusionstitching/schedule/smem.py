@@ -52,6 +52,8 @@ pattern (DESIGN.md, "Kernel schedules").
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -172,20 +174,28 @@ class _Flow:
         self.pos = {node.name: i for i, node in enumerate(order)}
         self.end = len(order)
         self.users = {node.name: [u.name for u in all_users[node] if u in members] for node in order}
-        self.digraph = nx.DiGraph()
-        self.digraph.add_nodes_from(self.nodes)
-        self.digraph.add_edges_from((name, u) for name in self.nodes for u in self.users[name])
+        self.leaves = [node.name for node in order
+                       if id(node) in outputs or any(u not in members for u in all_users[node])
+                       or not self.users[node.name]]
         self.root = _Root()
-        reversed_graph = self.digraph.reverse(copy=True)
-        for node in order:
-            leaves = id(node) in outputs or any(u not in members for u in all_users[node])
-            if leaves or not self.users[node.name]:
-                reversed_graph.add_edge(self.root, node.name)
-        self.idom = nx.immediate_dominators(reversed_graph, self.root)
         self.span: dict[str, int] = {}
         for node in reversed(order):
             self.span[node.name] = max((self.span[u] + 1 for u in self.users[node.name]), default=0)
         self._descendants: dict[str, set[str]] = {}
+
+    # The graphs are built on first use: most patterns request no shared memory at all.
+    @functools.cached_property
+    def digraph(self) -> nx.DiGraph:
+        digraph = nx.DiGraph()
+        digraph.add_nodes_from(self.nodes)
+        digraph.add_edges_from((name, u) for name in self.nodes for u in self.users[name])
+        return digraph
+
+    @functools.cached_property
+    def idom(self) -> dict:
+        reversed_graph = self.digraph.reverse(copy=True)
+        reversed_graph.add_edges_from((self.root, name) for name in self.leaves)
+        return nx.immediate_dominators(reversed_graph, self.root)
 
     def descendants(self, name: str) -> set[str]:
         if name not in self._descendants:

@@ -23,7 +23,7 @@ from fusionstitching import capture
 from fusionstitching.bench.check import relative_error
 from fusionstitching.codegen import default_template, generate
 from fusionstitching.codegen import kernel_ir as K
-from fusionstitching.codegen.lower import resolve_pattern
+from fusionstitching.codegen.lower import lower, resolve_pattern
 from fusionstitching.codegen.simulate import SimulationError
 from fusionstitching.codegen.values import CodegenError
 from fusionstitching.graph import reference
@@ -208,17 +208,56 @@ def test_feasible_falls_back_to_block_mode_for_row_and_column_reductions_togethe
 
 
 def test_feasible_is_fast_on_a_twenty_op_pattern():
-    case = layernorm("f32", 64, 256)
-    assert 15 <= len(case.nodes) <= 40
-    feasible(case.graph, case.nodes)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
+    """Register-composed rows are lowered once, symbolically, when probing (2 ms on a 2-core
+    machine for this 25-node LayerNorm, against 12 ms for the full lowering); the bound leaves room
+    for a loaded CI machine."""
+    for case in (layernorm("f32", 64, 256), layernorm("f32", 16384, 1024)):
+        assert 15 <= len(case.nodes) <= 40
         feasible(case.graph, case.nodes)
-        times.append(time.perf_counter() - start)
-    median_ms = sorted(times)[2] * 1000
-    print(f"feasible: {median_ms:.2f} ms for {len(case.nodes)} nodes")
-    assert median_ms < 50
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            feasible(case.graph, case.nodes)
+            times.append(time.perf_counter() - start)
+        median_ms = sorted(times)[3] * 1000
+        print(f"feasible: {median_ms:.2f} ms for {len(case.nodes)} nodes")
+        assert median_ms < 8
+
+
+def _lowering_verdicts(graph, nodes, template) -> tuple[bool, bool]:
+    """Whether the probe lowering and the full lowering accept ``template``."""
+    verdicts = []
+    for probe in (True, False):
+        try:
+            lower(graph, nodes, template, vectorize_access=False, probe=probe)
+            verdicts.append(True)
+        except CodegenError:
+            verdicts.append(False)
+    return verdicts[0], verdicts[1]
+
+
+@pytest.mark.parametrize("name,make,dtype,rows,cols", MATRIX, ids=[m[0] for m in MATRIX])
+def test_probe_lowering_agrees_with_the_full_lowering(name, make, dtype, rows, cols):
+    """``feasible`` trusts the probe's acceptances; on the matrix it also refuses nothing that the
+    full lowering builds (a refusal is confirmed by the full lowering anyway)."""
+    case = make(dtype, rows, cols)
+    for template in templates(case):
+        assert _lowering_verdicts(case.graph, case.nodes, template) in ((True, True), (False, False)), template
+
+
+def test_probe_lowering_catches_a_register_read_outside_the_footprint():
+    """Reads of a reduction kept in registers are checked for all of a thread's copies at once:
+    a row sum read at the next row (a reshape that shifts rows) is refused by both lowerings."""
+    b = GraphBuilder("shifted")
+    x = b.parameter((8, 64), DType.F32, "x")
+    rows = b.reduce(x, [1], "sum")
+    out = b.binary("add", x, b.broadcast(b.reshape(b.transpose(b.reshape(rows, (2, 4)), (1, 0)), (8,)),
+                                         (8, 64), (0,)))
+    graph = b.build([out])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    pattern = resolve_pattern(graph, nodes)
+    template = composed_template(pattern, sub_roots(pattern), 128, warp_rows=4, rows_per_warp=2)
+    assert _lowering_verdicts(graph, nodes, template) == (False, False)
 
 
 _OPS = ["exp", "neg", "tanh", "abs"]
@@ -256,6 +295,13 @@ def test_whatever_feasible_accepts_simulates_correctly(sample):
     graph, arrays = sample
     nodes = [n for n in graph.nodes if n.op != "parameter"]
     answer = feasible(graph, nodes)
+    pattern = resolve_pattern(graph, nodes)
+    reductions = sub_roots(pattern) + [o for o in pattern.outputs if o.op == "reduce"]
+    if reductions:
+        for template in (composed_template(pattern, reductions, 128, warp_rows=4, rows_per_warp=2),
+                         composed_template(pattern, reductions, 64, warp_rows=None)):
+            probe, full = _lowering_verdicts(graph, nodes, template)
+            assert full or not probe, f"the probe accepted {template}, which the full lowering refuses"
     if not answer:
         assert str(answer)
         return
