@@ -39,7 +39,6 @@ both nodes, so whatever lowers is correct by construction.
 from __future__ import annotations
 
 import functools
-
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field

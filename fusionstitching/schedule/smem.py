@@ -53,7 +53,6 @@ pattern (DESIGN.md, "Kernel schedules").
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
