@@ -242,8 +242,14 @@ def batched_template(pattern, reductions: list[Node], cache_operands: bool = Tru
     op in it (the softmax before DIN's second dot) is recomputed by every thread of the dot's
     output row, i.e. once per output column; with ``cache_operands`` it becomes an ``S`` sub-root
     computed once per element (DIN attention 256×50×36 on an H200: 7.0 µs against 16.5 µs
-    recomputed). ``feasible`` tries the other way when this one does not lower."""
-    reductions = list(reductions) + (_cached_operands(pattern) if cache_operands else [])
+    recomputed). ``feasible`` tries the other way when this one does not lower.
+
+    A dot operand that transposes a kernel input's last dim away (DIN's keysᵀ) is staged in shared
+    memory too, loaded with the threads along the input's contiguous dim: the dot's threads, which
+    go along its output dim, would otherwise each read their own row of the input (a 256-byte
+    stride between lanes)."""
+    reductions = list(reductions) + _staged_transposes(pattern)
+    reductions += _cached_operands(pattern) if cache_operands else []
     roots = [n for n in pattern.nodes if any(n is r for r in reductions) or any(n is o for o in pattern.outputs)]
     spaces = [_space(r) for r in roots]
     batch = 0
@@ -257,6 +263,8 @@ def batched_template(pattern, reductions: list[Node], cache_operands: bool = Tru
         reduced = set(reduced_dims(root)) if is_reduction(root) else set()
         across = max(reduced) if root.op == "reduce" else max([d for d in range(batch, len(space))
                                                                if d not in reduced] or [len(space) - 1])
+        if root.op == "transpose":  # threads along the operand's contiguous dim: coalesced loads
+            across = max(batch, list(root.attrs["permutation"]).index(len(space) - 1))
         dims = []
         for d in range(len(space)):
             level = Level.GRID if d < batch else Level.CTA if d == across else Level.THREAD
@@ -279,6 +287,19 @@ def _cached_operands(pattern) -> list[Node]:
         for operand in dot.operands:
             if id(operand) in inside and not is_reduction(operand) and _has_expensive(operand, inside) \
                     and not any(operand is f for f in found):
+                found.append(operand)
+    return found
+
+
+def _staged_transposes(pattern) -> list[Node]:
+    """Dot operands inside the pattern that transpose a kernel input's last dim (``batched_template``)."""
+    inside = {id(n) for n in pattern.nodes}
+    found = []
+    for dot in (n for n in pattern.nodes if n.op == "dot_general"):
+        for operand in dot.operands:
+            if (operand.op == "transpose" and id(operand) in inside and id(operand.operands[0]) not in inside
+                    and operand.attrs["permutation"][-1] != len(operand.shape) - 1
+                    and not any(operand is f for f in found)):
                 found.append(operand)
     return found
 

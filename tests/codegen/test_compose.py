@@ -224,6 +224,19 @@ def test_feasible_is_fast_on_a_twenty_op_pattern():
         assert median_ms < 8
 
 
+def test_din_stages_the_transposed_keys_with_coalesced_loads():
+    """keysᵀ is loaded into shared memory with the threads along the keys' contiguous dim (each
+    warp reads whole 128-byte rows), and the first dot's threads read it across banks; before,
+    each thread read its own key row with a 144-byte stride between lanes."""
+    case = din_attention("f32", 3, 7)
+    template = feasible(case.graph, case.nodes)
+    staged = [s for s in template.schedules if case.graph.node(s.root).op == "transpose"]
+    assert len(staged) == 1 and staged[0].shared
+    assert [tiles[0].level.value for tiles in staged[0].dims] == ["GRID", "CTA", "THREAD"]
+    kernel = generate(case.graph, case.nodes, template)
+    assert kernel.smem_plan.buffers and any("transpose" in b.sharers for b in kernel.smem_plan.buffers)
+
+
 def _lowering_verdicts(graph, nodes, template) -> tuple[bool, bool]:
     """Whether the probe lowering and the full lowering accept ``template``."""
     verdicts = []
