@@ -325,23 +325,31 @@ def _has_expensive(node: Node, inside: set[int]) -> bool:
 def _packed_template(pattern, threads: int) -> KernelSchedule:
     from fusionstitching.codegen.lower import packed_groups
 
-    transposed = _reads_transposed(pattern)
-    schedules = [_root_schedule(root, threads, transposed) for root in pattern.outputs]
+    schedules = [_root_schedule(root, threads, _reads_transposed(pattern, root)) for root in pattern.outputs]
     groups = packed_groups(list(zip(schedules, pattern.outputs)), {id(n) for n in pattern.nodes})
     total = sum(level_extent(sched, _space(members[0]), Level.GRID) for sched, members in groups)
     blocks = max(len(groups), min(total, MAX_BLOCKS))
     return KernelSchedule(tuple(schedules), Launch(blocks, threads))
 
 
-def _reads_transposed(pattern) -> bool:
-    """Whether some input is read along a dim other than its innermost one (a transpose)."""
-    for node in pattern.nodes:
+def _reads_transposed(pattern, root: Node) -> bool:
+    """Whether ``root`` reads some input along a dim other than its innermost one (a transpose).
+    Other roots packed with it keep their row-major tiles."""
+    inside = {id(n) for n in pattern.nodes}
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if id(node) not in inside:
+            layout = node.layout
+            if layout is not None and len(node.shape) >= 2 and node.shape[-1] > 1 and layout.strides[-1] != 1:
+                return True
+            continue
         if node.op == "transpose" and node.attrs["permutation"][-1] != len(node.shape) - 1:
             return True
-    for node in pattern.inputs:
-        layout = node.layout
-        if layout is not None and len(node.shape) >= 2 and node.shape[-1] > 1 and layout.strides[-1] != 1:
-            return True
+        stack.extend(node.operands)
     return False
 
 
@@ -362,6 +370,37 @@ def _narrow_vector_rows(space, kept: list[int], threads: int, vector: int) -> tu
     if lanes < 32 or space[d - 1] < threads // lanes:
         return None
     return d, lanes
+
+
+def _short_vector_rows(space, kept: list[int], threads: int, vector: int) -> dict[int, tuple[Tile, ...]] | None:
+    """Tiles for an innermost dim of a few 16-byte vectors (a head's 64 bf16 values: 8 vectors):
+    its vectors across lanes and the rest of the block over the dims before it, each taking the
+    largest power of two of the threads left that divides it, so that a block has no idle threads
+    (heads × tokens of an attention transpose [32, 128, 12, 64]: ``GRID-CTA_8, GRID-CTA_4,
+    CTA_8-THREAD_8``). Without it such a dim got one element per thread (1 TB/s on an H100)."""
+    if not kept or kept[-1] != len(space) - 1:
+        return None
+    d = kept[-1]
+    size = space[d]
+    if size % vector or size >= vector * threads or size < 2 * vector:
+        return None
+    per_row = size // vector
+    lanes = min(per_row & -per_row, threads)
+    tiles = {d: ((Tile(Level.GRID),) if per_row > lanes else ()) + (Tile(Level.CTA, lanes), Tile(Level.THREAD, vector))}
+    remaining = threads // lanes
+    for outer in reversed(kept[:-1]):
+        if remaining < 2:
+            break
+        extent = space[outer]
+        part = min(extent & -extent, remaining)
+        if part == extent:
+            tiles[outer] = (Tile(Level.CTA),)
+        elif part > 1:
+            tiles[outer] = (Tile(Level.GRID), Tile(Level.CTA, part))
+        else:
+            break  # an odd dim: the rest of the block would idle or need tails
+        remaining //= part
+    return tiles if remaining < threads // lanes else None
 
 
 def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedule:
@@ -386,6 +425,11 @@ def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedu
         dims[d] = ((Tile(Level.GRID),) if space[d] > lanes * vector else ()) + (
             Tile(Level.CTA, lanes), Tile(Level.THREAD, vector))
         dims[d - 1] = (Tile(Level.GRID), Tile(Level.CTA, threads // lanes))
+        return Schedule(root.name, tuple(dims))
+    short = _short_vector_rows(space, kept, threads, vector) if not is_reduction(root) else None
+    if short is not None:
+        for d, tiles in short.items():
+            dims[d] = tiles
         return Schedule(root.name, tuple(dims))
     for position, d in enumerate(reversed(kept)):
         size = space[d]
