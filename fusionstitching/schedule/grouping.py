@@ -385,7 +385,7 @@ def _short_vector_rows(space, kept: list[int], threads: int, vector: int) -> dic
     if size % vector or size >= vector * threads or size < 2 * vector:
         return None
     per_row = size // vector
-    lanes = min(per_row & -per_row, threads)
+    lanes = per_row if per_row <= WARP_SIZE else min(per_row & -per_row, threads)  # a short row: all on lanes
     tiles = {d: ((Tile(Level.GRID),) if per_row > lanes else ()) + (Tile(Level.CTA, lanes), Tile(Level.THREAD, vector))}
     remaining = threads // lanes
     for outer in reversed(kept[:-1]):
@@ -393,12 +393,13 @@ def _short_vector_rows(space, kept: list[int], threads: int, vector: int) -> dic
             break
         extent = space[outer]
         part = min(extent & -extent, remaining)
-        if part == extent:
+        if part == extent or (part == 1 and extent <= remaining):
+            part = extent  # whole (an odd dim that fits: some threads of the block idle)
             tiles[outer] = (Tile(Level.CTA),)
         elif part > 1:
             tiles[outer] = (Tile(Level.GRID), Tile(Level.CTA, part))
         else:
-            break  # an odd dim: the rest of the block would idle or need tails
+            break  # an odd dim longer than the threads left: it would need tails
         remaining //= part
     return tiles if remaining < threads // lanes else None
 

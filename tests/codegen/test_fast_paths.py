@@ -137,3 +137,29 @@ def test_expensive_dot_operand_is_cached_in_shared_memory_and_the_other_way_is_a
         _, (got,) = _simulate(graph, arrays, t)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert "smem" in str(generate(graph, nodes, template).smem_plan)
+
+
+@pytest.mark.parametrize("shape,perm,dtype", [((32, 12, 128, 64), (0, 2, 1, 3), DType.BF16),
+                                              ((4, 6, 8, 16), (0, 2, 1, 3), DType.F32),
+                                              ((2, 3, 4, 24), (0, 2, 1, 3), DType.BF16)])
+def test_head_transposes_move_16_byte_vectors(shape, perm, dtype):
+    """Swapping the heads and tokens of [batch, heads, tokens, 64] keeps rows of a few 16-byte
+    vectors contiguous: the lanes take the vectors and the other threads of a block the dims before
+    (every thread busy), not one element each."""
+    b = GraphBuilder("heads")
+    out = b.transpose(b.parameter(shape, dtype, "x"), perm)
+    graph = b.build([out])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    template = feasible(graph, nodes)
+    vector = 16 // dtype.itemsize
+    assert f"-THREAD_{vector}]" in str(template), template
+    kernel = generate(graph, nodes, template)
+    assert ("uint4" if dtype == DType.BF16 else "float4") in kernel.cuda_source
+    compile_cuda(kernel.cuda_source, "sm_90")
+    if np.prod(shape) <= 4096:
+        data = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        if dtype == DType.BF16:
+            import ml_dtypes
+            data = data.astype(ml_dtypes.bfloat16)
+        (got,) = kernel.simulate([data])
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.transpose(data, perm).astype(np.float32))
