@@ -332,6 +332,7 @@ class NeighbourMerging(PlanSeeded):
             siblings = sorted({k for k in siblings if not _lone_reshape(seeds[k])})
             for a, b in itertools.pairwise(siblings):
                 pairs[(a, b)] = None
+        edges = set(pairs)
         pairs = {(a, b): None for a, b in pairs if not _lone_reshape(seeds[a]) and not _lone_reshape(seeds[b])}
         position = self.graph.index.position
         found = []
@@ -340,6 +341,42 @@ class NeighbourMerging(PlanSeeded):
                 continue
             union = sorted(set(seeds[a]) | set(seeds[b]), key=position.__getitem__)
             candidate = _propose_union(union, self.seen, self.legality, "exploratory fusion of neighbouring patterns")
+            if candidate is not None:
+                found.append(candidate)
+        for a, b in pairs:
+            if (a, b) in edges:
+                found += self._evicting(seeds[a], seeds[b])
+        return found
+
+    def _evicting(self, producer: Sequence[Node], consumer: Sequence[Node]) -> list[Candidate]:
+        """The producer's side outputs of another shape than what the consumer reads, with the
+        nodes that only feed them, moved to a pattern of their own, so that the rest of the producer
+        can merge with the consumer. BERT's attention mask [b, 1, s, s] is computed in the first
+        layer's scores kernel and kept for the later layers: with it, that kernel's grid differs
+        from the softmax's and the first layer's softmax ran as two thread-serial kernels."""
+        users = self.graph.index.users
+        outputs = self.graph.index.output_ids
+        members, reader = set(producer), set(consumer)
+        read = {n.shape for n in producer if any(u in reader for u in users[n])}
+        side = {n for n in producer if n.shape not in read and not any(u in reader for u in users[n])
+                and (id(n) in outputs or any(u not in members for u in users[n]))}
+        if not side:
+            return []
+        evicted = set(side)
+        for node in sorted(producer, key=self.graph.index.position.__getitem__, reverse=True):
+            if node not in evicted and all(u in evicted for u in users[node] if u in members) \
+                    and any(u in evicted for u in users[node]) and id(node) not in outputs \
+                    and all(u in members for u in users[node]):
+                evicted.add(node)
+        rest = [n for n in producer if n not in evicted]
+        if not rest or len(rest) + len(consumer) > MERGE_MAX_OPS:
+            return []
+        position = self.graph.index.position
+        found = []
+        for nodes in (sorted(evicted, key=position.__getitem__),
+                      sorted(set(rest) | reader, key=position.__getitem__)):
+            candidate = _propose_union(nodes, self.seen, self.legality,
+                                       "exploratory fusion of neighbouring patterns, side outputs evicted")
             if candidate is not None:
                 found.append(candidate)
         return found

@@ -242,3 +242,35 @@ def test_the_default_is_never_worse_than_fusion_exploration_i(name):
         assert plan.kernel_count <= first.kernel_count, (name, graph.name, plan.explain())
         assert plan.estimated_us <= first.estimated_us + 1e-6, (name, graph.name, plan.explain())
         assert plan.library_count == first.library_count
+
+
+def test_side_output_of_another_shape_is_evicted_so_the_softmax_stays_whole():
+    """BERT's attention mask [b, 1, s, s] is built in the first layer (from the input mask) and kept
+    for the later layers. Fused into the first layer's scores kernel it gives that kernel another
+    grid than the softmax's, and the softmax was split (scores + mask stored, then read back).
+    Neighbour merging moves the mask to a kernel of its own, and the first layer's softmax is one
+    warp-composed kernel like the others."""
+    import warnings
+
+    from fusionstitching.bench import workloads as W
+    from fusionstitching.frontend.torch_fx import capture
+
+    workload = W.bert(batch=8, seq=128, hidden=64, layers=2, heads=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(workload.fn, *workload.inputs, name="bert").forward
+    plan = explore(graph)
+    check_plan(plan)
+    owner = {name: k for k, pattern in enumerate(plan.patterns) for name in pattern.nodes}
+    masks = [n for n in graph.nodes if n.op == "select" and n.shape[1] == 1 and len(n.shape) == 4]
+    assert masks
+    for mask in masks:
+        readers = [u for u in graph.index.users[mask]]
+        assert all(owner.get(u.name) != owner.get(mask.name) or u.shape == mask.shape for u in readers)
+    softmax_max = [n for n in graph.nodes if n.op == "reduce" and n.attrs.get("kind") == "max"]
+    assert len(softmax_max) == 2
+    for reduce in softmax_max:
+        pattern = plan.patterns[owner[reduce.name]]
+        ops = [graph.node(name).op for name in pattern.nodes]
+        assert ops.count("reduce") == 2 and "exp" in ops and "div" in ops, pattern.nodes
+        assert "WARP" in str(pattern.schedule)
