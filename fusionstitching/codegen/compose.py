@@ -156,7 +156,9 @@ def make_groups(schedules: Sequence[Schedule], nodes: dict[str, Node], outputs: 
 
 
 def _level_extents(group: Group, level: Level) -> list[int]:
-    return [f.extent for f in group.factors if f.level == level]
+    """The extents of a group's tiles at ``level``, but those of 1 (a [1, 128, 768] epilogue of a
+    [128, 768] column sum shares its grid)."""
+    return [f.extent for f in group.factors if f.level == level and f.extent > 1]
 
 
 class Composer(Reductions, RegisterComposition):
@@ -228,7 +230,11 @@ class Composer(Reductions, RegisterComposition):
         return [K.For(var, first, em.idx(total), em.idx(count), tuple(body), kind)]
 
     def _share(self, group: Group, level: Level, source: list[Factor]) -> None:
-        for f, s in zip([f for f in group.factors if f.level == level], source):
+        mine = [f for f in group.factors if f.level == level]
+        for f in mine:
+            if f.extent == 1:
+                f.var = self.em.idx(0)
+        for f, s in zip([f for f in mine if f.extent > 1], [s for s in source if s.extent > 1]):
             f.var = s.var
 
     def _special(self, name: str) -> K.Expr:

@@ -13,7 +13,8 @@ sub-roots by a template; the default recomputes them).
   pattern reading a transposed input gets 32×32 tiles; reduced dims of a reduction root are
   THREAD loops; packed sub-kernels get blocks in proportion to their size;
 - only column reductions (reduced dims exclude the innermost one): ``column_template``, the
-  innermost dim across lanes and the reduced rows across warps;
+  innermost dim across lanes and the reduced rows across warps; column reductions with an
+  epilogue over many columns: ``thread_serial_template``, a thread per column;
 - small batched dots with other groups (``batched_template``): a block per batch element;
 - with reductions (composition): all groups share one tiling. Dims that no reduction reduces are
   GRID (in warp mode the last of them is ``GRID-WARP_4``: a row per warp, four warps — measured
@@ -58,6 +59,7 @@ WARP_ROWS = 4  # rows (warps) per block in warp mode: measured best for softmax 
 WARP_MODE_MAX_LENGTH = 1024
 WARP_SIZE = 32
 MAX_REGISTER_ELEMENTS = 32
+SERIAL_COLUMNS_MIN = 8192  # column reductions with an epilogue: a thread per column from this many
 MAX_ELEMENTS_PER_THREAD = 1024  # feasible refuses templates that leave a thread more work (``_crowded``)
 
 
@@ -98,6 +100,8 @@ def choose_template(pattern, threads: int = DEFAULT_THREADS) -> KernelSchedule:
         return batched_template(pattern, reductions)
     if reductions and _column_pattern(pattern, reductions):
         return column_template(pattern, reductions)
+    if reductions and _wide_columns(reductions):
+        return thread_serial_template(pattern, reductions, threads)
     if reductions:
         length = math.prod(_space(reductions[0])[d] for d in reduced_dims(reductions[0]))
         warp_rows = WARP_ROWS if length <= WARP_MODE_MAX_LENGTH else None
@@ -196,6 +200,20 @@ def _column_pattern(pattern, reductions: list[Node]) -> bool:
         return False
     space = _space(reductions[0])
     return (len(space) - 1) not in set(reduced_dims(reductions[0])) and space[-1] % WARP_SIZE == 0
+
+
+def _wide_columns(reductions: list[Node]) -> bool:
+    """Column reductions (the innermost dim kept) with an epilogue and at least
+    ``SERIAL_COLUMNS_MIN`` columns each: a thread per column, looping over the reduced rows, keeps
+    the reads coalesced and the GPU full (a position-embedding gradient [32, 128, 768] → [128, 768]
+    with its mask: the warp template put the lanes on the 32 batch rows, 98304 elements apart)."""
+    for r in reductions:
+        space, reduced = _space(r), set(reduced_dims(r)) if is_reduction(r) else set()
+        if r.op != "reduce" or (len(space) - 1) in reduced or space[-1] < WARP_SIZE:
+            return False
+        if math.prod(space[d] for d in range(len(space)) if d not in reduced) < SERIAL_COLUMNS_MIN:
+            return False
+    return True
 
 
 def column_template(pattern, reductions: list[Node]) -> KernelSchedule:

@@ -391,8 +391,9 @@ def _schedule_info(tiling: tuple, space: tuple[int, ...], reduced: frozenset[int
         for k, (tile, e) in enumerate(zip(tiles, extents)):
             weight = math.prod(extents[k + 1:])
             if tile.level == Level.GRID:
-                terms.append((len(grid), weight if e > 1 else 0))
-                grid.append(e)
+                if e > 1:  # a GRID tile of one block is no grid dim (the codegen shares grids alike)
+                    terms.append((len(grid), weight))
+                    grid.append(e)
             else:
                 digits.append((weight, e))
         dims.append(_dim(terms, 0, digits, 0, size))

@@ -163,3 +163,24 @@ def test_head_transposes_move_16_byte_vectors(shape, perm, dtype):
             data = data.astype(ml_dtypes.bfloat16)
         (got,) = kernel.simulate([data])
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.transpose(data, perm).astype(np.float32))
+
+
+def test_wide_column_sum_with_an_epilogue_takes_a_thread_per_column():
+    """A position-embedding gradient: [batch, tokens, hidden] summed over the batch into
+    [1, tokens, hidden], then masked. A thread per column loops over the batch (lanes on the
+    contiguous hidden dim); the epilogue's [1, ...] grid is the sum's [tokens, hidden] grid."""
+    b = GraphBuilder("position_grad")
+    x = b.parameter((4, 32, 256), DType.F32, "x")
+    keep = b.parameter((1, 32, 256), DType.BOOL, "keep")
+    total = b.reshape(b.reduce(x, [0], "sum"), (1, 32, 256))
+    out = b.select(keep, total, b.broadcast(b.constant(0.0, DType.F32), (1, 32, 256), ()))
+    graph = b.build([out])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    template = feasible(graph, nodes)
+    assert str(template).startswith("reduce[THREAD,GRID,GRID-CTA_256]"), template
+    kernel = generate(graph, nodes, template)
+    rng = np.random.default_rng(0)
+    arrays = {"x": rng.standard_normal((4, 32, 256)).astype(np.float32), "keep": rng.random((1, 32, 256)) < 0.5}
+    (got,) = kernel.simulate([arrays[n] for n in kernel.inputs])
+    (want,) = reference.evaluate(graph, [arrays["x"], arrays["keep"]])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
