@@ -25,7 +25,9 @@ sub-roots by a template; the default recomputes them).
   keeps k 16-byte vectors of the row in registers, from which every group reads (the row is
   loaded from memory once; lowering's register composition).
 
-``feasible`` asks the code generator itself: it lowers the default template and returns it; when
+``feasible`` asks the code generator itself: it lowers the default template (a probe lowering, in
+which a thread's register copies of a row are lowered once with registers for their indices; its
+refusals are confirmed by the full lowering) and returns it; when
 lowering refuses it, a composed pattern is tried with one row per warp at a time, then in block
 mode, then thread-serial (``thread_serial_template``), and the first template that lowers is returned, else the reason lowering gave for the default (block locality, shared memory, an unsupported op), so that whatever it
 accepts, ``generate`` builds. A template that would leave each thread more than
