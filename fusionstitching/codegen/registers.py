@@ -20,7 +20,7 @@ from fusionstitching.codegen.values import (
     reduction_kind,
     register_type,
 )
-from fusionstitching.codegen.vectorize import pack_lanes
+from fusionstitching.codegen.vectorize import affine, pack_lanes
 from fusionstitching.schedule.template import WARP_SIZE as WARP
 from fusionstitching.schedule.template import Level
 
@@ -52,11 +52,53 @@ class RegisterComposition:
             if self._row_value(g):
                 continue
             for d, size in enumerate(g.space):
-                if math.prod(f.extent for f in g.factors if f.dim == d) != size:
+                if math.prod(f.extent for f in g.factors if f.dim == d) != size and self._vector_tail(g, d) is None:
                     return False
         cta = math.prod(e for _, level, e in first if level == Level.CTA)
         serial = math.prod(e for _, level, e in first if level == Level.THREAD)
         return cta == count and serial <= 64
+
+    @staticmethod
+    def _vector_tail(group: Group, d: int) -> int | None:
+        """The vectors in dim ``d`` when it is the last dim, its tiles end in a THREAD vector whose
+        width divides it and they cover it with a tail (a row of 1000 f32 as ``THREAD_8-CTA_32-
+        THREAD_4``: 250 vectors in 256 slots). The slots past the end read the last vector again
+        (the index is clamped, so every load stays in bounds and vectors stay whole) and are masked
+        out of reductions and stores."""
+        fs = [f for f in group.factors if f.dim == d]
+        if d != len(group.space) - 1 or not fs or fs[-1].level != Level.THREAD or fs[-1].extent < 2:
+            return None
+        size, width = group.space[d], fs[-1].extent
+        if size % width or math.prod(f.extent for f in fs) < size:
+            return None
+        return size // width
+
+    def _register_index(self, group: Group) -> tuple[list[K.Expr], K.Expr | None]:
+        """``_index`` for a register body: a dim with a vector tail (``_vector_tail``) has its vector
+        slot clamped to the last vector, and the guard says whether the slot is real."""
+        em = self.em
+        index, guard = [], None
+        for d, size in enumerate(group.space):
+            fs = [f for f in group.factors if f.dim == d]
+            vectors = self._vector_tail(group, d) if math.prod(f.extent for f in fs) != size else None
+            if vectors is None:
+                expr: K.Expr = em.idx(0)
+                for f in fs:
+                    expr = K.add(K.mul(expr, em.idx(f.extent)), f.var)
+                index.append(em.let("i", expr) if not isinstance(expr, (K.Var, K.Const)) else expr)
+                continue
+            slot: K.Expr = em.idx(0)
+            for f in fs[:-1]:
+                slot = K.add(K.mul(slot, em.idx(f.extent)), f.var)
+            form = affine(slot, em.definitions)
+            high = None if form is None else form[1] + sum(
+                c * (self.ranges[n] - 1) if n in self.ranges else math.inf for n, c in form[0].items())
+            if high is None or high >= vectors:  # some slot of this copy may be past the end
+                slot = em.let("i", slot)
+                guard = K.land(guard, K.lt(slot, em.idx(vectors)))
+                slot = em.let("i", K.Binary("min", slot, em.idx(vectors - 1), em.index_type))
+            index.append(em.let("i", K.add(K.mul(slot, em.idx(fs[-1].extent)), fs[-1].var)))
+        return index, guard
 
     @staticmethod
     def _row_value(group: Group) -> bool:
@@ -116,8 +158,10 @@ class RegisterComposition:
                     if key not in accs:
                         accs[key] = em.accumulator("acc", rtype)
                         em.stmts.append(K.Let(accs[key], reduce_identity(kind, root.dtype)))
-                    index, _ = self._index(group)
+                    index, guard = self._register_index(group)
                     value = em.term(root, index)
+                    if guard is not None:
+                        value = K.Select(guard, value, reduce_identity(kind, root.dtype), rtype)
                     em.stmts.append(K.Assign(accs[key], combine(kind, accs[key], value, rtype)))
                 for key, acc in accs.items():
                     for f, value in zip(kept_thread, key):
@@ -142,14 +186,16 @@ class RegisterComposition:
             for combo in combos:
                 for f, value in zip(thread_factors, combo):
                     f.var = value
-                index, _ = self._index(group)
+                index, guard = self._register_index(group)
                 value = em.value(group.root, tuple(index))
+                stores = []
                 if group.output is not None:
                     name, layout = group.output
                     store = K.Cast(value, group.root.dtype.value) if group.root.dtype.is_half else value
-                    em.stmts.append(K.Store(name, em.linear(index, layout.strides), store))
+                    stores.append(K.Store(name, em.linear(index, layout.strides), store))
                 if buffer is not None:
-                    em.stmts.append(K.Store(buffer.name, self._local_index(group, index), value))
+                    stores.append(K.Store(buffer.name, self._local_index(group, index), value))
+                em.stmts.extend([K.If(guard, tuple(stores))] if guard is not None and stores else stores)
             if buffer is not None:
                 em.stmts.append(K.Barrier())
                 self._register_shared_reader(group, buffer)

@@ -175,6 +175,11 @@ def _reduced_tiles(length: int, lanes: int, vector: int) -> tuple[Tile, ...]:
             k = length // (lanes * v)
             tiles = ([Tile(Level.THREAD, k)] if k > 1 else []) + [Tile(Level.CTA, lanes)]
             return tuple(tiles + ([Tile(Level.THREAD, v)] if v > 1 else []))
+    v = next((v for v in widths if v > 1 and length % v == 0), None)
+    if v is not None and length > lanes * v:  # whole vectors with a tail of slots: 1000 f32 = 250 of 256
+        k = -(-length // (lanes * v))
+        if k * v <= MAX_REGISTER_ELEMENTS:
+            return (Tile(Level.THREAD, k), Tile(Level.CTA, lanes), Tile(Level.THREAD, v))
     return (Tile(Level.CTA),)
 
 

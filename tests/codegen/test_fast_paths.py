@@ -184,3 +184,33 @@ def test_wide_column_sum_with_an_epilogue_takes_a_thread_per_column():
     (got,) = kernel.simulate([arrays[n] for n in kernel.inputs])
     (want,) = reference.evaluate(graph, [arrays["x"], arrays["keep"]])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,cols,dtype", [(8, 1000, DType.F32), (4, 200, DType.F32), (8, 520, DType.BF16)])
+def test_rows_with_a_vector_tail_stay_in_registers(rows, cols, dtype):
+    """A log-softmax over 1000 classes: 250 vectors of 4 in 256 slots of a warp. The row is read
+    once into registers as 16-byte vectors; the slots past the end read the last vector again
+    (clamped index) and are masked out of the reductions and the stores."""
+    b = GraphBuilder("log_softmax")
+    x = b.parameter((rows, cols), dtype, "x")
+    xf = b.convert(x, DType.F32) if dtype != DType.F32 else x
+    top = b.broadcast(b.reduce(xf, [1], "max"), (rows, cols), (0,))
+    shifted = b.binary("sub", xf, top)
+    total = b.broadcast(b.reduce(b.unary("exp", shifted), [1], "sum"), (rows, cols), (0,))
+    out = b.binary("sub", shifted, b.unary("log", total))
+    out = b.convert(out, dtype) if dtype != DType.F32 else out
+    graph = b.build([out])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    template = feasible(graph, nodes)
+    vector = 16 // dtype.itemsize if cols % (16 // dtype.itemsize) == 0 else 8 // dtype.itemsize
+    assert f"CTA_32-THREAD_{vector}]" in str(template) and "THREAD_" in str(template).split(",")[1], template
+    kernel = generate(graph, nodes, template)
+    assert "(registers)" in kernel.cuda_source and "_vec" in kernel.cuda_source
+    compile_cuda(kernel.cuda_source, "sm_90")
+    data = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32) * 4
+    if dtype == DType.BF16:
+        import ml_dtypes
+        data = data.astype(ml_dtypes.bfloat16)
+    (got,) = kernel.simulate([data])
+    (want,) = reference.evaluate(graph, [data])
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2 if dtype == DType.BF16 else 1e-5, atol=1e-2 if dtype == DType.BF16 else 1e-5)
