@@ -1,10 +1,11 @@
 """Register composition: groups that tile a row alike share one straight-line body.
 
-When every group of a composed kernel tiles its thread-level dims identically, with no tails, one
-CTA iteration per thread and few THREAD elements, each thread keeps its elements in registers from
-one group to the next: a row is read from memory once, values like exp are computed once (let-CSE
-across groups), and the THREAD lanes of the last dim become 16-byte vector accesses. Reductions
-across warps (which only write outputs) follow the register body.
+When every group of a composed kernel tiles its thread-level dims identically, with no tails
+(but whole vectors with a tail of slots in the last dim, ``_vector_tail``), one CTA iteration per
+thread and few THREAD elements, each thread keeps its elements in registers from one group to the
+next: a row is read from memory once, values like exp are computed once (let-CSE across groups),
+and the THREAD lanes of the last dim become 16-byte vector accesses. Reductions across warps
+(which only write outputs) follow the register body.
 """
 
 from __future__ import annotations
