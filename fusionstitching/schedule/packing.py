@@ -1,0 +1,153 @@
+"""Thread composition and packing: the templates of patterns with no value crossing threads.
+
+Each output of such a pattern gets its own schedule (``_root_schedule``): the innermost dims go to
+the threads of a block as 16-byte vectors where the rows allow (a long row: ``GRID-CTA_256-
+THREAD_v``; a row of up to a block of vectors: its vectors across lanes and the rest of the block
+on the dims before it), the rest to the grid; a root that reads a transposed input gets 32×32
+tiles; the reduced dims of a reduction root are THREAD loops. Roots of one shape that read a
+common value share a loop nest (``codegen/lower.packed_groups``); packed sub-kernels get blocks in
+proportion to their size.
+"""
+
+from __future__ import annotations
+
+from fusionstitching.codegen.compose import iteration_space as _space
+from fusionstitching.codegen.values import is_reduction, reduced_dims
+from fusionstitching.graph.graph import Node
+from fusionstitching.schedule.template import (
+    WARP_SIZE,
+    KernelSchedule,
+    Launch,
+    Level,
+    Schedule,
+    Tile,
+    level_extent,
+)
+
+MAX_BLOCKS = 65535
+
+
+def _packed_template(pattern, threads: int) -> KernelSchedule:
+    from fusionstitching.codegen.lower import packed_groups
+
+    schedules = [_root_schedule(root, threads, _reads_transposed(pattern, root)) for root in pattern.outputs]
+    groups = packed_groups(list(zip(schedules, pattern.outputs)), {id(n) for n in pattern.nodes})
+    total = sum(level_extent(sched, _space(members[0]), Level.GRID) for sched, members in groups)
+    blocks = max(len(groups), min(total, MAX_BLOCKS))
+    return KernelSchedule(tuple(schedules), Launch(blocks, threads))
+
+
+def _reads_transposed(pattern, root: Node) -> bool:
+    """Whether ``root`` reads some input along a dim other than its innermost one (a transpose).
+    Other roots packed with it keep their row-major tiles."""
+    inside = {id(n) for n in pattern.nodes}
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if id(node) not in inside:
+            layout = node.layout
+            if layout is not None and len(node.shape) >= 2 and node.shape[-1] > 1 and layout.strides[-1] != 1:
+                return True
+            continue
+        if node.op == "transpose" and node.attrs["permutation"][-1] != len(node.shape) - 1:
+            return True
+        stack.extend(node.operands)
+    return False
+
+
+def _narrow_vector_rows(space, kept: list[int], threads: int, vector: int) -> tuple[int, int] | None:
+    """(dim, lanes) when the innermost dim is too short for a block of vector accesses but splits
+    into ``lanes`` (a power of two, 32 to ``threads``/2) vectors per block row, the rest of the
+    block taking rows of the dim before it (BERT's 768-wide rows: 64 lanes × 4 rows of a block)."""
+    if len(kept) < 2 or kept[-1] != len(space) - 1 or kept[-2] != len(space) - 2:
+        return None
+    d = kept[-1]
+    size = space[d]
+    if size % vector or size >= vector * threads:
+        return None
+    per_row = size // vector
+    lanes = per_row & -per_row  # largest power of two dividing it
+    while lanes > threads // 2:
+        lanes //= 2
+    if lanes < 32 or space[d - 1] < threads // lanes:
+        return None
+    return d, lanes
+
+
+def _short_vector_rows(space, kept: list[int], threads: int, vector: int) -> dict[int, tuple[Tile, ...]] | None:
+    """Tiles for an innermost dim of a few 16-byte vectors (a head's 64 bf16 values: 8 vectors):
+    its vectors across lanes and the rest of the block over the dims before it, each taking the
+    largest power of two of the threads left that divides it, so that a block has no idle threads
+    (heads × tokens of an attention transpose [32, 128, 12, 64]: ``GRID-CTA_8, GRID-CTA_4,
+    CTA_8-THREAD_8``). Without it such a dim got one element per thread (1 TB/s on an H100)."""
+    if not kept or kept[-1] != len(space) - 1:
+        return None
+    d = kept[-1]
+    size = space[d]
+    if size % vector or size >= vector * threads or size < 2 * vector:
+        return None
+    per_row = size // vector
+    lanes = per_row if per_row <= WARP_SIZE else min(per_row & -per_row, threads)  # a short row: all on lanes
+    tiles = {d: ((Tile(Level.GRID),) if per_row > lanes else ()) + (Tile(Level.CTA, lanes), Tile(Level.THREAD, vector))}
+    remaining = threads // lanes
+    for outer in reversed(kept[:-1]):
+        if remaining < 2:
+            break
+        extent = space[outer]
+        part = min(extent & -extent, remaining)
+        if part == extent or (part == 1 and extent <= remaining):
+            part = extent  # whole (an odd dim that fits: some threads of the block idle)
+            tiles[outer] = (Tile(Level.CTA),)
+        elif part > 1:
+            tiles[outer] = (Tile(Level.GRID), Tile(Level.CTA, part))
+        else:
+            break  # an odd dim longer than the threads left: it would need tails
+        remaining //= part
+    return tiles if remaining < threads // lanes else None
+
+
+def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedule:
+    space = _space(root)
+    reduced = set(reduced_dims(root)) if is_reduction(root) else set()
+    if transposed and not reduced and threads == 256 and len(space) >= 2 and space[-2] >= 32 \
+            and space[-1] >= 32 and space[-1] % 4 == 0:
+        # 32 x 32 tiles: a warp reads 32 consecutive rows of the output's column for the transposed
+        # operand and each thread 4 consecutive elements of the row-major ones.
+        dims = [(Tile(Level.GRID),)] * (len(space) - 2)
+        dims += [(Tile(Level.GRID), Tile(Level.CTA, 32)),
+                 (Tile(Level.GRID), Tile(Level.CTA, 8), Tile(Level.THREAD, 4))]
+        return Schedule(root.name, tuple(dims))
+    kept = [d for d in range(len(space)) if d not in reduced]
+    dims: list[tuple[Tile, ...]] = [(Tile(Level.THREAD),) if d in reduced else (Tile(Level.GRID),)
+                                    for d in range(len(space))]
+    remaining = threads
+    vector = max(1, 16 // root.dtype.itemsize)
+    narrow = _narrow_vector_rows(space, kept, threads, vector) if not is_reduction(root) else None
+    if narrow is not None:
+        d, lanes = narrow
+        dims[d] = ((Tile(Level.GRID),) if space[d] > lanes * vector else ()) + (
+            Tile(Level.CTA, lanes), Tile(Level.THREAD, vector))
+        dims[d - 1] = (Tile(Level.GRID), Tile(Level.CTA, threads // lanes))
+        return Schedule(root.name, tuple(dims))
+    short = _short_vector_rows(space, kept, threads, vector) if not is_reduction(root) else None
+    if short is not None:
+        for d, tiles in short.items():
+            dims[d] = tiles
+        return Schedule(root.name, tuple(dims))
+    for position, d in enumerate(reversed(kept)):
+        size = space[d]
+        if position == 0 and not is_reduction(root) and size % vector == 0 and size >= vector * threads:
+            dims[d] = (Tile(Level.GRID), Tile(Level.CTA, threads), Tile(Level.THREAD, vector))
+            break
+        if size <= remaining:
+            dims[d] = (Tile(Level.CTA),)
+            remaining //= max(size, 1)
+            if remaining < 2:
+                break
+            continue
+        dims[d] = (Tile(Level.GRID), Tile(Level.CTA, remaining))
+        break
+    return Schedule(root.name, tuple(dims))
