@@ -75,19 +75,16 @@ class RegisterComposition:
         return size // width
 
     def _register_index(self, group: Group) -> tuple[list[K.Expr], K.Expr | None]:
-        """``_index`` for a register body: a dim with a vector tail (``_vector_tail``) has its vector
-        slot clamped to the last vector, and the guard says whether the slot is real."""
+        """``_index`` for a register body (only dims the tiles cover exactly, or with a vector tail:
+        ``_can_fuse``): a tail dim has its vector slot clamped to the last vector, and the guard
+        says whether the slot is real."""
         em = self.em
-        index, guard = [], None
-        for d, size in enumerate(group.space):
+        tails = {d: self._vector_tail(group, d) for d, size in enumerate(group.space)
+                 if math.prod(f.extent for f in group.factors if f.dim == d) != size}
+        index, _ = self._index(group, [d for d in range(len(group.space)) if d not in tails])
+        guard = None
+        for d, vectors in tails.items():
             fs = [f for f in group.factors if f.dim == d]
-            vectors = self._vector_tail(group, d) if math.prod(f.extent for f in fs) != size else None
-            if vectors is None:
-                expr: K.Expr = em.idx(0)
-                for f in fs:
-                    expr = K.add(K.mul(expr, em.idx(f.extent)), f.var)
-                index.append(em.let("i", expr) if not isinstance(expr, (K.Var, K.Const)) else expr)
-                continue
             slot: K.Expr = em.idx(0)
             for f in fs[:-1]:
                 slot = K.add(K.mul(slot, em.idx(f.extent)), f.var)
@@ -98,7 +95,7 @@ class RegisterComposition:
                 slot = em.let("i", slot)
                 guard = K.land(guard, K.lt(slot, em.idx(vectors)))
                 slot = em.let("i", K.Binary("min", slot, em.idx(vectors - 1), em.index_type))
-            index.append(em.let("i", K.add(K.mul(slot, em.idx(fs[-1].extent)), fs[-1].var)))
+            index[d] = em.let("i", K.add(K.mul(slot, em.idx(fs[-1].extent)), fs[-1].var))
         return index, guard
 
     @staticmethod
