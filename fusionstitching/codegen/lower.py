@@ -173,7 +173,8 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
                                f"({', '.join(f'{b.name} {b.extent * _ITEM_BYTES[b.dtype]}' for b in shared)}) "
                                f"over the {smem_limit}-byte limit")
     else:
-        body = _lower_packed(emitter, schedule, pattern, out_names, output_layouts, vectorize_access, guard_tails)
+        body = _lower_packed(emitter, schedule, pattern, out_names, output_layouts, vectorize_access, guard_tails,
+                             probe)
 
     params = [K.Buffer(nm, o.dtype.value, ext, aligned=True, noalias=k not in aliases)
               for k, (nm, o, ext) in enumerate(zip(out_names, pattern.outputs, extents[len(in_names):]))]
@@ -210,8 +211,10 @@ def _check_reduced_dims_in_one_block(schedule: KernelSchedule, by_name: dict[str
                                    f"blocks would {use}; it needs a split reduction")
 
 
-def _lower_packed(emitter, schedule, pattern, out_names, output_layouts, vectorize_access, guard_tails):
-    """Thread composition only: one loop nest per group of same-shape roots, packed by block ranges."""
+def _lower_packed(emitter, schedule, pattern, out_names, output_layouts, vectorize_access, guard_tails,
+                  probe=False):
+    """Thread composition only: one loop nest per group of same-shape roots, packed by block ranges.
+    A probe lowers only the first lane of a vector (``_element``)."""
     groups = _group_schedules(schedule, {o.name: o for o in pattern.outputs}, {id(n) for n in pattern.nodes})
     ranges = _block_ranges(groups, schedule.launch.blocks)
     parts: list[tuple[int, list[K.Stmt]]] = []
@@ -220,7 +223,7 @@ def _lower_packed(emitter, schedule, pattern, out_names, output_layouts, vectori
         stores = [(r, out_names[out_position[r.name]], output_layouts[out_position[r.name]]) for r in group_roots]
         emitter.stmts = []
         parts.append((start, _lower_group(emitter, sched, stores, start, stop, schedule.launch.threads,
-                                          len(groups) > 1, vectorize_access, guard_tails)))
+                                          len(groups) > 1, vectorize_access, guard_tails, probe)))
     return _dispatch(parts)
 
 
@@ -347,7 +350,7 @@ def _block_ranges(groups: list[tuple[Schedule, list[Node]]], blocks: int) -> lis
 
 
 def _lower_group(em: ValueEmitter, sched: Schedule, stores, start: int, stop: int, threads: int,
-                 packed: bool, vectorize_access: bool, guard_tails: bool) -> list[K.Stmt]:
+                 packed: bool, vectorize_access: bool, guard_tails: bool, probe: bool = False) -> list[K.Stmt]:
     lead = stores[0][0]
     space = iteration_space(lead)
     reduced = set(reduced_dims(lead)) if is_reduction(lead) else set()
@@ -394,7 +397,7 @@ def _lower_group(em: ValueEmitter, sched: Schedule, stores, start: int, stop: in
         kept = [f for f in factors if f.level == Level.THREAD and f.dim not in reduced and f is not lane]
         red = [f for f in factors if f.level == Level.THREAD and f.dim in reduced]
         return _serial(em, kept, lambda: _element(em, stores, factors, space, reduced, red, lane, vectorize_access,
-                                                  guard_tails))
+                                                  guard_tails, probe))
 
     grid_first = K.Binary("sub", special("bid"), em.idx(start), it) if start else special("bid")
     nest = level_loop(Level.GRID, grid_first, em.idx(stop - start), stop - start, cta_level, "grid_stride")
@@ -446,11 +449,14 @@ def _vector_lane(factors: list[Factor], space, stores, reduced) -> Factor | None
 
 def _element(em: ValueEmitter, stores, factors: list[Factor], space, reduced, red_factors,
              lane: Factor | None = None, vectorize_access: bool = False,
-             guard_tails: bool = True) -> list[K.Stmt]:
-    """The body at one point of the iteration space (or the lanes of a vector): compute, store."""
+             guard_tails: bool = True, probe: bool = False) -> list[K.Stmt]:
+    """The body at one point of the iteration space (or the lanes of a vector): compute, store.
+    A probe lowers the first lane only: every lane computes the same nodes at indices that differ by
+    a constant, and what lowering refuses here (an op, a dtype, a constant) does not depend on the
+    index, so the other lanes refuse nothing the first one accepts."""
     saved = em.stmts
     em.stmts = []
-    lanes = lane.extent if lane is not None else 1
+    lanes = lane.extent if lane is not None and not probe else 1
     if lane is not None:
         lane.var = em.idx(0)
 

@@ -62,6 +62,7 @@ class ValueEmitter:
     shared_buffers: set[str] = field(default_factory=set)  # rewritten between barriers
     _scopes: list[dict] = field(default_factory=lambda: [{}])
     _pure_memo: dict = field(default_factory=dict)
+    _consts: dict = field(default_factory=dict)  # index constants by value, built once
     _counter: int = 0
 
     # -- statement plumbing -------------------------------------------------------------------
@@ -79,17 +80,19 @@ class ValueEmitter:
         """Bind ``value`` to a register; an identical pure expression bound earlier in scope is reused."""
         if isinstance(value, (K.Const, K.Var, K.Special)):
             return value
+        # Every binding is recorded; purity is asked only of a hit (most bindings are never hit),
+        # and an impure hit is bound again, as if it had not been recorded.
         key = ("let", value)
-        reusable = self._pure(value)
-        if reusable:
-            for scope in reversed(self._scopes):
-                if key in scope:
-                    return scope[key]
+        for scope in reversed(self._scopes):
+            bound = scope.get(key)
+            if bound is not None:
+                if self._pure(value):
+                    return bound
+                break
         var = self.fresh(base, value.dtype)
         self.stmts.append(K.Let(var, value))
         self.definitions[var.name] = value
-        if reusable:
-            self._scopes[-1][key] = var
+        self._scopes[-1][key] = var
         return var
 
     def _pure(self, e: K.Expr) -> bool:
@@ -139,7 +142,10 @@ class ValueEmitter:
             self.stmts = saved
 
     def idx(self, value: int) -> K.Const:
-        return K.Const(int(value), self.index_type)
+        const = self._consts.get(value)
+        if const is None:
+            const = self._consts[value] = K.Const(int(value), self.index_type)
+        return const
 
     # -- values ---------------------------------------------------------------------------------
     def value(self, node: Node, index: Sequence[K.Expr]) -> K.Expr:

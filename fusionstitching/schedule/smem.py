@@ -27,10 +27,12 @@ Requests are visited in order; each takes an existing buffer whose current occup
 before it (above) and passes the paper's dominance test, else a new buffer. Both papers test "inst
 dominates prev_inst" on a dominance tree built "starting from the root instruction" [A §5.1.3], the
 later op dominating the earlier (Reduce.2 dominates Reduce.1): in data-flow terms the new request q
-post-dominates o, every path from o to the pattern's results passes through q. The tree comes from
-``networkx.immediate_dominators`` on the reversed pattern graph, whose virtual entry stands for the
-root and feeds every pattern node that is a graph output, has users outside the pattern, or has none
-inside. Departures: (1) the paper lets a consumer reuse its operand's space in place (Divide.1 takes
+post-dominates o, every path from o to the pattern's results passes through q. The tree is the
+dominator tree of the reversed pattern graph, whose virtual entry stands for the root and feeds
+every pattern node that is a graph output, has users outside the pattern, or has none inside; on
+this acyclic graph a node's immediate post-dominator is the entry if the entry feeds it, else the
+nearest common ancestor of its users in the tree, built in reverse topological order (``_Flow.idom``).
+Departures: (1) the paper lets a consumer reuse its operand's space in place (Divide.1 takes
 Exponential.1's buffer); we never do, since a block-composed consumer may read elements that other
 threads are overwriting, so the liveness test always applies; (2) Alg. 4 only considers allocations
 flowing into q through its operands; we also let unrelated requests share (no path from o to q, e.g.
@@ -55,8 +57,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-
-import networkx as nx
 
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
@@ -125,6 +125,8 @@ def plan_shared_memory(
     """Place ``requests`` in shared memory of at most ``limit_bytes``, sharing space between requests
     whose live ranges are disjoint and recomputing droppable ones when over the limit (module notes).
     """
+    if not requests:
+        return SmemPlan((), {}, (), 0, limit_bytes)
     flow = _Flow(graph, pattern)
     by_name = _check_requests(flow, requests)
     keep = set(must_keep)
@@ -182,23 +184,35 @@ class _Flow:
             self.span[node.name] = max((self.span[u] + 1 for u in self.users[node.name]), default=0)
         self._descendants: dict[str, set[str]] = {}
 
-    # The graphs are built on first use: most patterns request no shared memory at all.
-    @functools.cached_property
-    def digraph(self) -> nx.DiGraph:
-        digraph = nx.DiGraph()
-        digraph.add_nodes_from(self.nodes)
-        digraph.add_edges_from((name, u) for name in self.nodes for u in self.users[name])
-        return digraph
-
+    # The tree is built on first use: most patterns request no shared memory at all.
     @functools.cached_property
     def idom(self) -> dict:
-        reversed_graph = self.digraph.reverse(copy=True)
-        reversed_graph.add_edges_from((self.root, name) for name in self.leaves)
-        return nx.immediate_dominators(reversed_graph, self.root)
+        """Immediate post-dominator of every node (the root's entry for leaves; module note)."""
+        idom: dict = {}
+        depth = {self.root: 0}
+        leaves = set(self.leaves)
+        for name in sorted(self.nodes, key=self.pos.__getitem__, reverse=True):
+            if name in leaves:
+                parent = self.root
+            else:
+                parent = self.users[name][0]
+                for other in self.users[name][1:]:
+                    parent = _common_ancestor(idom, depth, parent, other)
+            idom[name] = parent
+            depth[name] = depth[parent] + 1
+        return idom
 
     def descendants(self, name: str) -> set[str]:
+        """The pattern nodes reachable from ``name`` through its users."""
         if name not in self._descendants:
-            self._descendants[name] = nx.descendants(self.digraph, name)
+            seen: set[str] = set()
+            stack = list(self.users[name])
+            while stack:
+                user = stack.pop()
+                if user not in seen:
+                    seen.add(user)
+                    stack.extend(self.users[user])
+            self._descendants[name] = seen
         return self._descendants[name]
 
     def post_dominates(self, q: str, o: str) -> bool:
@@ -244,6 +258,16 @@ class _Flow:
     def drop_key(self, request: SmemRequest) -> tuple:
         name = request.node
         return (self.shrink_class(name), request.recompute_cost, -request.bytes, self.span[name], -self.pos[name])
+
+
+def _common_ancestor(parent: dict, depth: dict, a, b):
+    """The nearest common ancestor of ``a`` and ``b`` in the tree given by ``parent``."""
+    while a != b:
+        if depth[a] >= depth[b]:
+            a = parent[a]
+        else:
+            b = parent[b]
+    return a
 
 
 def _check_requests(flow: _Flow, requests: Sequence[SmemRequest]) -> dict[str, SmemRequest]:

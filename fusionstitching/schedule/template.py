@@ -48,6 +48,7 @@ dim 3; the result is cached in shared memory for the consumers in the block (blo
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import operator
 import re
@@ -189,6 +190,11 @@ def tile_extents(dim_size: int, tiles: Sequence[Tile]) -> tuple[int, ...]:
     the sizes), at least 1. The extents' product may exceed ``dim_size``: the tail is predicated
     off. With no unsized tile the sizes must cover the dim; a ValueError says so otherwise.
     """
+    return _tile_extents(dim_size, tuple(tiles))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tile_extents(dim_size: int, tiles: tuple[Tile, ...]) -> tuple[int, ...]:
     if dim_size < 0:
         raise ValueError(f"dim size must be non-negative, found {dim_size}")
     if not tiles:

@@ -32,7 +32,7 @@ from fusionstitching.graph.ops import DType
 from fusionstitching.schedule import feasible, format_template
 from fusionstitching.schedule.grouping import composed_template, sub_roots
 
-from .cases import TORCH_DTYPES, Case, _numpy
+from .cases import TORCH_DTYPES, Case, _numpy, bias_gelu
 from .test_generate import _expected, _inputs_for, assert_close
 
 SHAPES = [(5, 20), (37, 70), (3, 1500), (1, 100), (50, 1), (16, 128), (4, 2048), (24, 96)]
@@ -492,3 +492,25 @@ def test_layernorm_training_forward_keeps_rows_in_registers_and_stores_mean_and_
     for got, want in zip(compiled.run_numpy(inputs), reference.evaluate(compiled.graph, inputs)):
         if want is not None:
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _stores(stmts) -> int:
+    count = 0
+    for s in stmts:
+        count += isinstance(s, (K.Store, K.VecStore))
+        for child in ("body", "then", "orelse"):
+            count += _stores(getattr(s, child, ()))
+    return count
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_probe_lowers_one_lane_of_a_vector_and_agrees_with_the_full_lowering(dtype):
+    """A packed elementwise pattern whose rows are unrolled into 16-byte vectors: the probe lowers
+    the first lane only (the lanes differ by a constant index and refuse the same things)."""
+    case = bias_gelu(dtype, 64, 1024)
+    template = feasible(case.graph, case.nodes)
+    assert template and "THREAD_" in format_template(template), template
+    probe = lower(case.graph, case.nodes, template, vectorize_access=False, probe=True)
+    full = lower(case.graph, case.nodes, template, vectorize_access=False)
+    assert _stores(probe.kernel.body) == 1 < _stores(full.kernel.body)
+    assert _lowering_verdicts(case.graph, case.nodes, template) == (True, True)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from fusionstitching.graph.graph import Graph, GraphBuilder
 from fusionstitching.graph.ops import DType
-from fusionstitching.schedule.smem import Infeasible, SmemPlan, SmemRequest, plan_shared_memory
+from fusionstitching.schedule.smem import Infeasible, SmemPlan, SmemRequest, _Flow, plan_shared_memory
 
 F32 = DType.F32
 
@@ -282,3 +282,21 @@ def test_plan_never_shares_live_requests_and_fits(case):
             barrier = [position[c] for c in cached if last_a <= position[c] < start_b]
             assert barrier, f"no barrier between {buffer.sharers}"
     assert result.total_bytes == end
+
+
+@settings(max_examples=200, deadline=None)
+@given(random_cases())
+def test_post_dominator_tree_matches_networkx_dominators(case):
+    """``_Flow.idom`` (nearest common ancestors in reverse topological order) is the dominator tree
+    that ``networkx.immediate_dominators`` gives on the reversed pattern graph with its entry."""
+    graph, pattern, *_ = case
+    flow = _Flow(graph, pattern)
+    reversed_graph = nx.DiGraph()
+    reversed_graph.add_node(flow.root)
+    reversed_graph.add_nodes_from(flow.nodes)
+    reversed_graph.add_edges_from((u, name) for name in flow.nodes for u in flow.users[name])
+    reversed_graph.add_edges_from((flow.root, name) for name in flow.leaves)
+    expected = nx.immediate_dominators(reversed_graph, flow.root)
+    assert flow.idom == {name: expected[name] for name in flow.nodes}
+    for name in flow.nodes:
+        assert flow.descendants(name) == nx.descendants(reversed_graph.reverse(), name) - {flow.root}
