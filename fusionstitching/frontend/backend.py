@@ -142,7 +142,8 @@ class _Runner:
                 return list(self.gm(*args))
         else:
             _STATS["cache hits"] += 1
-        args = [a for a in args if isinstance(a, torch.Tensor)]  # numbers are constants of the specialization
+        if self.static_key is None:  # numbers are constants of the specialization
+            args = [a for a in args if isinstance(a, torch.Tensor)]
         graph = compiled.graph
         if len(graph.parameters) > len(args):  # rng seed and offset
             seed = torch.randint(0, 2**62, (), dtype=torch.int64)

@@ -76,6 +76,7 @@ class CompiledGraph:
         self._programs: dict[Any, GpuProgram | GraphedProgram] = {}
         self._checked: list | None = None
         self._elsewhere: list[int] | None = None  # inputs on another device than the call's (copied there and back)
+        self._trusted: GpuProgram | GraphedProgram | None = None  # the program of trusted calls
         self.calls = 0  # GPU calls
 
     @property
@@ -121,25 +122,30 @@ class CompiledGraph:
         graph = self.graph
         if len(tensors) != len(graph.parameters):
             raise ValueError(f"{graph.name} takes {len(graph.parameters)} inputs, got {len(tensors)}")
-        device = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0),
-                      torch.device("cpu"))
-        if device.type != "cuda":
-            return self._call_on_cpu(tensors)
-        if not trusted:
-            self._check_inputs(tensors, device)
-        elif self._elsewhere is None:  # a trusted caller keeps each input's device from call to call
-            self._elsewhere = [k for k, t in enumerate(tensors) if t.device != device]
+        if trusted and self._trusted is not None:  # a trusted caller keeps its devices from call to call
+            program = self._trusted
+        else:
+            device = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0),
+                          torch.device("cpu"))
+            if device.type != "cuda":
+                return self._call_on_cpu(tensors)
+            if not trusted:
+                self._check_inputs(tensors, device)
+            elif self._elsewhere is None:
+                self._elsewhere = [k for k, t in enumerate(tensors) if t.device != device]
+            program = self._programs.get(device)
+            if program is None:
+                program = GpuProgram(graph, self.steps, device, self._constant, _library_function)
+                if self.mode == "reduce-overhead":
+                    program = GraphedProgram(program)
+                self._programs[device] = program
+            if trusted:
+                self._trusted = program
         originals = tensors
         if self._elsewhere:  # 0-dim CPU tensors among CUDA ones (e.g. torch.optim's step counts)
             tensors = list(tensors)
             for k in self._elsewhere:
-                tensors[k] = tensors[k].to(device)
-        program = self._programs.get(device)
-        if program is None:
-            program = GpuProgram(graph, self.steps, device, self._constant, _library_function)
-            if self.mode == "reduce-overhead":
-                program = GraphedProgram(program)
-            self._programs[device] = program
+                tensors[k] = tensors[k].to(program.device)
         self.calls += 1
         return self._finish(originals, program.run(tensors))
 

@@ -221,3 +221,11 @@ def test_precompile_compiles_each_distinct_source_once(monkeypatch):
     assert all("sm_90" in k._modules for k in compiled.kernels if k._twin is None)
     kernel_call.precompile(compiled.kernels, "sm_90")
     assert len(seen) == len(set(seen))  # nothing compiled twice
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (3, 4), (2, 0, 7), (1, 1, 9), (4, 3, 2, 8)])
+def test_preallocated_outputs_have_torch_contiguous_strides(shape):
+    """Outputs allocated by strides (``_empty_strided_cuda``) match ``torch.empty``'s layout."""
+    from fusionstitching.runtime.program import _contiguous_strides
+
+    assert _contiguous_strides(shape) == torch.empty(shape).stride()
