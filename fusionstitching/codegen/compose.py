@@ -352,6 +352,7 @@ class Composer(Reductions, RegisterComposition):
         from fusionstitching.schedule.smem import SmemRequest, plan_shared_memory
 
         requests, sizes = [], {}
+        fusable = None
         for g in self.groups:
             if not g.shared:
                 continue
@@ -359,7 +360,9 @@ class Composer(Reductions, RegisterComposition):
                 raise CodegenError(f"{g.root.name}: 'S' is supported for float sub-roots, not {g.root.dtype.value}")
             size = self._tile_layout(g)[1]
             sizes[g.root.name] = size
-            cost = float(sum(1 for n in pattern_nodes if n is g.root or n.category.fusable)) * size
+            if fusable is None:
+                fusable = sum(1 for n in pattern_nodes if n.category.fusable)
+            cost = float(fusable + (0 if g.root.category.fusable else 1)) * size
             requests.append(SmemRequest(g.root.name, size * 4, recompute_cost=cost))
         reductions = 4 * WARP * 2 if any(g.cross_thread for g in self.groups) else 0
         must_keep = [g.root.name for g in self.groups if g.shared and g.output is not None]

@@ -179,10 +179,15 @@ class _Flow:
                        if id(node) in outputs or any(u not in members for u in all_users[node])
                        or not self.users[node.name]]
         self.root = _Root()
-        self.span: dict[str, int] = {}
-        for node in reversed(order):
-            self.span[node.name] = max((self.span[u] + 1 for u in self.users[node.name]), default=0)
         self._descendants: dict[str, set[str]] = {}
+
+    @functools.cached_property
+    def span(self) -> dict[str, int]:
+        """Longest path to a leaf of the pattern, per node (only shrinking asks)."""
+        span: dict[str, int] = {}
+        for name in sorted(self.nodes, key=self.pos.__getitem__, reverse=True):
+            span[name] = max((span[u] + 1 for u in self.users[name]), default=0)
+        return span
 
     # The tree is built on first use: most patterns request no shared memory at all.
     @functools.cached_property

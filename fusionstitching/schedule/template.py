@@ -108,6 +108,10 @@ class Schedule:
                 raise ValueError(f"{self.root}: dim {k} has more than one unsized tile")
 
     def __str__(self) -> str:
+        return self._text
+
+    @functools.cached_property
+    def _text(self) -> str:  # printed in every lowering's comments: built once
         attrs = ",".join("-".join(str(tile) for tile in tiles) for tiles in self.dims)
         return f"{self.root}[{attrs}]{'S' if self.shared else ''}"
 
@@ -145,6 +149,10 @@ class KernelSchedule:
             seen.add(schedule.root)
 
     def __str__(self) -> str:
+        return self._text
+
+    @functools.cached_property
+    def _text(self) -> str:
         return "; ".join([*(str(s) for s in self.schedules), str(self.launch)])
 
     def schedule(self, root: str) -> Schedule:
