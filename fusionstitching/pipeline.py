@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fusionstitching._host import collector_paused
 from fusionstitching.fusion import explore
 from fusionstitching.fusion.explore import DEFAULT_GENERATORS
 from fusionstitching.graph.graph import Graph
@@ -31,6 +32,7 @@ STAGES = ("capture", "explore", "schedule", "lower", "render", "compile", "run")
 DUMP_VARIABLE = "FUSIONSTITCHING_DUMP_DIR"
 
 
+@collector_paused()
 def compile_graph(graph: Graph, options: Options | None = None, mode: str | None = None,
                   dump_dir: str | os.PathLike | None = None) -> CompiledGraph:
     """Plan ``graph`` and generate its kernels; dump every stage's text when asked."""

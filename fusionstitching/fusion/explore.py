@@ -44,6 +44,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from fusionstitching._host import collector_paused
 from fusionstitching.cost.bandwidth import bandwidth_model
 from fusionstitching.cost.gpu_spec import gpu_spec
 from fusionstitching.fusion.beam import select_beam
@@ -107,6 +108,7 @@ class _Context:
         return lambda groups: remote.run(list(groups) + _leftovers(self.roles, groups))
 
 
+@collector_paused()
 def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
             generators: Sequence[str] = DEFAULT_GENERATORS) -> FusionPlan:
     """The fusion plan of ``graph`` for ``options.device`` (default: ``Options()``), from the candidates

@@ -86,6 +86,12 @@ def sub_roots(pattern) -> list[Node]:
     return [n for n in pattern.nodes if is_reduction(n) and id(n) in used and id(n) not in outputs]
 
 
+def _roots(pattern, reductions: list[Node]) -> list[Node]:
+    """The pattern's nodes that are ``reductions`` or outputs, in pattern order."""
+    chosen = {id(n) for n in reductions} | {id(o) for o in pattern.outputs}
+    return [n for n in pattern.nodes if id(n) in chosen]
+
+
 def _crossing(pattern) -> list[Node]:
     """The reductions whose results cross threads: sub-roots, and outputs worth a cross-thread reduce."""
     return sub_roots(pattern) + [o for o in pattern.outputs if is_reduction(o) and _cross_thread_worthy(o)]
@@ -139,7 +145,7 @@ def composed_template(pattern, reductions: list[Node], threads: int, warp_rows: 
     shared = set(shared)
     extra = [n for n in pattern.nodes if n.name in shared]
     reductions = list(reductions) + extra
-    roots = [n for n in pattern.nodes if any(n is r for r in reductions) or any(n is o for o in pattern.outputs)]
+    roots = _roots(pattern, reductions)
     lanes = WARP_SIZE if warp_mode else threads
     itemsize = min([n.dtype.itemsize for n in pattern.inputs if len(n.shape) == rank] or [4])
     length = _space(reductions[0])[max(reduced)]
@@ -275,7 +281,7 @@ def batched_template(pattern, reductions: list[Node], cache_operands: bool = Tru
     stride between lanes)."""
     reductions = list(reductions) + _staged_transposes(pattern)
     reductions += _cached_operands(pattern) if cache_operands else []
-    roots = [n for n in pattern.nodes if any(n is r for r in reductions) or any(n is o for o in pattern.outputs)]
+    roots = _roots(pattern, reductions)
     spaces = [_space(r) for r in roots]
     batch = 0
     while all(len(x) > batch for x in spaces) and len({x[batch] for x in spaces}) == 1 \
@@ -494,7 +500,7 @@ def thread_serial_template(pattern, reductions: list[Node], threads: int = DEFAU
     its own results, so no value crosses threads: the kept dims are tiled alike in every group, the
     last one ``GRID-CTA_<threads>``. Fits column reductions whose consumers have the reduced shape
     (a bias gradient and its convert back to bf16, a column sum and its epilogue)."""
-    roots = [n for n in pattern.nodes if any(n is r for r in reductions) or any(n is o for o in pattern.outputs)]
+    roots = _roots(pattern, reductions)
     schedules = []
     for root in roots:
         space = _space(root)

@@ -81,8 +81,9 @@ class Tile:
     size: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "level", Level(self.level))
-        if self.size is not None:
+        if type(self.level) is not Level:
+            object.__setattr__(self, "level", Level(self.level))
+        if self.size is not None and (type(self.size) is not int or self.size < 1):
             object.__setattr__(self, "size", _check_positive("tile size", self.size))
 
     def __str__(self) -> str:

@@ -274,3 +274,39 @@ def test_side_output_of_another_shape_is_evicted_so_the_softmax_stays_whole():
         ops = [graph.node(name).op for name in pattern.nodes]
         assert ops.count("reduce") == 2 and "exp" in ops and "div" in ops, pattern.nodes
         assert "WARP" in str(pattern.schedule)
+
+
+def test_exploration_pauses_the_cyclic_collector_and_restores_it(monkeypatch):
+    """``explore`` runs with Python's cyclic collector off (``fusionstitching._host``), and leaves it
+    as it found it: on after the call, still off when the caller had switched it off."""
+    import gc
+
+    from fusionstitching._host import collector_paused
+
+    seen = []
+    with collector_paused():
+        seen.append(gc.isenabled())
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    import sys
+
+    explore_module = sys.modules[explore.__module__]  # the package exports a function of that name
+    during = []
+    estimate = explore_module.plan_time_us
+
+    def recording(*args, **kwargs):
+        during.append(gc.isenabled())
+        return estimate(*args, **kwargs)
+
+    monkeypatch.setattr(explore_module, "plan_time_us", recording)
+    b = GraphBuilder("chain")
+    x = b.parameter((64, 32), DType.F32, "x")
+    graph = b.build([b.unary("exp", b.unary("neg", x))])
+    explore(graph, options=NO_SPLIT)
+    assert during and not any(during) and gc.isenabled()
