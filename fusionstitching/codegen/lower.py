@@ -94,13 +94,15 @@ def resolve_pattern(graph: Graph, nodes: Iterable[Node | str]) -> Pattern:
     used_outside = {id(n) for n in ordered
                     if id(n) in index.output_ids or any(u not in chosen for u in index.users[n])}
     inputs: list[Node] = []
+    seen: set[int] = set()
     for node in ordered:
         for operand in node.operands:
-            if operand in chosen or any(operand is i for i in inputs):
+            if operand in chosen or id(operand) in seen:
                 continue
             if operand.op == "constant" and operand.attrs["value"].ndim == 0:
                 continue  # scalar constants are inlined
             inputs.append(operand)
+            seen.add(id(operand))
     outputs = [n for n in ordered if id(n) in used_outside]
     if not outputs:
         raise CodegenError("the pattern has no output")
@@ -253,13 +255,15 @@ def _extent(shape: Sequence[int], layout: Layout) -> int:
 def _aliases(graph: Graph, pattern: Pattern) -> dict[int, int]:
     """Outputs that are in-place updates (``graph.mutations``) of a parameter the pattern reads."""
     result = {}
+    if not graph.mutations:
+        return result
+    outputs = {id(out): k for k, out in enumerate(pattern.outputs)}
+    inputs = {id(inp): j for j, inp in enumerate(pattern.inputs)}
     for out_index, param_index in graph.mutations.items():
-        source, target = graph.outputs[out_index], graph.parameters[param_index]
-        for k, out in enumerate(pattern.outputs):
-            if out is source:
-                for j, inp in enumerate(pattern.inputs):
-                    if inp is target:
-                        result[k] = j
+        k = outputs.get(id(graph.outputs[out_index]))
+        j = inputs.get(id(graph.parameters[param_index]))
+        if k is not None and j is not None:
+            result[k] = j
     return result
 
 
@@ -307,17 +311,20 @@ def packed_groups(roots: Sequence[tuple[Schedule, Node]], inside: set[int]) -> l
         return found
 
     groups: list[tuple[Schedule, list[Node], set[int]]] = []
+    alike: dict[tuple, list[int]] = {}  # (tiling, space) → the groups a root of them may join
     for sched, root in roots:
         space = iteration_space(root)
         mine = ancestry(root)
-        for other, members, theirs in groups:
-            lead = members[0]
-            if (other.dims == sched.dims and iteration_space(lead) == space and not is_reduction(lead)
-                    and not is_reduction(root) and not sched.shared and not mine.isdisjoint(theirs)):
+        candidates = alike.setdefault((sched.dims, space), [])
+        for k in candidates:
+            _, members, theirs = groups[k]
+            if (not is_reduction(members[0]) and not is_reduction(root) and not sched.shared
+                    and not mine.isdisjoint(theirs)):
                 members.append(root)
                 theirs |= mine
                 break
         else:
+            candidates.append(len(groups))
             groups.append((sched, [root], set(mine)))
     return [(sched, members) for sched, members, _ in groups]
 

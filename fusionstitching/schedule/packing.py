@@ -30,32 +30,32 @@ MAX_BLOCKS = 65535
 def _packed_template(pattern, threads: int) -> KernelSchedule:
     from fusionstitching.codegen.lower import packed_groups
 
-    schedules = [_root_schedule(root, threads, _reads_transposed(pattern, root)) for root in pattern.outputs]
+    transposed = _reads_transposed(pattern)
+    schedules = [_root_schedule(root, threads, transposed[id(root)]) for root in pattern.outputs]
     groups = packed_groups(list(zip(schedules, pattern.outputs)), {id(n) for n in pattern.nodes})
     total = sum(level_extent(sched, _space(members[0]), Level.GRID) for sched, members in groups)
     blocks = max(len(groups), min(total, MAX_BLOCKS))
     return KernelSchedule(tuple(schedules), Launch(blocks, threads))
 
 
-def _reads_transposed(pattern, root: Node) -> bool:
-    """Whether ``root`` reads some input along a dim other than its innermost one (a transpose).
-    Other roots packed with it keep their row-major tiles."""
+def _reads_transposed(pattern) -> dict[int, bool]:
+    """Per pattern node (by id), whether it reads some input along a dim other than its innermost
+    one (a transpose); one pass in pattern order. Other roots packed with such a root keep their
+    row-major tiles."""
     inside = {id(n) for n in pattern.nodes}
-    stack, seen = [root], set()
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if id(node) not in inside:
-            layout = node.layout
-            if layout is not None and len(node.shape) >= 2 and node.shape[-1] > 1 and layout.strides[-1] != 1:
-                return True
-            continue
-        if node.op == "transpose" and node.attrs["permutation"][-1] != len(node.shape) - 1:
-            return True
-        stack.extend(node.operands)
-    return False
+    result: dict[int, bool] = {}
+    for node in pattern.nodes:
+        transposed = node.op == "transpose" and node.attrs["permutation"][-1] != len(node.shape) - 1
+        for x in node.operands:
+            if transposed:
+                break
+            if id(x) in inside:
+                transposed = result[id(x)]
+            else:
+                layout = x.layout
+                transposed = layout is not None and len(x.shape) >= 2 and x.shape[-1] > 1 and layout.strides[-1] != 1
+        result[id(node)] = transposed
+    return result
 
 
 def _narrow_vector_rows(space, kept: list[int], threads: int, vector: int) -> tuple[int, int] | None:
