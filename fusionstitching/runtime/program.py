@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from fusionstitching.frontend.context import DTYPE_TO_TORCH
-from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.graph import Graph, Node, contiguous_strides
 from fusionstitching.runtime.launch import _current_stream as current_stream
 
 _ALIGNMENT_MASK = 15
@@ -44,14 +44,6 @@ except ImportError:
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 class KernelOp:
     """One generated kernel of the program."""
 
@@ -63,7 +55,7 @@ class KernelOp:
         self.contiguous = contiguous  # input positions produced by library calls or views: checked
         self.device = device
         aliases = kernel.lowered.aliases
-        self.outputs = [(tuple(n.shape), _contiguous_strides(tuple(n.shape)), DTYPE_TO_TORCH[n.dtype],
+        self.outputs = [(tuple(n.shape), contiguous_strides(n.shape), DTYPE_TO_TORCH[n.dtype],
                          aliases.get(k, -1)) for k, n in enumerate(kernel.lowered.pattern.outputs)]
         self.kept = [slot in kept and aliases.get(k, -1) < 0 for k, slot in enumerate(out_slots)]
         self.buffers: list[Any] = [None] * len(out_slots)  # kept outputs, allocated once

@@ -5,7 +5,7 @@ the threads of a block as 16-byte vectors where the rows allow (a long row: ``GR
 THREAD_v``; a row of up to a block of vectors: its vectors across lanes and the rest of the block
 on the dims before it), the rest to the grid; a root that reads a transposed input gets 32×32
 tiles; the reduced dims of a reduction root are THREAD loops. Roots of one shape that read a
-common value share a loop nest (``codegen/lower.packed_groups``); packed sub-kernels get blocks in
+common value share a loop nest (``codegen/packed.packed_groups``); packed sub-kernels get blocks in
 proportion to their size.
 """
 
@@ -28,7 +28,7 @@ MAX_BLOCKS = 65535
 
 
 def _packed_template(pattern, threads: int) -> KernelSchedule:
-    from fusionstitching.codegen.lower import packed_groups
+    from fusionstitching.codegen.packed import packed_groups
 
     transposed = _reads_transposed(pattern)
     schedules = [_root_schedule(root, threads, transposed[id(root)]) for root in pattern.outputs]
