@@ -57,15 +57,10 @@ def _hash_once(cls):
     return cls
 
 
-# Leaves hash by their value or name alone (equal leaves have equal ones): they are hashed in
-# every lookup of a value by its index, and a name's hash is cached by Python.
 @dataclass(frozen=True)
 class Const:
     value: int | float | bool
     dtype: str
-
-    def __hash__(self) -> int:
-        return hash(self.value)
 
 
 @dataclass(frozen=True)
@@ -73,17 +68,11 @@ class Var:
     name: str
     dtype: str
 
-    def __hash__(self) -> int:
-        return hash(self.name)
-
 
 @dataclass(frozen=True)
 class Special:
     name: str
     dtype: str = "i32"
-
-    def __hash__(self) -> int:
-        return hash(self.name)
 
 
 @_hash_once
