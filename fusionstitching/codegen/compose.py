@@ -48,6 +48,7 @@ from fusionstitching.codegen.reductions import Reductions
 from fusionstitching.codegen.registers import RegisterComposition
 from fusionstitching.codegen.values import (
     CodegenError,
+    FootprintError,
     ValueEmitter,
     is_reduction,
     reduced_dims,
@@ -436,7 +437,7 @@ class Composer(Reductions, RegisterComposition):
             for kept_index, result in entry[2]:
                 if self._same_element(kept_index, index, root.shape):
                     return result
-            raise CodegenError(f"block locality: {consumer} reads {root.name} at an element outside the "
+            raise FootprintError(f"block locality: {consumer} reads {root.name} at an element outside the "
                                "block's footprint (its kept index is not one this thread reduced)")
         _, _, bases, buffer = entry
         linear: K.Expr = em.idx(0)
@@ -444,7 +445,7 @@ class Composer(Reductions, RegisterComposition):
             local = K.Binary("sub", i, base, em.index_type)
             form = affine(local, em.definitions)
             if form is None or not self._within(form, extent):
-                raise CodegenError(f"block locality: {consumer} reads {root.name} in dim {d} outside the "
+                raise FootprintError(f"block locality: {consumer} reads {root.name} in dim {d} outside the "
                                    "block's shared-memory footprint")
             linear = K.add(linear, K.mul(local, em.idx(stride)))
         return em.let("s", K.Load(buffer.name, linear, buffer.dtype))

@@ -168,7 +168,11 @@ class RegisterComposition:
                 continue
             if self._row_value(group):
                 rows = [f for f in thread_factors if group.space[f.dim] > 1]  # e.g. two rows per warp
-                for combo in self._combos([f.extent for f in rows]):
+                if self.probe:  # the rows' registers of the body above, so that reads of it match
+                    row_combos = [tuple(v for f, v in zip(thread_factors, combos[0]) if group.space[f.dim] > 1)]
+                else:
+                    row_combos = self._combos([f.extent for f in rows])
+                for combo in row_combos:
                     for f in thread_factors:
                         f.var = em.idx(0)
                     for f, value in zip(rows, combo):

@@ -28,6 +28,12 @@ class CodegenError(ValueError):
     """A pattern or schedule that this code generator cannot lower; names the node."""
 
 
+class FootprintError(CodegenError):
+    """A read of a sub-root's result that lowering cannot prove inside the block's footprint: the
+    one refusal that depends on index expressions, so the only one that a probe lowering (symbolic
+    THREAD indices) may make where the full lowering would not."""
+
+
 def register_type(dtype: DType) -> str:
     return "f32" if dtype.is_half else dtype.value
 

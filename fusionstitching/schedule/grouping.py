@@ -27,7 +27,7 @@ sub-roots by a template; the default recomputes them).
 
 ``feasible`` asks the code generator itself: it lowers the default template (a probe lowering, in
 which a thread's register copies of a row are lowered once with registers for their indices; its
-refusals are confirmed by the full lowering) and returns it; when
+refusals of reads outside the footprint are confirmed by the full lowering) and returns it; when
 lowering refuses it, a composed pattern is tried with one row per warp at a time, then in block
 mode, then thread-serial (``thread_serial_template``), and the first template that lowers is returned, else the reason lowering gave for the default (block locality, shared memory, an unsupported op), so that whatever it
 accepts, ``generate`` builds. A template that would leave each thread more than
@@ -391,14 +391,16 @@ def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1
 def _lowers(graph: Graph, nodes: list[Node], pattern, template: KernelSchedule, smem_limit: int) -> None:
     """Raise the CodegenError that ``generate`` would raise for this template, if any. A probe
     lowering (register-composed copies of a body lowered once, symbolically) goes first: what it
-    accepts, the full lowering accepts. It can refuse more (an index that is affine only once its
-    THREAD indices are constants), so its refusals are confirmed by the full lowering."""
+    accepts, the full lowering accepts. Its refusals of ops, dtypes, tilings and shared memory do
+    not depend on the copies' indices and stand; a read it cannot prove inside the footprint
+    (``FootprintError``: an index that may be affine only once the THREAD indices are constants)
+    is confirmed by the full lowering."""
     from fusionstitching.codegen.lower import lower
-    from fusionstitching.codegen.values import CodegenError
+    from fusionstitching.codegen.values import FootprintError
 
     try:
         lower(graph, nodes, template, vectorize_access=False, smem_limit=smem_limit, probe=True, pattern=pattern)
-    except CodegenError:
+    except FootprintError:
         lower(graph, nodes, template, vectorize_access=False, smem_limit=smem_limit, pattern=pattern)
 
 

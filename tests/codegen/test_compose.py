@@ -25,7 +25,7 @@ from fusionstitching.codegen import default_template, generate
 from fusionstitching.codegen import kernel_ir as K
 from fusionstitching.codegen.lower import lower, resolve_pattern
 from fusionstitching.codegen.simulate import SimulationError
-from fusionstitching.codegen.values import CodegenError
+from fusionstitching.codegen.values import CodegenError, FootprintError
 from fusionstitching.graph import reference
 from fusionstitching.graph.graph import GraphBuilder
 from fusionstitching.graph.ops import DType
@@ -238,14 +238,18 @@ def test_din_stages_the_transposed_keys_with_coalesced_loads():
 
 
 def _lowering_verdicts(graph, nodes, template) -> tuple[bool, bool]:
-    """Whether the probe lowering and the full lowering accept ``template``."""
-    verdicts = []
+    """Whether the probe lowering and the full lowering accept ``template``; a probe refusal other
+    than a read outside the footprint must be the full lowering's too (``feasible`` trusts it)."""
+    verdicts, refusal = [], None
     for probe in (True, False):
         try:
             lower(graph, nodes, template, vectorize_access=False, probe=probe)
             verdicts.append(True)
-        except CodegenError:
+        except CodegenError as err:
             verdicts.append(False)
+            refusal = err if probe else refusal
+    if refusal is not None and not isinstance(refusal, FootprintError):
+        assert not verdicts[1], f"the probe refused {template} ({refusal}), which the full lowering builds"
     return verdicts[0], verdicts[1]
 
 
@@ -271,6 +275,27 @@ def test_probe_lowering_catches_a_register_read_outside_the_footprint():
     pattern = resolve_pattern(graph, nodes)
     template = composed_template(pattern, sub_roots(pattern), 128, warp_rows=4, rows_per_warp=2)
     assert _lowering_verdicts(graph, nodes, template) == (False, False)
+
+
+def test_probe_accepts_a_saved_row_value_of_rows_held_two_per_warp():
+    """A row sum also stored as [rows, 1] (a LayerNorm's saved mean), two rows per warp: the stored
+    rows take the registers of the body's rows, so the probe matches their reads as the full
+    lowering does (it had refused them, and each such pattern cost a second, full lowering)."""
+    b = GraphBuilder("saved_rows")
+    x = b.parameter((8, 128), DType.F32, "x")
+    rows = b.reduce(x, [1], "sum")
+    saved = b.reshape(rows, (8, 1))
+    out = b.binary("add", x, b.broadcast(rows, (8, 128), (0,)))
+    graph = b.build([out, saved])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    pattern = resolve_pattern(graph, nodes)
+    template = composed_template(pattern, sub_roots(pattern), 128, warp_rows=4, rows_per_warp=2)
+    assert "THREAD_2" in format_template(template)
+    assert _lowering_verdicts(graph, nodes, template) == (True, True)
+    data = np.random.default_rng(0).standard_normal((8, 128)).astype(np.float32)
+    got = dict(zip(*[generate(graph, nodes, template).outputs,
+                     generate(graph, nodes, template).simulate([data])]))
+    np.testing.assert_allclose(got[saved.name], data.sum(1, keepdims=True), rtol=1e-5, atol=1e-5)
 
 
 _OPS = ["exp", "neg", "tanh", "abs"]
