@@ -12,7 +12,10 @@ Expressions are pure. Special values (``Special``) are the thread's coordinates:
 (threadIdx.x), ``bid`` (blockIdx.x), ``ntid`` (blockDim.x), ``nbid`` (gridDim.x), ``lane`` and
 ``warp`` (tid % 32, tid / 32), all ``i32``. Statements are a tree: ``For`` and ``If`` own their
 bodies. Every node is a frozen dataclass; a kernel is a value and can be printed, simulated,
-hashed and compared.
+hashed and compared. The nodes that lowering builds by the hundred per kernel (``schedule.feasible``
+lowers thousands of candidate kernels while fusion explores) have an ``__init__`` that fills the
+instance dict directly: a frozen dataclass's generated one sets each field through
+``object.__setattr__`` and takes twice as long (0.4 against 1.6 µs for a ``Binary``).
 """
 
 from __future__ import annotations
@@ -62,11 +65,19 @@ class Const:
     value: int | float | bool
     dtype: str
 
+    def __init__(self, value: float | bool, dtype: str) -> None:
+        d = self.__dict__
+        d["value"], d["dtype"] = value, dtype
+
 
 @dataclass(frozen=True)
 class Var:
     name: str
     dtype: str
+
+    def __init__(self, name: str, dtype: str) -> None:
+        d = self.__dict__
+        d["name"], d["dtype"] = name, dtype
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,10 @@ class Unary:
     x: Expr
     dtype: str
 
+    def __init__(self, op: str, x: Expr, dtype: str) -> None:
+        d = self.__dict__
+        d["op"], d["x"], d["dtype"] = op, x, dtype
+
 
 @_hash_once
 @dataclass(frozen=True)
@@ -90,6 +105,10 @@ class Binary:
     a: Expr
     b: Expr
     dtype: str  # bool for comparisons
+
+    def __init__(self, op: str, a: Expr, b: Expr, dtype: str) -> None:
+        d = self.__dict__
+        d["op"], d["a"], d["b"], d["dtype"] = op, a, b, dtype
 
 
 @_hash_once
@@ -100,12 +119,20 @@ class Select:
     b: Expr
     dtype: str
 
+    def __init__(self, cond: Expr, a: Expr, b: Expr, dtype: str) -> None:
+        d = self.__dict__
+        d["cond"], d["a"], d["b"], d["dtype"] = cond, a, b, dtype
+
 
 @_hash_once
 @dataclass(frozen=True)
 class Cast:
     x: Expr
     dtype: str
+
+    def __init__(self, x: Expr, dtype: str) -> None:
+        d = self.__dict__
+        d["x"], d["dtype"] = x, dtype
 
 
 @_hash_once
@@ -116,6 +143,10 @@ class Load:
     buffer: str
     index: Expr
     dtype: str
+
+    def __init__(self, buffer: str, index: Expr, dtype: str) -> None:
+        d = self.__dict__
+        d["buffer"], d["index"], d["dtype"] = buffer, index, dtype
 
 
 @_hash_once
@@ -156,11 +187,19 @@ class Let:
     var: Var
     value: Expr
 
+    def __init__(self, var: Var, value: Expr) -> None:
+        d = self.__dict__
+        d["var"], d["value"] = var, value
+
 
 @dataclass(frozen=True)
 class Assign:
     var: Var
     value: Expr
+
+    def __init__(self, var: Var, value: Expr) -> None:
+        d = self.__dict__
+        d["var"], d["value"] = var, value
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,11 @@ class ValueEmitter:
     current: str = ""  # the group being emitted, for error messages
     mutable: set[str] = field(default_factory=set)  # registers assigned after their Let (accumulators)
     shared_buffers: set[str] = field(default_factory=set)  # rewritten between barriers
-    _scopes: list[dict] = field(default_factory=lambda: [{}])
+    # Values and let-bindings visible in the current scope, in one table; each open nested scope
+    # keeps what it shadowed or added (``_undo``) and restores it when it closes, so a lookup is one
+    # dict probe whatever the nesting depth.
+    _table: dict = field(default_factory=dict)
+    _undo: list[list] = field(default_factory=list)
     _pure_memo: dict = field(default_factory=dict)
     _consts: dict = field(default_factory=dict)  # index constants by value, built once
     _counter: int = 0
@@ -89,17 +93,21 @@ class ValueEmitter:
         # Every binding is recorded; purity is asked only of a hit (most bindings are never hit),
         # and an impure hit is bound again, as if it had not been recorded.
         key = ("let", value)
-        for scope in reversed(self._scopes):
-            bound = scope.get(key)
-            if bound is not None:
-                if self._pure(value):
-                    return bound
-                break
+        bound = self._table.get(key)
+        if bound is not None and self._pure(value):
+            return bound
         var = self.fresh(base, value.dtype)
         self.stmts.append(K.Let(var, value))
         self.definitions[var.name] = value
-        self._scopes[-1][key] = var
+        self._bind(key, var, bound)
         return var
+
+    def _bind(self, key, value, shadowed) -> None:
+        """Make ``key`` mean ``value`` until the innermost open scope closes (``shadowed``: what
+        it meant before, or None)."""
+        if self._undo:
+            self._undo[-1].append((key, shadowed))
+        self._table[key] = value
 
     def _pure(self, e: K.Expr) -> bool:
         """Whether an expression's value depends only on registers that never change: no shuffles,
@@ -139,12 +147,17 @@ class ValueEmitter:
         """Run ``body`` collecting its statements in a new scope; returns them and its result."""
         saved = self.stmts
         self.stmts = []
-        self._scopes.append({})
+        self._undo.append([])
         try:
             result = body()
             return self.stmts, result
         finally:
-            self._scopes.pop()
+            table = self._table
+            for key, shadowed in reversed(self._undo.pop()):
+                if shadowed is None:
+                    del table[key]
+                else:
+                    table[key] = shadowed
             self.stmts = saved
 
     def idx(self, value: int) -> K.Const:
@@ -155,16 +168,17 @@ class ValueEmitter:
 
     # -- values ---------------------------------------------------------------------------------
     def value(self, node: Node, index: Sequence[K.Expr]) -> K.Expr:
-        key = (id(node), tuple(index))
-        for scope in reversed(self._scopes):
-            if key in scope:
-                return scope[key]
+        index = tuple(index)
+        key = (id(node), index)
+        result = self._table.get(key)
+        if result is not None:
+            return result
         entry = self.sub_roots.get(id(node))
         if entry is not None:
-            result = self.reader(entry, tuple(index), self.current)
+            result = self.reader(entry, index, self.current)
         else:
-            result = self._compute(node, tuple(index))
-        self._scopes[-1][key] = result
+            result = self._compute(node, index)
+        self._bind(key, result, None)
         return result
 
     def _compute(self, node: Node, index: tuple[K.Expr, ...]) -> K.Expr:
