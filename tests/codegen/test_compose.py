@@ -309,6 +309,7 @@ def random_patterns(draw):
     x = b.parameter((rows, cols), DType.F32, "x")
     y = b.parameter((rows, cols), DType.F32, "y")
     values = [x, y]
+    saved = []  # row results also stored as [rows, 1] (a LayerNorm's saved mean)
     for _ in range(draw(st.integers(1, 6))):
         kind = draw(st.sampled_from(["unary", "binary", "rowsum", "rowmax", "colsum"]))
         a = draw(st.sampled_from(values))
@@ -322,7 +323,9 @@ def random_patterns(draw):
         else:
             r = b.reduce(b.unary("tanh", a), [1], "sum" if kind == "rowsum" else "max")
             values.append(b.binary("add", a, b.broadcast(r, (rows, cols), (0,))))
-    graph = b.build([values[-1]])
+            if draw(st.booleans()):
+                saved.append(b.reshape(b.unary("neg", r), (rows, 1)))
+    graph = b.build([values[-1]] + saved)
     rng = np.random.default_rng(draw(st.integers(0, 100)))
     return graph, [rng.standard_normal((rows, cols)).astype(np.float32) for _ in range(2)]
 
