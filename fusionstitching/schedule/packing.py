@@ -61,7 +61,10 @@ def _reads_transposed(pattern) -> dict[int, bool]:
 def _narrow_vector_rows(space, kept: list[int], threads: int, vector: int) -> tuple[int, int] | None:
     """(dim, lanes) when the innermost dim is too short for a block of vector accesses but splits
     into ``lanes`` (a power of two, 32 to ``threads``/2) vectors per block row, the rest of the
-    block taking rows of the dim before it (BERT's 768-wide rows: 64 lanes × 4 rows of a block)."""
+    block taking rows of the dim before it (BERT's 768-wide rows: 64 lanes × 4 rows of a block).
+    Unlike ``_short_vector_rows`` it takes a tail in the rows rather than only a power of two that
+    divides them: AdamW's update of the [30522, 768] word embeddings (30522 = 2 × 15261) keeps all
+    256 threads of a block busy here, where the power-of-two rule would leave half of them idle."""
     if len(kept) < 2 or kept[-1] != len(space) - 1 or kept[-2] != len(space) - 2:
         return None
     d = kept[-1]
