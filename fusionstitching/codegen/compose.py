@@ -350,7 +350,7 @@ class Composer(Reductions, RegisterComposition):
     def plan_shared(self, graph, pattern_nodes, limit: int):
         """Place the S sub-roots with ``schedule/smem.py``: sharing by dominance and liveness, and
         recomputation (the group is dropped, its consumers recompute it) when over ``limit``."""
-        from fusionstitching.schedule.smem import SmemRequest, plan_shared_memory
+        from fusionstitching.schedule.smem import SmemRequest, plan_shared_memory, side_by_side
 
         requests, sizes = [], {}
         fusable = None
@@ -367,7 +367,9 @@ class Composer(Reductions, RegisterComposition):
             requests.append(SmemRequest(g.root.name, size * 4, recompute_cost=cost))
         reductions = 4 * WARP * 2 if any(g.cross_thread for g in self.groups) else 0
         must_keep = [g.root.name for g in self.groups if g.shared and g.output is not None]
-        plan = plan_shared_memory(graph, pattern_nodes, requests, limit - reductions, must_keep=must_keep)
+        plan = side_by_side(requests, limit - reductions) if self.probe else None  # a plan exists
+        if plan is None:
+            plan = plan_shared_memory(graph, pattern_nodes, requests, limit - reductions, must_keep=must_keep)
         if not plan:
             raise CodegenError(str(plan))
         for name in plan.recomputed:

@@ -147,6 +147,22 @@ def plan_shared_memory(
         dropped.append(victim)
 
 
+def side_by_side(requests: Sequence[SmemRequest], limit_bytes: int) -> SmemPlan | None:
+    """Each request in a buffer of its own, or None when their 16-byte aligned sizes do not fit in
+    ``limit_bytes`` together. When they fit, ``plan_shared_memory`` fits as well (sharing only merges
+    buffers, and nothing is recomputed within the limit): a caller that only needs to know that a
+    plan exists, with a place for every request (the probe lowering of ``schedule.feasible``), can
+    skip the planning."""
+    if sum(_align(r.bytes) for r in requests) > limit_bytes:
+        return None
+    buffers, offset = [], 0
+    for i, request in enumerate(requests):
+        buffers.append(SmemBuffer(f"smem{i}", offset, request.bytes, (request.node,)))
+        offset = _align(offset + request.bytes)
+    total = max((b.offset + b.bytes for b in buffers), default=0)
+    return SmemPlan(tuple(buffers), {b.sharers[0]: b.name for b in buffers}, (), total, limit_bytes)
+
+
 # ----------------------------------------------------------------------------------------------
 # The pattern's data flow
 # ----------------------------------------------------------------------------------------------

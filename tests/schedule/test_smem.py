@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from fusionstitching.graph.graph import Graph, GraphBuilder
 from fusionstitching.graph.ops import DType
-from fusionstitching.schedule.smem import Infeasible, SmemPlan, SmemRequest, _Flow, plan_shared_memory
+from fusionstitching.schedule.smem import (
+    Infeasible,
+    SmemPlan,
+    SmemRequest,
+    _Flow,
+    plan_shared_memory,
+    side_by_side,
+)
 
 F32 = DType.F32
 
@@ -282,6 +289,21 @@ def test_plan_never_shares_live_requests_and_fits(case):
             barrier = [position[c] for c in cached if last_a <= position[c] < start_b]
             assert barrier, f"no barrier between {buffer.sharers}"
     assert result.total_bytes == end
+
+
+@settings(max_examples=200, deadline=None)
+@given(random_cases())
+def test_requests_that_fit_side_by_side_are_planned_without_recomputation(case):
+    """The probe lowering of ``feasible`` skips planning when the requests fit unshared; that is
+    sound only if the planner then fits them too, recomputing nothing."""
+    graph, pattern, requests, limit, allow, must_keep = case
+    unshared = side_by_side(requests, limit)
+    if unshared is None:
+        assert sum(-(-r.bytes // 16) * 16 for r in requests) > limit
+        return
+    assert unshared.total_bytes <= limit and sorted(unshared.placement) == sorted(r.node for r in requests)
+    planned = plan_shared_memory(graph, pattern, requests, limit, allow_recompute=allow, must_keep=must_keep)
+    assert planned and not planned.recomputed and planned.total_bytes <= limit
 
 
 @settings(max_examples=200, deadline=None)
