@@ -329,8 +329,7 @@ class Composer(Reductions, RegisterComposition):
                     value, out_index = em.value(root, tuple(index)), index
                 if group.output is not None:
                     name, layout = group.output
-                    store = K.Cast(value, root.dtype.value) if root.dtype.is_half else value
-                    em.stmts.append(K.Store(name, em.linear(out_index, layout.strides), store))
+                    em.stmts.append(K.Store(name, em.linear(out_index, layout.strides), em.stored(value, root.dtype)))
                 if buffer is not None:
                     em.stmts.append(K.Store(buffer.name, self._local_index(group, index), value))
 

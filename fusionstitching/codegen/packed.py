@@ -285,9 +285,7 @@ def _element(em: ValueEmitter, stores, factors: list[Factor], space, reduced, re
                 else:
                     value = em.value(root, tuple(at))
                     out_index = at
-                storage = root.dtype.value
-                em.stmts.append(K.Store(buffer, em.linear(out_index, layout.strides),
-                                        K.Cast(value, storage) if storage != register_type(root.dtype) else value))
+                em.stmts.append(K.Store(buffer, em.linear(out_index, layout.strides), em.stored(value, root.dtype)))
 
     body, _ = em.nested(lambda: compute())
     if lane is not None and vectorize_access:

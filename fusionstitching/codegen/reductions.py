@@ -183,7 +183,7 @@ class Reductions:
         kept_index = [self._kept_index(group, d) for d in kept]
         if group.output is not None:
             name, layout = group.output
-            value = K.Cast(result, root.dtype.value) if root.dtype.is_half else result
+            value = K.Cast(acc, root.dtype.value) if root.dtype.is_half else result  # rounded once
             first: K.Expr = K.Binary("eq", self._special("lane" if self.warp_mode else "tid"), em.idx(0), "bool")
             for d, i in zip(kept, kept_index):
                 covered = math.prod(f.extent for f in group.factors if f.dim == d)

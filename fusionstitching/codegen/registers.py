@@ -180,8 +180,7 @@ class RegisterComposition:
                     index, guard = self._index(group)
                     value = em.value(group.root, tuple(index))
                     name, layout = group.output
-                    store = K.Cast(value, group.root.dtype.value) if group.root.dtype.is_half else value
-                    stmt = K.Store(name, em.linear(index, layout.strides), store)
+                    stmt = K.Store(name, em.linear(index, layout.strides), em.stored(value, group.root.dtype))
                     em.stmts.append(K.If(guard, (stmt,)) if guard is not None else stmt)
                 continue
             buffer = self._shared_buffer(group) if group.shared else None
@@ -193,8 +192,7 @@ class RegisterComposition:
                 stores = []
                 if group.output is not None:
                     name, layout = group.output
-                    store = K.Cast(value, group.root.dtype.value) if group.root.dtype.is_half else value
-                    stores.append(K.Store(name, em.linear(index, layout.strides), store))
+                    stores.append(K.Store(name, em.linear(index, layout.strides), em.stored(value, group.root.dtype)))
                 if buffer is not None:
                     stores.append(K.Store(buffer.name, self._local_index(group, index), value))
                 em.stmts.extend([K.If(guard, tuple(stores))] if guard is not None and stores else stores)

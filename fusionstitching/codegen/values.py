@@ -203,6 +203,18 @@ class ValueEmitter:
             value = K.Cast(K.Cast(value, node.dtype.value), "f32")
         return self.let("v", value)
 
+    def stored(self, value: K.Expr, dtype: DType) -> K.Expr:
+        """``value`` as written to a buffer of ``dtype``: half types are rounded on the store. A value
+        that ``_round`` already rounded to that type is stored from before its round trip back to
+        f32 (rounding twice to one type is rounding once), which spares two conversions per
+        element of a half output."""
+        if not dtype.is_half:
+            return value
+        definition = self.definitions.get(value.name) if type(value) is K.Var else None
+        if type(definition) is K.Cast and type(definition.x) is K.Cast and definition.x.dtype == dtype.value:
+            return definition.x
+        return K.Cast(value, dtype.value)
+
     def linear(self, index: Sequence[K.Expr], strides: Sequence[int]) -> K.Expr:
         total: K.Expr = self.idx(0)
         for i, s in zip(index, strides):

@@ -8,6 +8,7 @@ sm_90 and its simulation matches graph/reference.py; the GPU test runs the same 
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 from functools import cache
@@ -138,6 +139,22 @@ def test_shared_sub_root_is_stored_once_and_read_by_consumers():
     kernel = generate(case.graph, case.nodes, template)
     assert "__shared__ float smem_" in kernel.cuda_source
     assert kernel.cuda_source.count("expf(") == 1  # computed once, read from shared memory afterwards
+
+
+def test_half_outputs_are_rounded_once_on_the_store():
+    """A bf16 result is rounded to bf16 once, as the reference does: the store converts the f32
+    value, not its bf16 round trip (two extra conversions per element: LayerNorm bf16
+    16384×1024 28.3 → 27.7 µs on an H100), and the kernel still matches the reference."""
+    for case in (layernorm("bf16", 24, 96), bias_gelu("bf16", 8, 256)):
+        kernel = generate(case.graph, case.nodes, default_template(case.graph, case.nodes))
+        source = kernel.cuda_source
+        round_trips = set(re.findall(r"float (v\d+) = fs_b2f\(fs_f2b\(", source))
+        stored = set(re.findall(r"fs_f2b\((v\d+)\)\)? *(?:\||<<|\)|;)", source))
+        assert round_trips and stored, source
+        assert not round_trips & stored, sorted(round_trips & stored)
+        got = kernel.simulate(_inputs_for(case, kernel))
+        for out_name, g, w in zip(kernel.outputs, got, _expected(case, kernel)):
+            assert_close(g, w, case.graph.node(out_name).dtype, False, case.name)
 
 
 def _without_barriers(stmts):
