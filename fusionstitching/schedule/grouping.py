@@ -494,7 +494,29 @@ def _candidate_templates(pattern):
         yield lambda: composed_template(pattern, reductions, DEFAULT_THREADS, WARP_ROWS, rows_per_warp=1)
         yield lambda: composed_template(pattern, reductions, DEFAULT_THREADS, None)
     if reductions and all(r.op == "reduce" for r in reductions):
+        if len(pattern.outputs) > 1 and _independent_outputs(pattern):
+            yield lambda: _packed_template(pattern, DEFAULT_THREADS)  # each output's own blocks
         yield lambda: thread_serial_template(pattern, reductions)
+
+
+def _independent_outputs(pattern) -> bool:
+    """Whether the pattern's outputs share no node of the pattern, so that packing them as
+    sub-kernels, each thread reducing its own elements inline, computes nothing twice. Packed final
+    sums of bias gradients (thirty [64, 768] → [768] sums, each with its casts) then get a block range
+    each: the thread-serial template ran them all on the three blocks of one output (51 µs for 6 MB
+    on an H100)."""
+    inside = {id(n) for n in pattern.nodes}
+    owner: dict[int, int] = {}
+    for k, out in enumerate(pattern.outputs):
+        stack = [out]
+        while stack:
+            node = stack.pop()
+            if id(node) not in inside or node.op == "constant":
+                continue
+            if owner.setdefault(id(node), k) != k:
+                return False
+            stack.extend(n for n in node.operands if owner.get(id(n)) != k)
+    return True
 
 
 def thread_serial_template(pattern, reductions: list[Node], threads: int = DEFAULT_THREADS) -> KernelSchedule:
