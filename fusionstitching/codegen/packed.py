@@ -8,7 +8,8 @@ sub-kernels that each get a range of blocks, proportional to their element count
 ``schedule/template.py``): a grid-stride loop over the GRID space, a block-stride loop over the
 CTA space (or warp/lane loops when there are WARP tiles), serial loops over THREAD factors, dim
 indices rebuilt mixed-radix and tails predicated off. Reductions as roots are lowered here only
-when every reduced dim is THREAD-tiled (each thread reduces sequentially, [B §5.2]).
+when every reduced dim is THREAD-tiled (each thread reduces sequentially, [B §5.2]); reductions of
+one nest (same dims, a common input) share that loop, an accumulator each.
 """
 
 from __future__ import annotations
@@ -111,8 +112,7 @@ def packed_groups(roots: Sequence[tuple[Schedule, Node]], inside: set[int]) -> l
         candidates = alike.setdefault((sched.dims, space), [])
         for k in candidates:
             _, members, theirs = groups[k]
-            if (not is_reduction(members[0]) and not is_reduction(root) and not sched.shared
-                    and not mine.isdisjoint(theirs)):
+            if (_nest_alike(members[0], root) and not sched.shared and not mine.isdisjoint(theirs)):
                 members.append(root)
                 theirs |= mine
                 break
@@ -120,6 +120,15 @@ def packed_groups(roots: Sequence[tuple[Schedule, Node]], inside: set[int]) -> l
             candidates.append(len(groups))
             groups.append((sched, [root], set(mine)))
     return [(sched, members) for sched, members, _ in groups]
+
+
+def _nest_alike(first: Node, root: Node) -> bool:
+    """Whether ``root`` can share the loop nest of ``first`` (same iteration space and tiling): both
+    elementwise, or both reductions over the same dims, which then run in one loop with an
+    accumulator each (a LayerNorm's dγ and dβ partial sums read the normalized input once)."""
+    if is_reduction(first) != is_reduction(root):
+        return False
+    return not is_reduction(root) or reduced_dims(first) == reduced_dims(root)
 
 
 def _grid_extent(sched: Schedule, root: Node) -> int:
@@ -278,13 +287,13 @@ def _element(em: ValueEmitter, stores, factors: list[Factor], space, reduced, re
             if j:
                 lane.var = em.idx(j)
                 at = point()
-            for root, buffer, layout in stores:
-                if is_reduction(root) and reduced:
-                    value = _reduce_root(em, root, at, factors, space, red_factors)
-                    out_index = [at[d] for d in range(len(space)) if d not in reduced]
-                else:
-                    value = em.value(root, tuple(at))
-                    out_index = at
+            if reduced:  # the nest's roots are reductions over the same dims: one loop for all
+                values = _reduce_roots(em, [root for root, _, _ in stores], at, factors, space, red_factors)
+                out_index = [at[d] for d in range(len(space)) if d not in reduced]
+            else:
+                values = [em.value(root, tuple(at)) for root, _, _ in stores]
+                out_index = at
+            for (root, buffer, layout), value in zip(stores, values):
                 em.stmts.append(K.Store(buffer, em.linear(out_index, layout.strides), em.stored(value, root.dtype)))
 
     body, _ = em.nested(lambda: compute())
@@ -296,28 +305,35 @@ def _element(em: ValueEmitter, stores, factors: list[Factor], space, reduced, re
     return list(prefix) + body
 
 
-def _reduce_root(em: ValueEmitter, root: Node, index, factors, space, red_factors) -> K.Expr:
-    kind = reduction_kind(root)
-    rtype = register_type(root.dtype)
-    acc = em.accumulator("acc", rtype)
-    em.stmts.append(K.Let(acc, reduce_identity(kind, root.dtype)))
+def _reduce_roots(em: ValueEmitter, roots: list[Node], index, factors, space, red_factors) -> list[K.Expr]:
+    """Reductions over the same dims in one serial loop, an accumulator each: a value several of
+    them read (an input element) is loaded once per point."""
+    dims = reduced_dims(roots[0])
+    accs = []
+    for root in roots:
+        acc = em.accumulator("acc", register_type(root.dtype))
+        em.stmts.append(K.Let(acc, reduce_identity(reduction_kind(root), root.dtype)))
+        accs.append(acc)
 
     def body() -> None:
-        dims = reduced_dims(root)
         point = [_dim_index(em, factors, d) if d in dims else index[d] for d in range(len(space))]
         guard = None
         for d in dims:
             if math.prod(f.extent for f in factors if f.dim == d) > space[d]:
                 guard = K.land(guard, K.lt(point[d], em.idx(space[d])))
-        inner, value = em.nested(lambda: em.term(root, point))
-        update = tuple(inner) + (K.Assign(acc, combine(kind, acc, value, rtype)),)
+
+        def terms() -> list[K.Stmt]:
+            return [K.Assign(acc, combine(reduction_kind(root), acc, em.term(root, point), acc.dtype))
+                    for root, acc in zip(roots, accs)]
+
+        inner, updates = em.nested(terms)
+        update = tuple(inner) + tuple(updates)
         em.stmts.extend([K.If(guard, update)] if guard is not None else update)
 
     stmts, _ = em.nested(lambda: _serial_into(em, red_factors, body))
     em.stmts.extend(stmts)
-    if root.dtype.is_half:
-        return em.let("v", K.Cast(K.Cast(acc, root.dtype.value), "f32"))
-    return acc
+    return [em.let("v", K.Cast(K.Cast(acc, root.dtype.value), "f32")) if root.dtype.is_half else acc
+            for root, acc in zip(roots, accs)]
 
 
 def _serial_into(em: ValueEmitter, fs: list[Factor], body) -> None:

@@ -289,3 +289,25 @@ def test_dropout_mask_shares_a_philox_block_between_a_threads_four_elements(temp
     if not word_chosen_at_run_time:
         assert all(f").{w}" in source for w in "xyzw")
         assert len({line.split("=")[0] for line in source.splitlines() if "fs_philox(" in line and "=" in line}) == 4
+
+
+def test_packed_reductions_over_the_same_dims_share_one_loop():
+    """Two column sums over the same dims that read a common input (a LayerNorm's dγ partial
+    Σ x·g and dβ partial Σ g) run in one loop with an accumulator each: g is loaded once per point,
+    where each sum had its own loop and sub-kernel, reading g twice."""
+    b = GraphBuilder("two_sums")
+    x = b.parameter((4, 16, 8, 96), DType.F32, "x")
+    g = b.parameter((4, 16, 8, 96), DType.F32, "g")
+    both = b.build([b.reduce(b.binary("mul", x, g), [2], "sum"), b.reduce(g, [2], "sum")])
+    nodes = [n for n in both.nodes if n.op != "parameter"]
+    kernel = generate(both, nodes, default_template(both, nodes))
+    source = kernel.cuda_source[kernel.cuda_source.index('extern "C"'):]
+    assert source.count("for (") == 1 and source.count("sub-kernel") == 0, source
+    g_buffer = f"in{kernel.inputs.index('g')}["
+    assert source.count(g_buffer) == 1, source
+    rng = np.random.default_rng(0)
+    arrays = {p.name: rng.standard_normal(p.shape).astype(np.float32) for p in both.parameters}
+    got = kernel.simulate([arrays[name] for name in kernel.inputs])
+    want = reference.evaluate(both, [arrays[p.name] for p in both.parameters])
+    for a, w in zip(got, want):
+        np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
