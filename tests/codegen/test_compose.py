@@ -262,6 +262,18 @@ def test_independent_final_sums_are_packed_with_a_block_range_each():
     assert answer and answer.launch.blocks == 3 and any(s.root.startswith("reduce") for s in answer.schedules)
 
 
+def test_feasible_counts_inline_reductions_as_work_per_thread():
+    """A bias gradient summed over 4096 rows inline, packed next to a weight-gradient cast, would
+    leave each of the sum's 768 threads 4096 × 4 points: refused for too little parallelism."""
+    b = GraphBuilder("cast_and_sum")
+    w = b.parameter((3072, 768), DType.BF16, "w")
+    g = b.parameter((4096, 3072), DType.BF16, "g")
+    total = b.reduce(b.convert(g, DType.F32), [0], "sum")
+    graph = b.build([b.convert(w, DType.F32), b.convert(b.convert(total, DType.BF16), DType.F32)])
+    answer = feasible(graph, [n for n in graph.nodes if n.op != "parameter"])
+    assert not answer and "too little parallelism" in str(answer), answer
+
+
 def test_feasible_is_fast_on_a_twenty_op_pattern():
     """Register-composed rows are lowered once, symbolically, when probing (1–2 ms on a 2-core
     machine for this 25-node LayerNorm, against 12 ms for the full lowering; DIN attention's six
