@@ -173,6 +173,7 @@ class Composer(Reductions, RegisterComposition):
         self.ranges: dict[str, int] = {}  # register → exclusive upper bound (factor registers)
         self.shared: list[K.Buffer] = []
         self.placement: dict[str, K.Buffer] = {}  # S sub-root → its (possibly shared) buffer
+        self._layouts: dict[int, tuple] = {}  # id(group) → (footprint, tile layout): factors never change
         self._check_common_tiling()
 
     # -- structure -------------------------------------------------------------------------------
@@ -381,6 +382,22 @@ class Composer(Reductions, RegisterComposition):
 
     def _footprint(self, group: Group) -> list[tuple[list[Factor], list[Factor]]]:
         """Per dim: (GRID factors, the local factors below them); GRID must come first in a dim."""
+        return self._layout(group)[0]
+
+    def _tile_layout(self, group: Group) -> tuple[list[tuple[int, int]], int]:
+        """Per kept dim, (local extent, stride in cells) of the group's tile, and its size in cells:
+        row-major, the innermost row padded by one cell when it is a multiple of 32 cells and there
+        are several rows (module note)."""
+        return self._layout(group)[1]
+
+    def _layout(self, group: Group) -> tuple:
+        cached = self._layouts.get(id(group))
+        if cached is None:
+            footprint = self._make_footprint(group)
+            cached = self._layouts[id(group)] = (footprint, self._make_tile_layout(footprint))
+        return cached
+
+    def _make_footprint(self, group: Group) -> list[tuple[list[Factor], list[Factor]]]:
         result = []
         for d in range(len(group.space)):
             if d in group.reduced:
@@ -395,11 +412,9 @@ class Composer(Reductions, RegisterComposition):
     def _shared_buffer(self, group: Group) -> K.Buffer:
         return self.placement[group.root.name]
 
-    def _tile_layout(self, group: Group) -> tuple[list[tuple[int, int]], int]:
-        """Per kept dim, (local extent, stride in cells) of the group's tile, and its size in cells:
-        row-major, the innermost row padded by one cell when it is a multiple of 32 cells and there
-        are several rows (module note)."""
-        extents = [math.prod(f.extent for f in local) for _, local in self._footprint(group)]
+    @staticmethod
+    def _make_tile_layout(footprint) -> tuple[list[tuple[int, int]], int]:
+        extents = [math.prod(f.extent for f in local) for _, local in footprint]
         inner = max((k for k, e in enumerate(extents) if e > 1), default=None)
         strides = [0] * len(extents)
         size = 1
@@ -444,7 +459,7 @@ class Composer(Reductions, RegisterComposition):
         linear: K.Expr = em.idx(0)
         for d, ((base, extent, stride), i) in enumerate(zip(bases, index)):
             local = K.Binary("sub", i, base, em.index_type)
-            form = affine(local, em.definitions)
+            form = affine(local, em.definitions, em.affine_forms)
             if form is None or not self._within(form, extent):
                 raise FootprintError(f"block locality: {consumer} reads {root.name} in dim {d} outside the "
                                    "block's shared-memory footprint")
@@ -452,12 +467,12 @@ class Composer(Reductions, RegisterComposition):
         return em.let("s", K.Load(buffer.name, linear, buffer.dtype))
 
     def _same_element(self, kept_index, index, shape) -> bool:
-        defs = self.em.definitions
+        defs, forms = self.em.definitions, self.em.affine_forms
         for want, got, size in zip(kept_index, index, shape):
-            if size == 1 and affine(got, defs) == ({}, 0):
+            if size == 1 and affine(got, defs, forms) == ({}, 0):
                 continue  # the only element; the producer's tail guard keeps its index at 0
-            form = affine(want, defs)
-            if form is None or form != affine(got, defs):
+            form = affine(want, defs, forms)
+            if form is None or form != affine(got, defs, forms):
                 return False
         return True
 

@@ -88,7 +88,7 @@ class RegisterComposition:
             slot: K.Expr = em.idx(0)
             for f in fs[:-1]:
                 slot = K.add(K.mul(slot, em.idx(f.extent)), f.var)
-            form = affine(slot, em.definitions)
+            form = affine(slot, em.definitions, em.affine_forms)
             high = None if form is None else form[1] + sum(
                 c * (self.ranges[n] - 1) if n in self.ranges else math.inf for n, c in form[0].items())
             if high is None or high >= vectors:  # some slot of this copy may be past the end

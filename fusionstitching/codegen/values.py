@@ -73,6 +73,7 @@ class ValueEmitter:
     _undo: list[list] = field(default_factory=list)
     _pure_memo: dict = field(default_factory=dict)
     _consts: dict = field(default_factory=dict)  # index constants by value, built once
+    affine_forms: dict = field(default_factory=dict)  # register → its affine form (``vectorize.affine``'s memo)
     _counter: int = 0
 
     # -- statement plumbing -------------------------------------------------------------------

@@ -21,20 +21,30 @@ ITEM_BYTES = {"f32": 4, "f64": 8, "f16": 2, "bf16": 2, "i32": 4, "i64": 8, "u32"
 VECTOR_BYTES = 16
 
 
-def affine(e: K.Expr, definitions: Mapping[str, K.Expr]) -> tuple[dict[str, int], int] | None:
-    """``e`` as (coefficients of opaque terms, constant), or None when it is not affine."""
+def affine(e: K.Expr, definitions: Mapping[str, K.Expr],
+           memo: dict[str, tuple] | None = None) -> tuple[dict[str, int], int] | None:
+    """``e`` as (coefficients of opaque terms, constant), or None when it is not affine. ``memo``
+    keeps the forms of registers expanded through ``definitions`` (a register is defined once, so
+    its form never changes); the forms returned are shared and must not be modified."""
     if isinstance(e, K.Const) and isinstance(e.value, int) and not isinstance(e.value, bool):
         return {}, e.value
     if isinstance(e, K.Var):
+        if memo is not None:
+            known = memo.get(e.name)
+            if known is not None:
+                return known
+        form = None
         if e.name in definitions:
-            inner = affine(definitions[e.name], definitions)
-            if inner is not None:
-                return inner
-        return {e.name: 1}, 0
+            form = affine(definitions[e.name], definitions, memo)
+        if form is None:
+            form = {e.name: 1}, 0
+        if memo is not None:
+            memo[e.name] = form
+        return form
     if isinstance(e, K.Cast) and e.dtype in ("i32", "i64") and e.x.dtype in ("i32", "i64"):
-        return affine(e.x, definitions)
+        return affine(e.x, definitions, memo)
     if isinstance(e, K.Binary) and e.op in ("add", "sub"):
-        a, b = affine(e.a, definitions), affine(e.b, definitions)
+        a, b = affine(e.a, definitions, memo), affine(e.b, definitions, memo)
         if a is None or b is None:
             return None
         sign = 1 if e.op == "add" else -1
@@ -43,7 +53,7 @@ def affine(e: K.Expr, definitions: Mapping[str, K.Expr]) -> tuple[dict[str, int]
             terms[name] = terms.get(name, 0) + sign * c
         return {n: c for n, c in terms.items() if c}, a[1] + sign * b[1]
     if isinstance(e, K.Binary) and e.op == "mul":
-        a, b = affine(e.a, definitions), affine(e.b, definitions)
+        a, b = affine(e.a, definitions, memo), affine(e.b, definitions, memo)
         if a is None or b is None:
             return None
         if not b[0]:
