@@ -147,7 +147,8 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
             break
         candidates += found
         scores += found_scores
-        selections = _select(solver, graph, candidates, scores)
+        # candidates are only appended: the cycles found so far stay constraints (select.py)
+        selections = _select(solver, graph, candidates, scores, selections[0].cycle_constraints)
         plans += [_finalize(graph, roles, legality, scorer, candidates, scores, s, solver, options) for s in selections]
     positive = sum(1 for s in scores if s > 0)
     best = selections[0]
@@ -176,11 +177,12 @@ def _finalize(graph: Graph, roles: Roles, legality: Legality, scorer: Scorer, ca
     return plan
 
 
-def _select(solver: str, graph: Graph, candidates: Sequence[Candidate], scores: Sequence[float]) -> list[Selection]:
+def _select(solver: str, graph: Graph, candidates: Sequence[Candidate], scores: Sequence[float],
+            known_cycles: Sequence[tuple[int, ...]] = ()) -> list[Selection]:
     patterns = [c.nodes for c in candidates]
     if solver == "beam":
         return select_beam(graph, patterns, scores)
-    return [select_ilp(graph, patterns, scores)]
+    return [select_ilp(graph, patterns, scores, known_cycles=known_cycles)]
 
 
 def _leftovers(roles: Roles, groups) -> list[tuple]:

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from fusionstitching.fusion.select import Selection, contracted_cycle, select_ilp
+from fusionstitching.fusion.select import Selection, _tightest, contracted_cycle, select_ilp
 from fusionstitching.graph.graph import GraphBuilder
 from fusionstitching.graph.ops import DType
 
@@ -102,6 +102,25 @@ def test_after_the_cycle_constraint_the_next_best_plan_is_found():
     assert selection.cycle_constraints == [(0, 1)]
     assert selection.chosen == [2, 3]
     assert selection.objective == pytest.approx(6.0)
+
+
+def test_a_cycle_is_cut_by_the_pair_of_its_patterns_that_closes_one_alone():
+    """Of a cycle through P, Q and a third pattern, P and Q close one by themselves: the constraint
+    is "not both P and Q", which also cuts every plan that holds them with other patterns."""
+    graph, p = _crossed()
+    lone = graph.node("a2").operands[0]  # b2: a pattern of its own, with a1 and b1 in others
+    patterns = [[p["P"][0]], [p["Q"][0]], [lone]]
+    assert _tightest(graph, [p["P"], p["Q"], [lone]], [0, 1, 2]) == [[0, 1]]
+    assert _tightest(graph, patterns, [0, 1, 2]) == [[0, 1, 2]]  # no pair closes one: all three
+
+
+def test_known_cycles_are_constraints_from_the_first_solve():
+    graph, p = _crossed()
+    patterns = [p["P"], p["Q"], p["R"], p["S"]]
+    fresh = select_ilp(graph, patterns, [5.0, 4.0, 3.0, 3.0])
+    seeded = select_ilp(graph, patterns, [5.0, 4.0, 3.0, 3.0], known_cycles=fresh.cycle_constraints)
+    assert fresh.rounds == 2 and seeded.rounds == 1
+    assert seeded.chosen == fresh.chosen and seeded.cycle_constraints == fresh.cycle_constraints
 
 
 def test_a_pattern_cyclic_on_its_own_is_excluded():
