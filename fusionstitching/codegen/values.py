@@ -208,11 +208,13 @@ class ValueEmitter:
         """``value`` as written to a buffer of ``dtype``: half types are rounded on the store. A value
         that ``_round`` already rounded to that type is stored from before its round trip back to
         f32 (rounding twice to one type is rounding once), which spares two conversions per
-        element of a half output."""
+        element of a half output; only when that expression is pure (``_pure``: an accumulator
+        may have changed since the value was bound)."""
         if not dtype.is_half:
             return value
         definition = self.definitions.get(value.name) if type(value) is K.Var else None
-        if type(definition) is K.Cast and type(definition.x) is K.Cast and definition.x.dtype == dtype.value:
+        if type(definition) is K.Cast and type(definition.x) is K.Cast and definition.x.dtype == dtype.value \
+                and self._pure(definition.x):
             return definition.x
         return K.Cast(value, dtype.value)
 
