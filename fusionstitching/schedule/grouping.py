@@ -417,6 +417,7 @@ def _crowded(pattern, template: KernelSchedule) -> Reason | None:
     took 425 µs on an H200."""
     by_name = {n.name: n for n in pattern.nodes}
     roots = {s.root for s in template.schedules}
+    inline = any(is_reduction(n) and n.name not in roots for n in pattern.nodes)
     launched = template.launch.blocks * template.launch.threads
     for sched in template.schedules:
         root = by_name.get(sched.root)
@@ -429,7 +430,7 @@ def _crowded(pattern, template: KernelSchedule) -> Reason | None:
                 if tile.level != Level.THREAD:
                     parallel *= extent
         parallel = min(parallel, launched)
-        work = math.prod(space) * _inline_reduced_length(root, roots, by_name)
+        work = math.prod(space) * (_inline_reduced_length(root, roots, by_name) if inline else 1)
         if work > MAX_ELEMENTS_PER_THREAD * parallel:
             return Reason(f"{root.name} has {work} points for {parallel} threads in the template (over "
                           f"{MAX_ELEMENTS_PER_THREAD} each): too little parallelism")
