@@ -21,7 +21,7 @@ An ``S`` group's buffer holds its block footprint row-major over the kept dims (
 When the innermost row spans whole bank rows (a multiple of 32 cells) and there are several rows,
 each row is padded by one cell (a 32 x 32 tile is stored 32 x 33): a consumer reading a column
 (consecutive lanes, consecutive rows) then hits 32 different banks instead of one. The classic
-shared-memory transpose is ``schedule/grouping.py: transpose_smem_template``: in warp mode, the
+shared-memory transpose is ``schedule/transpose.py: transpose_smem_template``: in warp mode, the
 transpose group puts the lanes on the dim that is innermost in the transposed input (coalesced
 reads) and the warps on the other, the consumer the other way round (coalesced writes). ``S``
 groups are allowed in warp mode only when the WARP space is exactly the block's warps, so the

@@ -55,6 +55,7 @@ from fusionstitching.schedule.template import (
     level_extent,
     tile_extents,
 )
+from fusionstitching.schedule.transpose import transpose_smem_template
 
 DEFAULT_THREADS = 256
 WARP_ROWS = 4  # rows (warps) per block in warp mode: measured best for softmax and LayerNorm
@@ -505,7 +506,7 @@ def _candidate_templates(pattern):
     if _stitched_partials(pattern):
         yield lambda: row_partial_template(pattern)
     yield lambda: choose_template(pattern)
-    yield lambda: transpose_smem_template(pattern)  # transposed reads: tiles through shared memory
+    yield lambda: transpose_smem_template(pattern, DEFAULT_THREADS)  # transposed reads: tiles through shared memory
     reductions = _crossing(pattern)
     if reductions and _batched(pattern, reductions):
         yield lambda: batched_template(pattern, reductions, cache_operands=False)  # recompute instead
@@ -557,59 +558,4 @@ def thread_serial_template(pattern, reductions: list[Node], threads: int = DEFAU
             dims[kept[-1]] = (Tile(Level.GRID), Tile(Level.CTA, threads))
         schedules.append(Schedule(root.name, tuple(dims)))
     grid = level_extent(schedules[0], _space(roots[0]), Level.GRID)
-    return KernelSchedule(tuple(schedules), Launch(max(1, min(grid, MAX_BLOCKS)), threads))
-
-
-# ----------------------------------------------------------------------------------------------
-# Shared-memory tiled transpose
-# ----------------------------------------------------------------------------------------------
-
-
-def transpose_smem_template(pattern, threads: int = DEFAULT_THREADS) -> KernelSchedule:
-    """The classic shared-memory tiled transpose, a fallback to the register-tiled default.
-
-    Every transpose inside the pattern that moves its input's innermost dim becomes an ``S`` group
-    over 32 x 32 tiles: its lanes run along the dim that is innermost in the input
-    (``CTA_32``: coalesced reads) and the block's warps, ``THREAD_k`` rows each, along the output's
-    last dim; the tile goes to shared memory (padded against bank conflicts, see compose.py's note),
-    a barrier follows, and each output reads it the other way round, lanes along its last dim
-    (coalesced writes), warps along the transposed dim. The other dims are GRID. E.g. for
-    ``relu(x.T * y + 1)`` on 4096 x 4096::
-
-        transpose[GRID-CTA_32,GRID-WARP_8-THREAD_4]S; max[GRID-WARP_8-THREAD_4,GRID-CTA_32];
-        launch(blocks=16384,threads=256)
-
-    Elementwise patterns only; a ValueError says why a pattern does not fit. ``feasible`` tries it
-    when the default template does not lower.
-    """
-    if any(is_reduction(n) for n in pattern.nodes):
-        raise ValueError("the shared-memory transpose template is for patterns without reductions")
-    outputs = {id(o) for o in pattern.outputs}
-    transposes = [n for n in pattern.nodes if n.op == "transpose" and id(n) not in outputs
-                  and n.attrs["permutation"][-1] != len(n.shape) - 1]
-    if not transposes:
-        raise ValueError("no transpose of an input's innermost dim read inside the pattern")
-    tile, warps = WARP_SIZE, threads // WARP_SIZE
-    if tile % warps:
-        raise ValueError(f"a {tile} x {tile} tile needs a warp count dividing {tile}, found {warps}")
-    rank = len(transposes[0].shape)
-    lanes_dim = transposes[0].attrs["permutation"].index(rank - 1)
-
-    def dims(lanes: int, rows: int) -> tuple[tuple[Tile, ...], ...]:
-        result = [(Tile(Level.GRID),) for _ in range(rank)]
-        result[lanes] = (Tile(Level.GRID), Tile(Level.CTA, tile))
-        result[rows] = (Tile(Level.GRID), Tile(Level.WARP, warps)) + \
-            ((Tile(Level.THREAD, tile // warps),) if tile > warps else ())
-        return tuple(result)
-
-    schedules = []
-    for node in transposes:
-        if len(node.shape) != rank:
-            raise ValueError(f"{node.name}: transposes of different ranks ({len(node.shape)}, {rank})")
-        schedules.append(Schedule(node.name, dims(node.attrs["permutation"].index(rank - 1), rank - 1), shared=True))
-    for out in pattern.outputs:
-        if len(_space(out)) != rank:
-            raise ValueError(f"{out.name}: output of rank {len(_space(out))}, the transposed tile has rank {rank}")
-        schedules.append(Schedule(out.name, dims(rank - 1, lanes_dim)))
-    grid = level_extent(schedules[-1], _space(pattern.outputs[-1]), Level.GRID)
     return KernelSchedule(tuple(schedules), Launch(max(1, min(grid, MAX_BLOCKS)), threads))

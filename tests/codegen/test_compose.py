@@ -13,7 +13,6 @@ import time
 import warnings
 from functools import cache
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -223,55 +222,6 @@ def test_feasible_falls_back_to_block_mode_for_row_and_column_reductions_togethe
     data = np.random.default_rng(0).standard_normal((16, 40)).astype(np.float32)
     (result,) = generate(graph, nodes, answer).simulate([data])
     np.testing.assert_allclose(result, data.sum(1)[:, None] + data.sum(0)[None, :], rtol=1e-5, atol=1e-5)
-
-
-def _final_sums(count: int, shared: bool = False):
-    """``count`` final column sums [64, 768] → [768] with their casts (bias gradients after a split
-    reduction), optionally all scaled by one shared elementwise node."""
-    b = GraphBuilder("finals")
-    scale = b.parameter((64, 768), DType.F32, "scale") if shared else None
-    common = b.unary("exp", scale) if shared else None
-    outs = []
-    for k in range(count):
-        x = b.parameter((64, 768), DType.F32, f"p{k}")
-        if common is not None:
-            x = b.binary("mul", x, common)
-        total = b.reshape(b.reshape(b.reduce(x, [0], "sum"), (1, 768)), (768,))
-        outs.append(b.convert(b.convert(total, DType.BF16), DType.F32))
-    graph = b.build(outs)
-    return graph, [n for n in graph.nodes if n.op != "parameter"]
-
-
-def test_independent_final_sums_are_packed_with_a_block_range_each():
-    """Outputs that share no node are sub-kernels with blocks of their own, each thread reducing its
-    column inline (30 bias-gradient sums: 90 blocks, not the 3 of one output); with a node shared
-    between them (here an exp) they keep the thread-serial template, which computes it once."""
-    graph, nodes = _final_sums(30)
-    answer = feasible(graph, nodes)
-    assert answer and answer.launch.blocks == 90, answer
-    assert all(s.root.startswith("convert") for s in answer.schedules)
-    graph, nodes = _final_sums(3)
-    kernel = generate(graph, nodes, feasible(graph, nodes))
-    assert kernel.cuda_source.count("sub-kernel") == 3
-    data = [np.random.default_rng(k).standard_normal((64, 768)).astype(np.float32) for k in range(3)]
-    for got, x in zip(kernel.simulate(data), data):
-        want = x.sum(0).astype(ml_dtypes.bfloat16).astype(np.float32)
-        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
-    graph, nodes = _final_sums(3, shared=True)
-    answer = feasible(graph, nodes)
-    assert answer and answer.launch.blocks == 3 and any(s.root.startswith("reduce") for s in answer.schedules)
-
-
-def test_feasible_counts_inline_reductions_as_work_per_thread():
-    """A bias gradient summed over 4096 rows inline, packed next to a weight-gradient cast, would
-    leave each of the sum's 768 threads 4096 × 4 points: refused for too little parallelism."""
-    b = GraphBuilder("cast_and_sum")
-    w = b.parameter((3072, 768), DType.BF16, "w")
-    g = b.parameter((4096, 3072), DType.BF16, "g")
-    total = b.reduce(b.convert(g, DType.F32), [0], "sum")
-    graph = b.build([b.convert(w, DType.F32), b.convert(b.convert(total, DType.BF16), DType.F32)])
-    answer = feasible(graph, [n for n in graph.nodes if n.op != "parameter"])
-    assert not answer and "too little parallelism" in str(answer), answer
 
 
 def test_feasible_is_fast_on_a_twenty_op_pattern():

@@ -1,6 +1,6 @@
 """The shared-memory tiled transpose: ``relu(x.T * y + 1)`` through a padded 32 x 33 tile.
 
-``grouping.transpose_smem_template`` caches the transpose in shared memory (an ``S`` group whose
+``schedule/transpose.transpose_smem_template`` caches the transpose in shared memory (an ``S`` group whose
 lanes read x along its rows), and the output group reads the tile transposed, lanes along its own
 rows. Matrix: 4096 x 4096 and odd shapes (33 x 65, one row, one column, 100 x 3000) × f32/bf16.
 Each kernel compiles for sm_80 and sm_90 and its simulation matches graph/reference.py; the
@@ -22,7 +22,8 @@ from fusionstitching.codegen.values import CodegenError
 from fusionstitching.codegen.vectorize import affine
 from fusionstitching.graph.ops import DType
 from fusionstitching.schedule import feasible
-from fusionstitching.schedule.grouping import _candidate_templates, transpose_smem_template
+from fusionstitching.schedule.grouping import _candidate_templates
+from fusionstitching.schedule.transpose import transpose_smem_template
 
 from . import cases as C
 from .test_generate import _expected, _inputs_for, assert_close
