@@ -59,6 +59,7 @@ class KernelOp:
                          aliases.get(k, -1)) for k, n in enumerate(kernel.lowered.pattern.outputs)]
         self.kept = [slot in kept and aliases.get(k, -1) < 0 for k, slot in enumerate(out_slots)]
         self.buffers: list[Any] = [None] * len(out_slots)  # kept outputs, allocated once
+        self.fixed: list[Any] | None = None  # the outputs, once every one is a kept buffer
         self.launcher = None
         self.has_scalar_variant = kernel._scalar_variant is not None
 
@@ -69,46 +70,80 @@ class KernelOp:
         for k in self.contiguous:
             if not inputs[k].is_contiguous():
                 inputs[k] = inputs[k].contiguous()
-        if self.launcher is None:
+        launcher = self.launcher
+        if launcher is None:
             outputs = self.kernel(*inputs)
             self.launcher = self.kernel._launchers.get(self.device)
         else:
-            device, buffers = self.device, self.buffers
-            outputs = []
-            for k, (shape, strides, dtype, a) in enumerate(self.outputs):
-                if a >= 0:
-                    outputs.append(inputs[a])
-                elif buffers[k] is not None:
-                    outputs.append(buffers[k])
-                else:
-                    if here:
-                        tensor = _empty_strided_cuda(shape, strides, dtype)
-                    else:
-                        tensor = torch.empty(shape, dtype=dtype, device=device)
-                    if self.kept[k]:
-                        buffers[k] = tensor
-                    outputs.append(tensor)
+            outputs = self.fixed if self.fixed is not None else self._outputs(inputs, here)
             pointers = [t.data_ptr() for t in outputs] + [t.data_ptr() for t in inputs]
-            if self.has_scalar_variant and any(p & _ALIGNMENT_MASK for p in pointers):
+            # Pointers equal to the last launch's were aligned then (the usual case: kept buffers).
+            if self.has_scalar_variant and pointers != launcher._last and any(p & _ALIGNMENT_MASK for p in pointers):
                 from fusionstitching.runtime.kernel_call import call_generated
 
                 outputs = call_generated(self.kernel, inputs, outputs)
             else:
-                self.launcher.launch(pointers, stream)
+                launcher.launch(pointers, stream)
         for slot, tensor in zip(self.out_slots, outputs):
             slots[slot] = tensor
 
+    def _outputs(self, inputs: list[Any], here: bool) -> list[Any]:
+        """This call's output tensors: the inputs they overwrite, kept buffers, fresh allocations."""
+        device, buffers = self.device, self.buffers
+        outputs = []
+        for k, (shape, strides, dtype, a) in enumerate(self.outputs):
+            if a >= 0:
+                outputs.append(inputs[a])
+            elif buffers[k] is not None:
+                outputs.append(buffers[k])
+            else:
+                if here:
+                    tensor = _empty_strided_cuda(shape, strides, dtype)
+                else:
+                    tensor = torch.empty(shape, dtype=dtype, device=device)
+                if self.kept[k]:
+                    buffers[k] = tensor
+                outputs.append(tensor)
+        if all(self.kept):  # every output kept: the same tensors from now on
+            self.fixed = outputs
+        return outputs
+
 
 class CallOp:
-    """A library call or a view: ``fn`` applied to the input slots' tensors."""
+    """A library call or a view: ``fn`` applied to the input slots' tensors.
 
-    def __init__(self, fn: Callable[..., Any], in_slots: list[int], out_slot: int) -> None:
+    An input may first go through views folded into the call (``views[k]``, one callable applying
+    the chain): no step of its own per view. When that input is a kept buffer (``stable[k]``: the
+    same tensor on every lean call, never resized or given new storage) its view is made once and
+    reused while the buffer is the same object."""
+
+    def __init__(self, fn: Callable[..., Any], in_slots: list[int], out_slot: int,
+                 views: list[Callable[[Any], Any] | None] | None = None, stable: list[bool] | None = None) -> None:
         self.fn = fn
         self.in_slots = in_slots
         self.out_slot = out_slot
+        self.views = views if views and any(v is not None for v in views) else None
+        self.stable = stable if stable is not None else [False] * len(in_slots)
+        self.seen: list[Any] = [None] * len(in_slots)  # the buffer each cached view was made from
+        self.viewed: list[Any] = [None] * len(in_slots)
 
     def __call__(self, slots: list[Any], stream: int, here: bool = False) -> None:
-        slots[self.out_slot] = self.fn(*[slots[i] for i in self.in_slots])
+        if self.views is None:
+            slots[self.out_slot] = self.fn(*[slots[i] for i in self.in_slots])
+            return
+        args = []
+        for k, i in enumerate(self.in_slots):
+            x = slots[i]
+            view = self.views[k]
+            if view is not None:
+                if x is self.seen[k]:
+                    x = self.viewed[k]
+                else:
+                    source, x = x, view(x)
+                    if self.stable[k]:
+                        self.seen[k], self.viewed[k] = source, x
+            args.append(x)
+        slots[self.out_slot] = self.fn(*args)
 
 
 class GpuProgram:
@@ -129,7 +164,9 @@ class GpuProgram:
             for out in step.outputs:
                 if out not in slot:
                     slot[out] = len(slot)
-        kept_slots = {slot[n] for n in _kept_nodes(graph, steps)}
+        kept = _kept_nodes(graph, steps)
+        kept_slots = {slot[n] for n in kept}
+        self.folded = _folded_views(graph, steps)
         produced_by_call: set[Node] = set()
         self.ops: list[Any] = []
         for step in steps:
@@ -138,10 +175,19 @@ class GpuProgram:
                 checked = [k for k, x in enumerate(inputs) if x in produced_by_call]
                 self.ops.append(KernelOp(step.kernel, [slot[x] for x in inputs], [slot[o] for o in step.outputs],
                                          checked, device, kept_slots))
-            else:
+            elif step.nodes[0] not in self.folded:
                 node = step.nodes[0]
                 fn = view_function(node) if step.kind == "view" else library(node)
-                self.ops.append(CallOp(fn, [slot[x] for x in node.operands], slot[node]))
+                sources, views = [], []
+                for x in node.operands:
+                    chain = []
+                    while x in self.folded:
+                        chain.append(view_function(x))
+                        x = x.operands[0]
+                    sources.append(x)
+                    views.append(_chained(chain[::-1]) if chain else None)
+                self.ops.append(CallOp(fn, [slot[x] for x in sources], slot[node], views,
+                                       [x in kept for x in sources]))
                 produced_by_call.add(node)
         from fusionstitching.runtime.kernel_call import device_arch, precompile
 
@@ -156,7 +202,7 @@ class GpuProgram:
         slots[: len(tensors)] = tensors
         for k, value in self.constants:
             slots[k] = value
-        stream = current_stream(self.device_index)
+        stream = current_stream(self.device_index) if self.device.type == "cuda" else 0
         here = _empty_strided_cuda is not None and _current_device is not None \
             and _current_device() == self.device_index
         for op in self.ops:
@@ -164,17 +210,55 @@ class GpuProgram:
         return [None if k is None else slots[k] for k in self.output_slots]
 
 
-def _kept_nodes(graph: Graph, steps: Sequence[Any]) -> set[Node]:
-    """Kernel outputs that never leave a call: not graph outputs, not seen through a view that is
-    one. Their buffers are allocated on the first lean call and reused by every later call (calls
-    of one program run one after another on the stream)."""
+def _escaping(graph: Graph, steps: Sequence[Any]) -> set[Node]:
+    """Graph outputs and the values they are views of."""
     views = {step.nodes[0]: step.nodes[0].operands[0] for step in steps if step.kind == "view"}
-    escaping = set()
+    escaping: set[Node] = set()
     for out in graph.outputs:
         while out is not None and out not in escaping:
             escaping.add(out)
             out = views.get(out)
+    return escaping
+
+
+def _kept_nodes(graph: Graph, steps: Sequence[Any]) -> set[Node]:
+    """Kernel outputs that never leave a call: not graph outputs, not seen through a view that is
+    one. Their buffers are allocated on the first lean call and reused by every later call (calls
+    of one program run one after another on the stream)."""
+    escaping = _escaping(graph, steps)
     return {o for step in steps if step.kernel is not None for o in step.outputs if o not in escaping}
+
+
+def _folded_views(graph: Graph, steps: Sequence[Any]) -> set[Node]:
+    """Views evaluated inside the library calls reading them instead of as steps of their own
+    (BERT's weight transposes and activation reshapes before each GEMM: two of every three host
+    steps of an inference call): every reader is a library call or another folded view, and the
+    value is no graph output."""
+    escaping = _escaping(graph, steps)
+    readers: dict[Node, list[Any]] = {}
+    for step in steps:
+        for x in step.inputs:
+            readers.setdefault(x, []).append(step)
+    folded: set[Node] = set()
+    for step in reversed(steps):  # readers before the views they read
+        node = step.nodes[0]
+        if step.kind != "view" or node in escaping or node not in readers:
+            continue
+        if all(r.kind == "library" or (r.kind == "view" and r.nodes[0] in folded) for r in readers[node]):
+            folded.add(node)
+    return folded
+
+
+def _chained(functions: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
+    if len(functions) == 1:
+        return functions[0]
+
+    def chain(x: Any) -> Any:
+        for fn in functions:
+            x = fn(x)
+        return x
+
+    return chain
 
 
 def view_function(node: Node) -> Callable[[Any], Any]:

@@ -147,13 +147,69 @@ def test_gpu_program_numbers_every_value_and_keeps_only_call_internal_buffers():
                          lambda node: (lambda *args: None))
     kernels = [op for op in program.ops if isinstance(op, KernelOp)]
     assert len(kernels) == compiled.plan.kernel_count
-    assert len(program.ops) == len(compiled.steps)
+    views = {s.nodes[0] for s in compiled.steps if s.kind == "view"}
+    read_by_kernels = {x for s in compiled.steps if s.kind == "kernel" for x in s.inputs}
+    assert program.folded <= views and len(program.folded) > len(views) / 2  # most feed GEMMs only
+    assert not program.folded & (read_by_kernels | set(compiled.graph.outputs))
+    assert len(program.ops) == len(compiled.steps) - len(program.folded)
     assert all(isinstance(op, (KernelOp, CallOp)) for op in program.ops)
     outputs = {k for k in program.output_slots if k is not None}
     for op in kernels:
         for slot, kept in zip(op.out_slots, op.kept):
             assert not (kept and slot in outputs)
     assert any(any(op.kept) for op in kernels)
+
+
+def test_views_fold_into_the_library_calls_reading_them():
+    """A chain of views read only by GEMMs runs inside the GEMM's step. On a CPU device a program
+    without kernels runs through torch."""
+    from fusionstitching.runtime.executor import _library_function
+    from fusionstitching.runtime.program import GpuProgram
+
+    b = GraphBuilder("folded")
+    x = b.parameter((4, 64, 256), DType.F32, "x")
+    w = b.parameter((512, 256), DType.F32, "w")  # a GEMM above the small-dot threshold: a library call
+    flat = b.reshape(b.reshape(x, (64, 4, 256)), (256, 256))
+    wt = b.transpose(w, (1, 0))
+    d = b.node("dot_general", [flat, wt], lhs_batch=(), rhs_batch=(), lhs_contract=(1,), rhs_contract=(0,))
+    graph = b.build([d])
+    compiled = CompiledGraph(explore(graph))
+    program = GpuProgram(graph, compiled.steps, torch.device("cpu"), lambda node, device: None, _library_function)
+    assert program.folded == {flat, flat.operands[0], wt}
+    assert len(program.ops) == 1
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(p.shape).astype(np.float32) for p in graph.parameters]
+    want = reference.evaluate(graph, inputs)
+    for _ in range(2):
+        got = program.run([torch.from_numpy(a) for a in inputs])
+        for g, w_ in zip(got, want):
+            np.testing.assert_allclose(g.numpy(), w_, rtol=1e-4, atol=1e-4)
+
+
+def test_folded_view_of_a_kept_buffer_is_made_once_per_buffer():
+    from fusionstitching.runtime.program import CallOp
+
+    made = []
+
+    def transpose(t):
+        made.append(t)
+        return t.t()
+
+    op = CallOp(torch.mm, [0, 1], 2, [None, transpose], [False, True])
+    a, kept = torch.randn(3, 4), torch.randn(5, 4)
+    slots = [a, kept, None]
+    for _ in range(3):
+        op(slots, 0)
+        torch.testing.assert_close(slots[2], a @ kept.t())
+    assert len(made) == 1
+    slots[1] = other = torch.randn(5, 4)  # another buffer: its own view
+    op(slots, 0)
+    torch.testing.assert_close(slots[2], a @ other.t())
+    assert len(made) == 2
+    loose = CallOp(torch.mm, [0, 1], 2, [None, transpose], [False, False])  # not kept: a view per call
+    for _ in range(2):
+        loose(slots, 0)
+    assert len(made) == 4
 
 
 def test_pipeline_dumps_every_stage_as_text(tmp_path):
