@@ -36,7 +36,7 @@ from fusionstitching.frontend.context import DTYPE_TO_TORCH
 from fusionstitching.fusion.plan import FusionPlan
 from fusionstitching.graph import reference
 from fusionstitching.graph.analysis import in_place_outputs, pattern_structure
-from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.graph import Graph, Node, contiguous_strides
 from fusionstitching.graph.ops import Category
 from fusionstitching.runtime.program import GpuProgram, GraphedProgram, dot_function
 from fusionstitching.schedule.template import KernelSchedule
@@ -78,6 +78,7 @@ class CompiledGraph:
         self._elsewhere: list[int] | None = None  # inputs on another device than the call's (copied there and back)
         self._trusted: GpuProgram | GraphedProgram | None = None  # the program of trusted calls
         self.calls = 0  # GPU calls
+        self._layout_checks: list[tuple[int, tuple[int, ...]]] | None = None
 
     @property
     def counts(self) -> Counter[str]:
@@ -189,14 +190,14 @@ class CompiledGraph:
             if value is not None and value is not target:
                 target.copy_(value)
             outputs[out_index] = target
-        for k, layout in enumerate(graph.output_layouts):
+        if self._layout_checks is None:
+            self._layout_checks = _layout_checks(graph, self.steps)
+        for k, strides in self._layout_checks:
             value = outputs[k]
-            if layout is None or value is None or k in graph.mutations or value.dim() < 2:
-                continue
-            if tuple(value.stride()) != tuple(layout.strides) and value.numel() > 1:
+            if value is not None and tuple(value.stride()) != strides and value.numel() > 1:
                 import torch
 
-                strided = torch.empty_strided(value.shape, layout.strides, dtype=value.dtype, device=value.device)
+                strided = torch.empty_strided(value.shape, strides, dtype=value.dtype, device=value.device)
                 strided.copy_(value)
                 outputs[k] = strided
         return outputs
@@ -211,6 +212,23 @@ class CompiledGraph:
 # ----------------------------------------------------------------------------------------------
 # Steps
 # ----------------------------------------------------------------------------------------------
+
+
+def _layout_checks(graph: Graph, steps: Sequence[Step]) -> list[tuple[int, tuple[int, ...]]]:
+    """(output index, promised strides) of the outputs whose strides a call must check: those with a
+    promised layout, except mutations (written into their input) and new kernel outputs promised
+    contiguous (every kernel allocates its new outputs contiguous). A training graph's forward has
+    a hundred outputs; checking each on every call cost a µs apiece."""
+    made = {o for s in steps if s.kernel is not None
+            for k, o in enumerate(s.outputs) if k not in s.kernel.lowered.aliases}
+    checks = []
+    for k, (out, layout) in enumerate(zip(graph.outputs, graph.output_layouts)):
+        if layout is None or out is None or k in graph.mutations or len(out.shape) < 2:
+            continue
+        if out in made and tuple(layout.strides) == contiguous_strides(out.shape):
+            continue
+        checks.append((k, tuple(layout.strides)))
+    return checks
 
 
 def _make_steps(plan: FusionPlan) -> list[Step]:
