@@ -28,6 +28,9 @@ class Options:
     small_dot_max_output: int = 256  # elements of one batch element's output (M x N)
     small_dot_max_contract: int = 1024  # contracted length K
     split_reductions: bool = True  # the reduction-splitting pass before exploration
+    # Half-type GEMMs whose f32 conversion leaves the graph write their f32 accumulator instead
+    # (``graph.transforms.widen_dots``): one rounding fewer than the graph asks for.
+    widen_dots: bool = True
     smem_limit: int = 48 * 1024  # bytes of shared memory a generated kernel may use per block
 
     def __post_init__(self) -> None:

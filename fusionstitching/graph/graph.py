@@ -353,7 +353,10 @@ def _dot_general(op, operands, attrs, declared):
         raise VerifyError("dot_general dims repeat")
     lhs_free = [s for i, s in enumerate(lhs.shape) if i not in lb + lc]
     rhs_free = [s for i, s in enumerate(rhs.shape) if i not in rb + rc]
-    return tuple([lhs.shape[d] for d in lb] + lhs_free + rhs_free), lhs.dtype
+    # A half-type dot may keep its f32 accumulator as its result (XLA's preferred element type):
+    # ``graph.transforms.widen_dots`` makes such dots.
+    widened = lhs.dtype.is_half and declared[1] == DType.F32
+    return tuple([lhs.shape[d] for d in lb] + lhs_free + rhs_free), DType.F32 if widened else lhs.dtype
 
 
 def _rng(op, operands, attrs, declared):

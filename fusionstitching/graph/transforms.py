@@ -135,6 +135,43 @@ def fold_transposes(graph: Graph) -> Graph:
     return result
 
 
+def widen_dots(graph: Graph) -> Graph:
+    """A copy of ``graph`` where a half-type dot whose one user converts it to f32, that convert
+    being a graph output, is one dot with an f32 result: the GEMM writes its f32 accumulator and no
+    kernel reads the half result back to widen it. Under autocast every weight gradient is such a
+    dot (bf16 GEMM, then the f32 gradient of the weight's cast): 6 bytes of memory-intensive traffic
+    per parameter and step.
+
+    Precision: the result is the accumulator itself, not its rounding to the half type, so it is
+    more precise than the graph asked for by one rounding (at most half an ulp of the half type),
+    as XLA's and Inductor's fused kernels keep intermediates in f32. Only graph outputs are widened:
+    inside the graph the f32 value would cost its readers twice the bytes of the half one."""
+    users: dict[int, list[Node]] = {}
+    for node in graph.nodes:
+        for operand in dict.fromkeys(node.operands):
+            users.setdefault(id(operand), []).append(node)
+    outputs = {id(o) for o in graph.outputs if o is not None}
+    widened = {id(n) for n in graph.nodes
+               if n.op == "convert" and n.dtype == DType.F32 and id(n) in outputs
+               and n.operands[0].op == "dot_general" and n.operands[0].dtype.is_half
+               and len(users.get(id(n.operands[0]), ())) == 1 and id(n.operands[0]) not in outputs}
+    if not widened:
+        return graph
+    copies: dict[int, Node] = {id(p): p for p in graph.parameters}
+    for old in graph.nodes:
+        if id(old) in copies:
+            continue
+        if id(old) in widened:
+            dot = copies[id(old.operands[0])]
+            copies[id(old)] = dataclasses.replace(dot, name=old.name, dtype=DType.F32, layout=old.layout)
+            continue
+        copies[id(old)] = dataclasses.replace(old, operands=tuple(copies[id(x)] for x in old.operands))
+    result = Graph(graph.parameters, [None if out is None else copies[id(out)] for out in graph.outputs],
+                   name=graph.name, mutations=graph.mutations, output_layouts=graph.output_layouts)
+    verify(result)
+    return result
+
+
 DUPLICATED_OPS = ("broadcast_in_dim", "iota")
 
 

@@ -305,12 +305,24 @@ def dot_function(node: Node) -> Callable[[Any, Any], Any]:
     lhs_fold = tuple(lhs_shape[d] for d in lhs_perm) != lhs_to
     rhs_fold = tuple(rhs_shape[d] for d in rhs_perm) != rhs_to
 
+    # A widened half dot (``graph.transforms.widen_dots``) has cuBLAS write its f32 accumulator,
+    # where torch's CUDA build offers that (``out_dtype``); elsewhere the half result is widened.
+    widened = node.operands[0].dtype.is_half and dtype == torch.float32
+    accumulate = [widened]
+
     def dot(lhs: Any, rhs: Any) -> Any:
         a = lhs.permute(lhs_perm) if lhs_moves else lhs
         b = rhs.permute(rhs_perm) if rhs_moves else rhs
         a = a.reshape(lhs_to) if lhs_fold else a
         b = b.reshape(rhs_to) if rhs_fold else b
-        out = product(a, b)
+        if accumulate[0] and a.is_cuda:
+            try:
+                out = product(a, b, out_dtype=dtype)
+            except (TypeError, RuntimeError, NotImplementedError):
+                accumulate[0] = False
+                out = product(a, b)
+        else:
+            out = product(a, b)
         if final:
             out = out.reshape(shape)
         return out if out.dtype == dtype else out.to(dtype)

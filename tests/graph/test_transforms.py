@@ -299,3 +299,42 @@ def test_fold_transposes_composes_permutations_and_drops_identities():
     for got, want in zip(evaluate(folded, [data]), evaluate(graph, [data])):
         np.testing.assert_array_equal(got, want)
     assert fold_transposes(folded) is folded
+
+
+def _gradient_graph(extra_user: bool = False, output_convert: bool = True):
+    """dW = xᵀ·dy in bf16, widened to f32 as autocast's weight gradient; ``extra_user``: the bf16
+    product is also read by another node; ``output_convert``: the f32 value is a graph output."""
+    b = GraphBuilder("weight_grad")
+    x = b.parameter((64, 32), DType.BF16, "x")
+    dy = b.parameter((64, 16), DType.BF16, "dy")
+    dot = b.node("dot_general", [x, dy], lhs_batch=(), rhs_batch=(), lhs_contract=(0,), rhs_contract=(0,))
+    wide = b.convert(dot, DType.F32)
+    outputs = [wide] if output_convert else [b.binary("add", wide, wide)]
+    if extra_user:
+        outputs.append(b.binary("mul", dot, dot))
+    return b.build(outputs)
+
+
+def test_widen_dots_writes_the_f32_accumulator_of_a_widened_gradient():
+    from fusionstitching.graph.transforms import widen_dots
+
+    graph = _gradient_graph()
+    widened = widen_dots(graph)
+    (out,) = widened.outputs
+    assert out.op == "dot_general" and out.dtype == DType.F32 and out.name == graph.outputs[0].name
+    assert out.operands == tuple(graph.parameters)
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(p.shape).astype(ml_dtypes.bfloat16) for p in graph.parameters]
+    (want,), (got,) = evaluate(graph, inputs), evaluate(widened, inputs)
+    x, dy = (a.astype(np.float32) for a in inputs)
+    np.testing.assert_allclose(got, x.T @ dy, rtol=1e-5, atol=1e-5)  # the unrounded accumulator
+    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=1e-6)  # within one bf16 rounding
+    assert not np.array_equal(got, want)  # and really not rounded
+
+
+@pytest.mark.parametrize("extra_user, output_convert", [(True, True), (False, False)])
+def test_widen_dots_leaves_a_dot_read_elsewhere_or_widened_inside_the_graph(extra_user, output_convert):
+    from fusionstitching.graph.transforms import widen_dots
+
+    graph = _gradient_graph(extra_user, output_convert)
+    assert widen_dots(graph) is graph

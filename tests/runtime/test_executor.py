@@ -285,3 +285,37 @@ def test_preallocated_outputs_have_torch_contiguous_strides(shape):
     from fusionstitching.graph.graph import contiguous_strides
 
     assert contiguous_strides(shape) == torch.empty(shape).stride()
+
+
+@pytest.mark.parametrize("rows", [64, 8192])  # a dot fused in a generated kernel; a library GEMM
+def test_widened_weight_gradient_runs_as_its_f32_accumulator(rows):
+    """A bf16 GEMM converted to f32 as a graph output (autocast's weight gradient) is planned as one
+    dot with an f32 result, whether the code generator fuses it or the GEMM library runs it."""
+    import ml_dtypes
+
+    from fusionstitching.graph.transforms import widen_dots
+    from fusionstitching.runtime.nvrtc import compile_cuda
+
+    b = GraphBuilder("weight_grad")
+    x = b.parameter((rows, 32), DType.BF16, "x")
+    dy = b.parameter((rows, 16), DType.BF16, "dy")
+    dot = b.node("dot_general", [x, dy], lhs_batch=(), rhs_batch=(), lhs_contract=(0,), rhs_contract=(0,))
+    graph = b.build([b.convert(dot, DType.F32)])
+    compiled = CompiledGraph(explore(graph))
+    assert [n.op for n in compiled.plan.graph.nodes if n.op in ("dot_general", "convert")] == ["dot_general"]
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(p.shape).astype(ml_dtypes.bfloat16) for p in graph.parameters]
+    (want,) = reference.evaluate(widen_dots(graph), inputs)
+    (got,) = compiled.run_numpy(inputs)
+    assert got.dtype == np.float32 and _relative(got, want) < 1e-6
+    for kernel in compiled.kernels:
+        compile_cuda(kernel.cuda_source, "sm_90")
+    if rows > 64:
+        assert compiled.counts["library"] == 1
+        fn = dot_function(compiled.plan.graph.outputs[0])
+        tensors = [torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16) for a in inputs]
+        out = fn(*tensors)  # torch's CPU GEMM has no f32 result for bf16: the bf16 result, widened
+        assert out.dtype == torch.float32 and _relative(out.numpy(), want) < 2 ** -8
+        if torch.cuda.is_available():  # cuBLAS writes the f32 accumulator
+            out = fn(*[t.cuda() for t in tensors])
+            assert out.dtype == torch.float32 and _relative(out.cpu().numpy(), want) < 1e-5
