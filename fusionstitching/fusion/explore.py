@@ -2,7 +2,7 @@
 
 1. fold transposes of transposes (``graph.transforms.fold_transposes``), give every user of a
    broadcast its own copy (``duplicate_broadcasts``), let half GEMMs whose f32 conversion is a
-   graph output write f32 (``widen_dots``, ``Options.widen_dots``) and
+   graph output write f32 (``widen_dots``, when ``Options.widen_dots``) and
    split the reductions that would underfill the GPU (``split.py``), so the plan counts the
    kernels that will really run;
 2. classify nodes (``legality.Roles``): inputs, library calls, fusable;

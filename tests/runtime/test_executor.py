@@ -301,7 +301,11 @@ def test_widened_weight_gradient_runs_as_its_f32_accumulator(rows):
     dy = b.parameter((rows, 16), DType.BF16, "dy")
     dot = b.node("dot_general", [x, dy], lhs_batch=(), rhs_batch=(), lhs_contract=(0,), rhs_contract=(0,))
     graph = b.build([b.convert(dot, DType.F32)])
-    compiled = CompiledGraph(explore(graph))
+    from fusionstitching.options import Options
+
+    assert [n.op for n in CompiledGraph(explore(graph)).plan.graph.nodes
+            if n.op in ("dot_general", "convert")] == ["dot_general", "convert"]  # off by default
+    compiled = CompiledGraph(explore(graph, options=Options(widen_dots=True)))
     assert [n.op for n in compiled.plan.graph.nodes if n.op in ("dot_general", "convert")] == ["dot_general"]
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal(p.shape).astype(ml_dtypes.bfloat16) for p in graph.parameters]
