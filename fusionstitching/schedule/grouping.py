@@ -45,7 +45,7 @@ from fusionstitching.codegen.compose import iteration_space as _space
 from fusionstitching.codegen.values import is_reduction, reduced_dims
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
-from fusionstitching.schedule.packing import MAX_BLOCKS, _packed_template
+from fusionstitching.schedule.packing import MAX_BLOCKS, _packed_template, recomputed_work
 from fusionstitching.schedule.template import (
     KernelSchedule,
     Launch,
@@ -371,6 +371,8 @@ def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1
         try:
             template = make()
             crowded = _crowded(pattern, template)
+            if crowded is None:  # a Reason is falsy: no `or`
+                crowded = _recomputed(pattern, template)
             if crowded is not None:
                 reasons.append(crowded)
                 continue
@@ -436,6 +438,11 @@ def _crowded(pattern, template: KernelSchedule) -> Reason | None:
             return Reason(f"{root.name} has {work} points for {parallel} threads in the template (over "
                           f"{MAX_ELEMENTS_PER_THREAD} each): too little parallelism")
     return None
+
+
+def _recomputed(pattern, template: KernelSchedule) -> Reason | None:
+    why = recomputed_work(pattern, template)
+    return None if why is None else Reason(why)
 
 
 def _inline_reduced_length(root: Node, roots: set[str], by_name: dict[str, Node]) -> int:

@@ -154,3 +154,76 @@ def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedu
         dims[d] = (Tile(Level.GRID), Tile(Level.CTA, remaining))
         break
     return Schedule(root.name, tuple(dims))
+
+
+_FREE_OPS = frozenset(("reshape", "broadcast_in_dim", "transpose", "convert", "constant"))
+
+
+def recomputed_work(pattern, template: KernelSchedule) -> str | None:
+    """A packed template whose column-sum sub-kernel recomputes what another sub-kernel computes from
+    two or more inputs: sub-kernels share no registers, so the reduction's loop reads those inputs
+    again (more bytes than the value they make) and redoes the arithmetic, on the few threads of a
+    reduction. An FFN bias gradient's partial sums (256 rows per thread, 192 blocks) packed with the
+    GELU backward they sum re-read dy and h and recomputed erf and exp: 112 µs per layer for 75 MB,
+    0.68 TB/s on an H100. Recomputing from one input (an exp of x summed next to the exp itself)
+    reads no more than the value would, and stays allowed; so do row sums (a softmax's, each
+    thread along its contiguous row), which measured near a copy's rate in BERT's attention."""
+    from fusionstitching.codegen.packed import packed_groups
+
+    roots = {s.root for s in template.schedules}
+    if len(roots) < 2 or roots != {o.name for o in pattern.outputs} \
+            or not any(is_reduction(o) for o in pattern.outputs):
+        return None
+    by_root = {s.root: s for s in template.schedules}
+    for root in pattern.outputs:  # a reduction across threads: a composed template, not packed
+        if is_reduction(root) and any(t.level != Level.THREAD for d in reduced_dims(root)
+                                      for t in by_root[root.name].dims[d]):
+            return None
+    inside = {id(n) for n in pattern.nodes}
+    nests = packed_groups([(by_root[o.name], o) for o in pattern.outputs], inside)
+    if len(nests) < 2:
+        return None
+    computed = [(_work(members, inside), any(_column_sum(m) for m in members), members[0].name)
+                for _, members in nests]
+    for k, (mine, reduces, name) in enumerate(computed):
+        if not reduces:
+            continue
+        for j, (theirs, _, other) in enumerate(computed):
+            shared = [mine[i] for i in mine.keys() & theirs.keys() if mine[i].op not in _FREE_OPS]
+            if j != k and len(_inputs_of(shared, inside)) >= 2:
+                return f"{name} would recompute in its own sub-kernel what {other}'s computes"
+    return None
+
+
+def _column_sum(node: Node) -> bool:
+    """A reduction that keeps its operand's innermost dim: each thread loops down a column."""
+    return is_reduction(node) and node.op == "reduce" and len(node.operands[0].shape) - 1 not in reduced_dims(node)
+
+
+def _work(members, inside: set[int]) -> dict[int, Node]:
+    """The pattern nodes a nest of roots computes, by id."""
+    work: dict[int, Node] = {}
+    stack = list(members)
+    while stack:
+        node = stack.pop()
+        if id(node) not in work and id(node) in inside:
+            work[id(node)] = node
+            stack.extend(node.operands)
+    return work
+
+
+def _inputs_of(nodes, inside: set[int]) -> set[int]:
+    """The non-scalar pattern inputs that ``nodes`` read, directly or through other pattern nodes."""
+    found: set[int] = set()
+    seen: set[int] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if id(node) in inside:
+            stack.extend(node.operands)
+        elif node.size > 1 and node.op != "constant":
+            found.add(id(node))
+    return found

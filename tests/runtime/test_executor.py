@@ -303,9 +303,9 @@ def test_widened_weight_gradient_runs_as_its_f32_accumulator(rows):
     graph = b.build([b.convert(dot, DType.F32)])
     from fusionstitching.options import Options
 
-    assert [n.op for n in CompiledGraph(explore(graph)).plan.graph.nodes
-            if n.op in ("dot_general", "convert")] == ["dot_general", "convert"]  # off by default
-    compiled = CompiledGraph(explore(graph, options=Options(widen_dots=True)))
+    assert [n.op for n in CompiledGraph(explore(graph, options=Options(widen_dots=False))).plan.graph.nodes
+            if n.op in ("dot_general", "convert")] == ["dot_general", "convert"]
+    compiled = CompiledGraph(explore(graph))
     assert [n.op for n in compiled.plan.graph.nodes if n.op in ("dot_general", "convert")] == ["dot_general"]
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal(p.shape).astype(ml_dtypes.bfloat16) for p in graph.parameters]

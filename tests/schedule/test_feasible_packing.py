@@ -1,5 +1,6 @@
 """Packing in ``schedule.feasible``: outputs that share no node as sub-kernels with blocks of their
-own (packed final sums of bias gradients), and inline reductions counted as a thread's work."""
+own (packed final sums of bias gradients), inline reductions counted as a thread's work, and no
+column-sum sub-kernel recomputing another sub-kernel's work."""
 
 from __future__ import annotations
 
@@ -59,3 +60,49 @@ def test_feasible_counts_inline_reductions_as_work_per_thread():
     graph = b.build([b.convert(w, DType.F32), b.convert(b.convert(total, DType.BF16), DType.F32)])
     answer = feasible(graph, [n for n in graph.nodes if n.op != "parameter"])
     assert not answer and "too little parallelism" in str(answer), answer
+
+
+def _gelu_backward_with_partial_sums(share: bool = True):
+    """GELU's backward dy·gelu'(h) in bf16, and the partial column sums of a bias gradient (16 parts
+    of 32 rows): of that gradient (``share``), or of an unrelated input."""
+    b = GraphBuilder("gelu_backward")
+    dy = b.parameter((512, 768), DType.BF16, "dy")
+    h = b.parameter((512, 768), DType.BF16, "h")
+    x = b.convert(h, DType.F32)
+    cdf = b.unary("erf", b.binary("mul", x, b.broadcast(b.constant(0.7071, DType.F32), (512, 768), ())))
+    pdf = b.unary("exp", b.binary("mul", b.binary("mul", x, x),
+                                  b.broadcast(b.constant(-0.5, DType.F32), (512, 768), ())))
+    grad = b.convert(b.binary("mul", b.convert(dy, DType.F32), b.binary("add", cdf, pdf)), DType.BF16)
+    summed = grad if share else b.parameter((512, 768), DType.BF16, "other")
+    parts = b.reduce(b.reshape(b.convert(summed, DType.F32), (16, 32, 768)), [1], "sum")
+    graph = b.build([grad, parts])
+    return graph, [n for n in graph.nodes if n.op not in ("parameter", "constant")]
+
+
+def test_packed_partial_sums_do_not_recompute_the_elementwise_work_they_sum():
+    """Sub-kernels share no registers: a partial sum packed with the GELU backward it sums would
+    re-read dy and h and recompute erf and exp in its 32-row loop. That template is refused (the
+    plan then keeps the two apart, or stitches the sum into the rows' own kernel); partial sums of
+    an unrelated input are packed as before."""
+    from fusionstitching.schedule.packing import recomputed_work
+
+    graph, nodes = _gelu_backward_with_partial_sums()
+    answer = feasible(graph, nodes)
+    assert not answer or recomputed_work(*_pattern_and(graph, nodes, answer)) is None, answer
+    from fusionstitching.schedule import grouping
+
+    try:  # without the rule, the packed template that recomputes is what feasible answers
+        saved, grouping._recomputed = grouping._recomputed, lambda pattern, template: None
+        packed = feasible(graph, nodes)
+    finally:
+        grouping._recomputed = saved
+    assert packed and "recompute" in recomputed_work(*_pattern_and(graph, nodes, packed))
+    graph, nodes = _gelu_backward_with_partial_sums(share=False)
+    answer = feasible(graph, nodes)
+    assert answer and len(answer.schedules) == 2, answer
+
+
+def _pattern_and(graph, nodes, template):
+    from fusionstitching.codegen.lower import resolve_pattern
+
+    return resolve_pattern(graph, nodes), template
