@@ -164,9 +164,10 @@ class GpuProgram:
             for out in step.outputs:
                 if out not in slot:
                     slot[out] = len(slot)
-        kept = _kept_nodes(graph, steps)
+        escaping = _escaping(graph, steps)
+        kept = _kept_nodes(steps, escaping)
         kept_slots = {slot[n] for n in kept}
-        self.folded = _folded_views(graph, steps)
+        self.folded = _folded_views(steps, escaping)
         produced_by_call: set[Node] = set()
         self.ops: list[Any] = []
         for step in steps:
@@ -221,20 +222,18 @@ def _escaping(graph: Graph, steps: Sequence[Any]) -> set[Node]:
     return escaping
 
 
-def _kept_nodes(graph: Graph, steps: Sequence[Any]) -> set[Node]:
+def _kept_nodes(steps: Sequence[Any], escaping: set[Node]) -> set[Node]:
     """Kernel outputs that never leave a call: not graph outputs, not seen through a view that is
     one. Their buffers are allocated on the first lean call and reused by every later call (calls
-    of one program run one after another on the stream)."""
-    escaping = _escaping(graph, steps)
+    of one program run one after another on the stream). ``escaping``: see ``_escaping``."""
     return {o for step in steps if step.kernel is not None for o in step.outputs if o not in escaping}
 
 
-def _folded_views(graph: Graph, steps: Sequence[Any]) -> set[Node]:
+def _folded_views(steps: Sequence[Any], escaping: set[Node]) -> set[Node]:
     """Views evaluated inside the library calls reading them instead of as steps of their own
     (BERT's weight transposes and activation reshapes before each GEMM: two of every three host
     steps of an inference call): every reader is a library call or another folded view, and the
-    value is no graph output."""
-    escaping = _escaping(graph, steps)
+    value is no graph output (``escaping``)."""
     readers: dict[Node, list[Any]] = {}
     for step in steps:
         for x in step.inputs:
