@@ -23,7 +23,7 @@ from fusionstitching.fusion.legality import Legality, Roles
 from fusionstitching.fusion.plan import Chosen, FusionPlan, finalize
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
-from fusionstitching.graph.transforms import duplicate_broadcasts, fold_transposes, widen_dots
+from fusionstitching.graph.transforms import duplicate_broadcasts, fold_transposes, merge_duplicates, widen_dots
 from fusionstitching.options import Options
 
 PRODUCER_CATEGORIES = (Category.LIGHT_ELEMENTWISE, Category.SHAPE, Category.RANDOM)
@@ -32,7 +32,7 @@ PRODUCER_CATEGORIES = (Category.LIGHT_ELEMENTWISE, Category.SHAPE, Category.RAND
 def baseline(graph: Graph, options: Options | None = None) -> FusionPlan:
     options = options or Options()
     start = time.perf_counter()
-    graph = duplicate_broadcasts(fold_transposes(graph))
+    graph = duplicate_broadcasts(merge_duplicates(fold_transposes(graph)))
     if options.widen_dots:
         graph = widen_dots(graph)
     roles = Roles.of(graph, options)

@@ -1,7 +1,8 @@
 """``explore``: Graph → FusionPlan, the fusion stage's pipeline (DESIGN.md "Fusion exploration").
 
-1. fold transposes of transposes (``graph.transforms.fold_transposes``), give every user of a
-   broadcast its own copy (``duplicate_broadcasts``), let half GEMMs whose f32 conversion is a
+1. fold transposes of transposes (``graph.transforms.fold_transposes``), merge nodes that compute
+   the same value (``merge_duplicates``), give every user of a broadcast its own copy
+   (``duplicate_broadcasts``), let half GEMMs whose f32 conversion is a
    graph output write f32 (``widen_dots``, when ``Options.widen_dots``) and
    split the reductions that would underfill the GPU (``split.py``), so the plan counts the
    kernels that will really run;
@@ -61,10 +62,10 @@ from fusionstitching.fusion.score import Scorer
 from fusionstitching.fusion.select import Selection, select_ilp
 from fusionstitching.fusion.split import split_underfilled_reductions
 from fusionstitching.graph.graph import Graph, Node
-from fusionstitching.graph.transforms import duplicate_broadcasts, fold_transposes, widen_dots
+from fusionstitching.graph.transforms import duplicate_broadcasts, fold_transposes, merge_duplicates, widen_dots
 from fusionstitching.options import Options
 
-MERGE_ROUNDS = 3
+MERGE_ROUNDS = 4
 SOLVERS = ("ilp", "beam")
 GRAPH_SEEDED = ("substitution", "deep", "exploratory", "dp")
 PLAN_SEEDED = ("merging", "packing", "remote")
@@ -123,7 +124,7 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
                          f"names of {GENERATORS}")
     start = time.perf_counter()
     notes = []
-    graph = duplicate_broadcasts(fold_transposes(graph))
+    graph = duplicate_broadcasts(merge_duplicates(fold_transposes(graph)))
     if options.widen_dots:
         graph = widen_dots(graph)
     if options.split_reductions:

@@ -337,7 +337,9 @@ class NeighbourMerging(PlanSeeded):
         position = self.graph.index.position
         found = []
         for a, b in pairs:
-            if len(seeds[a]) + len(seeds[b]) > MERGE_MAX_OPS or min(len(seeds[a]), len(seeds[b])) > MERGE_SMALL_OPS:
+            if len(seeds[a]) + len(seeds[b]) > MERGE_MAX_OPS:
+                continue
+            if (a, b) not in edges and min(len(seeds[a]), len(seeds[b])) > MERGE_SMALL_OPS:
                 continue
             union = sorted(set(seeds[a]) | set(seeds[b]), key=position.__getitem__)
             candidate = _propose_union(union, self.seen, self.legality, "exploratory fusion of neighbouring patterns")

@@ -172,6 +172,62 @@ def widen_dots(graph: Graph) -> Graph:
     return result
 
 
+# Ops ``merge_duplicates`` never merges: parameters and constants are inputs, a library call may
+# have effects the IR does not see, and random draws stay one node per draw.
+UNMERGED_OPS = ("parameter", "constant", "library", "rng_uniform")
+
+
+def merge_duplicates(graph: Graph) -> Graph:
+    """A copy of ``graph`` where nodes that compute the same value are one node (common
+    subexpression elimination): same op, dtype, shape, layout and attributes, and the same operands
+    after merging. Autocast casts an activation once per consumer: BERT's Q, K and V projections
+    each convert the same f32 LayerNorm output to bf16, so a plan without merging writes (or
+    recomputes) three identical bf16 tensors per layer, 19 MB of traffic per layer at batch 32.
+
+    The first node of a set in topological order is kept, and its users read it; the result is
+    exactly the value the graph computes. Two graph outputs are never merged with each other (the
+    caller gets distinct tensors for distinct outputs); a duplicate that is an output is replaced
+    by the kept node when that one is not an output yet."""
+    copies: dict[int, Node] = {id(p): p for p in graph.parameters}
+    outputs = {id(o) for o in graph.outputs if o is not None}
+    kept: dict[tuple, Node] = {}
+    kept_is_output: set[int] = set()
+    merged = False
+    for old in graph.nodes:
+        if id(old) in copies:
+            continue
+        operands = tuple(copies[id(x)] for x in old.operands)
+        new = old if operands == old.operands else dataclasses.replace(old, operands=operands)
+        key = _merge_key(new)
+        twin = kept.get(key) if key is not None else None
+        if twin is not None and not (id(old) in outputs and id(twin) in kept_is_output):
+            copies[id(old)] = twin
+            if id(old) in outputs:
+                kept_is_output.add(id(twin))
+            merged = True
+            continue
+        copies[id(old)] = new
+        if key is not None and twin is None:
+            kept[key] = new
+            if id(old) in outputs:
+                kept_is_output.add(id(new))
+    if not merged:
+        return graph
+    result = Graph(graph.parameters, [None if out is None else copies[id(out)] for out in graph.outputs],
+                   name=graph.name, mutations=graph.mutations, output_layouts=graph.output_layouts)
+    verify(result)
+    return result
+
+
+def _merge_key(node: Node) -> tuple | None:
+    """What two nodes must share to compute the same value, or None for a node never merged."""
+    if node.op in UNMERGED_OPS:
+        return None
+    # repr tells -0.0 from 0.0 (a pad value), which == and hash do not.
+    attrs = tuple((name, repr(value)) for name, value in sorted(node.attrs.items()))
+    return (node.op, node.dtype, node.shape, node.layout, tuple(id(x) for x in node.operands), attrs)
+
+
 DUPLICATED_OPS = ("broadcast_in_dim", "iota")
 
 

@@ -271,7 +271,7 @@ def test_side_output_of_another_shape_is_evicted_so_the_softmax_stays_whole():
     assert len(softmax_max) == 2
     for reduce in softmax_max:
         pattern = plan.patterns[owner[reduce.name]]
-        ops = [graph.node(name).op for name in pattern.nodes]
+        ops = [plan.graph.node(name).op for name in pattern.nodes]
         assert ops.count("reduce") == 2 and "exp" in ops and "div" in ops, pattern.nodes
         assert "WARP" in str(pattern.schedule)
 
@@ -310,3 +310,27 @@ def test_exploration_pauses_the_cyclic_collector_and_restores_it(monkeypatch):
     graph = b.build([b.unary("exp", b.unary("neg", x))])
     explore(graph, options=NO_SPLIT)
     assert during and not any(during) and gc.isenabled()
+
+
+def test_neighbour_merging_joins_a_producer_and_consumer_of_any_size():
+    """A softmax selected as two kernels (scale, max and exp; then sum, divide and cast) of more than
+    ``MERGE_SMALL_OPS`` ops each: the union along their producer→consumer edge is still proposed.
+    In BERT-base's first layer the two halves were left apart once a packed cast had moved out of
+    the second (a 25 MB f32 round trip per call at batch 32)."""
+    from fusionstitching.fusion.patterns import MERGE_SMALL_OPS, NeighbourMerging
+
+    b = GraphBuilder("split_softmax")
+    x = b.parameter(SHAPE, DType.F32, "x")
+    scaled = b.binary("mul", x, b.broadcast(b.constant(0.125, DType.F32), SHAPE, ()))
+    shifted = b.binary("sub", scaled, b.broadcast(b.reduce(scaled, (1,), "max"), SHAPE, (0,)))
+    e = b.unary("exp", shifted)
+    total = b.broadcast(b.reduce(e, (1,), "sum"), SHAPE, (0,))
+    y = b.convert(b.unary("neg", b.unary("neg", b.binary("div", e, total))), DType.BF16)
+    graph = b.build([y])
+    nodes = [n for n in graph.nodes if n.op not in ("parameter", "constant")]
+    first = tuple(nodes[:nodes.index(e) + 1])
+    second = tuple(nodes[nodes.index(e) + 1:])
+    assert min(len(first), len(second)) > MERGE_SMALL_OPS
+    roles, legality, _ = _tools(graph)
+    found = NeighbourMerging(graph, roles, legality, set()).run([first, second])
+    assert any(set(c.nodes) == set(first) | set(second) for c in found)

@@ -338,3 +338,58 @@ def test_widen_dots_leaves_a_dot_read_elsewhere_or_widened_inside_the_graph(extr
 
     graph = _gradient_graph(extra_user, output_convert)
     assert widen_dots(graph) is graph
+
+
+def _autocast_projections():
+    """An f32 activation cast to bf16 once per consumer, as autocast does before Q, K and V."""
+    b = GraphBuilder("projections")
+    x = b.parameter((8, 16), DType.F32, "x")
+    ws = [b.parameter((16, 4), DType.BF16, f"w{k}") for k in range(3)]
+    outs = []
+    for w in ws:
+        cast = b.convert(x, DType.BF16)
+        outs.append(b.node("dot_general", [b.reshape(cast, (2, 4, 16)), w], lhs_batch=(), rhs_batch=(),
+                           lhs_contract=(2,), rhs_contract=(0,)))
+    return b.build(outs)
+
+
+def test_merge_duplicates_keeps_one_cast_and_one_view_per_value():
+    from fusionstitching.graph.transforms import merge_duplicates
+
+    graph = _autocast_projections()
+    merged = merge_duplicates(graph)
+    assert [n.op for n in graph.nodes].count("convert") == 3
+    assert [n.op for n in merged.nodes].count("convert") == 1
+    assert [n.op for n in merged.nodes].count("reshape") == 1  # the casts' views merge in turn
+    assert merged.parameters == graph.parameters
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(p.shape).astype(np.float32 if p.dtype == DType.F32 else ml_dtypes.bfloat16)
+              for p in graph.parameters]
+    for got, want in zip(evaluate(merged, inputs), evaluate(graph, inputs)):
+        np.testing.assert_array_equal(got, want)
+    assert merge_duplicates(merged) is merged
+
+
+def test_merge_duplicates_leaves_distinct_values_outputs_and_draws_apart():
+    from fusionstitching.graph.transforms import merge_duplicates
+
+    b = GraphBuilder("apart")
+    x = b.parameter((4, 8), DType.F32, "x")
+    seed = b.parameter((), DType.I64, "seed")
+    offset = b.parameter((), DType.I64, "offset")
+    draws = [b.node("rng_uniform", [seed, offset], shape=(4, 8), dtype=DType.F32, stream=0) for _ in range(2)]
+    pads = [b.node("pad", [x], low=(0, 0), high=(1, 0), interior=(0, 0), value=v) for v in (0.0, -0.0)]
+    sums = [b.reduce(x, (1,), "sum"), b.reduce(x, (0,), "sum"), b.reduce(x, (1,), "max")]
+    twin_outputs = [b.unary("exp", x), b.unary("exp", x)]  # distinct outputs stay distinct tensors
+    inner = b.binary("add", b.unary("exp", x), b.unary("neg", x))
+    inner_twin = b.unary("neg", x)  # an output that duplicates an inner node: the output reads the kept one
+    graph = b.build([*draws, *pads, *sums, *twin_outputs, inner, inner_twin])
+    merged = merge_duplicates(graph)
+    out = merged.outputs
+    assert out[0] is not out[1]  # two draws, not one
+    assert out[2] is not out[3]  # a 0.0 pad and a -0.0 pad
+    assert len({id(o) for o in out[4:7]}) == 3  # other dims, other kind
+    assert out[7] is not out[8]
+    assert out[7] in out[9].operands  # the inner exp is the first output's
+    assert out[10] in out[9].operands  # the neg output is the inner neg
+    assert len(merged.nodes) == len(graph.nodes) - 2
