@@ -71,7 +71,10 @@ _F64_UNARY = {"exp": "exp", "log": "log", "log1p": "log1p", "expm1": "expm1", "t
               "sqrt": "sqrt", "rsqrt": "rsqrt", "sin": "sin", "cos": "cos", "abs": "fabs", "floor": "floor",
               "ceil": "ceil", "rcp": "__drcp_rn"}
 _VECTOR_TYPES = {("f32", 4): "float4", ("f64", 2): "double2", ("i32", 4): "int4", ("i64", 2): "longlong2",
-                 ("u32", 4): "uint4", ("f16", 8): "uint4", ("bf16", 8): "uint4"}
+                 ("u32", 4): "uint4", ("f16", 8): "uint4", ("bf16", 8): "uint4",
+                 # 8-byte accesses (``vectorize._chunk``)
+                 ("f32", 2): "float2", ("i32", 2): "int2", ("u32", 2): "uint2", ("f16", 4): "uint2",
+                 ("bf16", 4): "uint2"}
 
 
 def render(kernel: K.Kernel) -> str:
@@ -148,7 +151,8 @@ def _vec_store(s: K.VecStore, pad: str) -> list[str]:
     vtype = _VECTOR_TYPES[(dtype, len(s.values))]
     values = [expr(v) for v in s.values]
     if dtype in ("f16", "bf16"):
-        words = [f"((unsigned int)({values[2 * k]}) | ((unsigned int)({values[2 * k + 1]}) << 16))" for k in range(4)]
+        words = [f"((unsigned int)({values[2 * k]}) | ((unsigned int)({values[2 * k + 1]}) << 16))"
+                 for k in range(len(values) // 2)]
         init = ", ".join(words)
     else:
         init = ", ".join(values)

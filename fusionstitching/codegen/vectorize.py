@@ -1,8 +1,10 @@
 """128-bit (and 64-bit) vector accesses for the lanes of a THREAD_v factor.
 
-When a root's innermost tile is ``THREAD_v`` with v elements of 16 bytes, lowering unrolls the v
-lanes and this pass merges their scalar accesses: ``Let x_j = buf[e + j]`` for j = 0..v-1 becomes
-one ``VecLoad`` (in chunks of 16 bytes of the buffer's type) and the v stores one ``VecStore``.
+When a root's innermost tile is ``THREAD_v``, lowering unrolls the v lanes and this pass merges
+their scalar accesses: ``Let x_j = buf[e + j]`` for j = 0..v-1 becomes one ``VecLoad`` (in chunks
+of 16 bytes of the buffer's type) and the v stores one ``VecStore``. Where the v lanes of a buffer
+hold only 8 bytes (a row of f32 tiled by 4 lanes also read as bf16: the GEMM output in BERT's
+LayerNorm kernels), they become one 8-byte access instead of four 2-byte ones.
 A group merges only when an affine analysis proves the lane-0 index a multiple of the chunk:
 indices are expanded through the registers that define them (``definitions``) into a sum of
 opaque terms with integer coefficients plus a constant, and every coefficient and the constant
@@ -65,6 +67,14 @@ def affine(e: K.Expr, definitions: Mapping[str, K.Expr],
     return None
 
 
+def _chunk(dtype: str, lanes: int) -> int:
+    """Elements per vector access of ``dtype`` for ``lanes`` unrolled lanes: 16 bytes, or all the
+    lanes when they hold exactly 8 bytes."""
+    item = ITEM_BYTES[dtype]
+    chunk = VECTOR_BYTES // item
+    return lanes if chunk > lanes and lanes * item == 8 else chunk
+
+
 def _aligned(form: tuple[dict[str, int], int], chunk: int) -> bool:
     terms, constant = form
     return constant % chunk == 0 and all(c % chunk == 0 for c in terms.values())
@@ -98,7 +108,7 @@ def _pack_loads(stmts: list[K.Stmt], definitions, lanes: int) -> list[K.Stmt]:
     for position, (k, load, form) in enumerate(loads):
         if k in removed or form is None:
             continue
-        chunk = VECTOR_BYTES // ITEM_BYTES[load.dtype]
+        chunk = _chunk(load.dtype, lanes)
         if chunk > lanes or lanes % chunk or load.dtype == "bool" or not _aligned(form, chunk):
             continue
         group = {0: k}
@@ -139,7 +149,7 @@ def _pack_stores(stmts: list[K.Stmt], definitions, lanes: int) -> list[K.Stmt]:
             if k in removed or form is None:
                 continue
             dtype = store.value.dtype
-            chunk = VECTOR_BYTES // ITEM_BYTES[dtype]
+            chunk = _chunk(dtype, lanes)
             if chunk > lanes or lanes % chunk or dtype == "bool" or not _aligned(form, chunk):
                 continue
             group = {0: (k, store)}

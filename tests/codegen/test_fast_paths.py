@@ -15,6 +15,7 @@ from fusionstitching.graph.graph import GraphBuilder
 from fusionstitching.graph.ops import DType
 from fusionstitching.runtime.nvrtc import compile_cuda
 from fusionstitching.schedule import feasible
+from fusionstitching.schedule.template import parse_template
 from fusionstitching.schedule.grouping import _candidate_templates
 
 F32 = DType.F32
@@ -214,3 +215,61 @@ def test_rows_with_a_vector_tail_stay_in_registers(rows, cols, dtype):
     (got,) = kernel.simulate([data])
     (want,) = reference.evaluate(graph, [data])
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2 if dtype == DType.BF16 else 1e-5, atol=1e-2 if dtype == DType.BF16 else 1e-5)
+
+
+def test_half_lanes_of_an_f32_row_move_as_8_byte_vectors():
+    """BERT's residual LayerNorm reads its GEMM output in bf16 and the residual in f32 along rows
+    tiled by 4 lanes for the f32 values: the bf16 lanes are 8 bytes, read as one access (not four
+    2-byte loads), and the bf16 result is stored the same way."""
+    b = GraphBuilder("residual")
+    rows, cols = 8, 768
+    h = b.parameter((rows, cols), DType.BF16, "h")
+    r = b.parameter((rows, cols), F32, "r")
+    s = b.binary("add", b.convert(h, F32), r)
+    mean = b.broadcast(b.binary("div", b.reduce(s, [1], "sum"),
+                                b.broadcast(b.constant(float(cols), F32), (rows,), ())), (rows, cols), (0,))
+    centred = b.binary("sub", s, mean)
+    graph = b.build([centred, b.convert(centred, DType.BF16)])
+    nodes = [n for n in graph.nodes if n.op not in ("parameter", "constant")]
+    chosen = str(feasible(graph, nodes))  # tiles of 8 for the bf16 output; the f32 one's tiles of 4
+    assert "THREAD_3-CTA_32-THREAD_8]" in chosen, chosen
+    template = parse_template(chosen.replace("THREAD_3-CTA_32-THREAD_8", "THREAD_6-CTA_32-THREAD_4"))
+    kernel = generate(graph, nodes, template)
+    source = kernel.cuda_source.split("extern")[1]
+    assert "reinterpret_cast<const uint2*>(&in" in source and "make_uint2(" in source
+    assert "float4" in source
+    compile_cuda(kernel.cuda_source, "sm_90")
+    import ml_dtypes
+    rng = np.random.default_rng(0)
+    arrays = {"h": rng.standard_normal((rows, cols)).astype(ml_dtypes.bfloat16),
+              "r": rng.standard_normal((rows, cols)).astype(np.float32)}
+    got = kernel.simulate([arrays[n] for n in kernel.inputs])
+    want = reference.evaluate(graph, [arrays["h"], arrays["r"]])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("cols,dtype,lanes", [(3072, DType.BF16, 128), (1536, DType.F32, 128), (2048, DType.BF16, 256)])
+def test_rows_of_vectors_that_are_not_whole_blocks_leave_no_thread_idle(cols, dtype, lanes):
+    """BERT's [4096, 3072] bf16 GELU: a row is 384 16-byte vectors. Blocks of 256 lanes along the
+    row left a quarter of their threads idle; 128 lanes × 2 rows cover it exactly. A row of whole
+    blocks (2048 bf16 = 256 vectors) keeps one block per row."""
+    b = GraphBuilder("gelu_like")
+    x = b.parameter((6, cols), dtype, "x")
+    out = b.convert(b.unary("tanh", b.convert(x, F32)), dtype) if dtype != F32 else b.unary("tanh", x)
+    graph = b.build([out])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    template = feasible(graph, nodes)
+    vector = 16 // dtype.itemsize
+    assert f"CTA_{lanes}-THREAD_{vector}]" in str(template), template
+    if lanes < 256:
+        assert f"CTA_{256 // lanes}," in str(template), template
+    kernel = generate(graph, nodes, template)
+    compile_cuda(kernel.cuda_source, "sm_90")
+    data = np.random.default_rng(2).standard_normal((6, cols)).astype(np.float32)
+    if dtype == DType.BF16:
+        import ml_dtypes
+        data = data.astype(ml_dtypes.bfloat16)
+    (got,) = kernel.simulate([data])
+    (want,) = reference.evaluate(graph, [data])
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
