@@ -60,6 +60,11 @@ from fusionstitching.schedule.transpose import transpose_smem_template
 DEFAULT_THREADS = 256
 WARP_ROWS = 4  # rows (warps) per block in warp mode: measured best for softmax and LayerNorm
 WARP_MODE_MAX_LENGTH = 1024
+# Warp mode wants at least this many blocks of WARP_ROWS rows. With fewer rows, a row at least a
+# block of threads long takes a whole block: BERT's batch-1 LayerNorms (128 rows of 768) ran as 32
+# blocks of 4 warps, each lane working through 24 values (3.9 µs a kernel on an H200, where a
+# kernel of a block per row takes 1.7 µs).
+FEW_ROWS_BLOCKS = 128
 WARP_SIZE = 32
 MAX_REGISTER_ELEMENTS = 32
 SERIAL_COLUMNS_MIN = 8192  # column reductions with an epilogue: a thread per column from this many
@@ -112,10 +117,21 @@ def choose_template(pattern, threads: int = DEFAULT_THREADS) -> KernelSchedule:
     if reductions and _wide_columns(reductions):
         return thread_serial_template(pattern, reductions, threads)
     if reductions:
-        length = math.prod(_space(reductions[0])[d] for d in reduced_dims(reductions[0]))
-        warp_rows = WARP_ROWS if length <= WARP_MODE_MAX_LENGTH else None
+        space, reduced = _space(reductions[0]), reduced_dims(reductions[0])
+        length = math.prod(space[d] for d in reduced)
+        rows = math.prod(size for d, size in enumerate(space) if d not in reduced)
+        few_rows = rows < WARP_ROWS * FEW_ROWS_BLOCKS and length >= threads and _block_registers(pattern, length, threads)
+        warp_rows = WARP_ROWS if length <= WARP_MODE_MAX_LENGTH and not few_rows else None
         return composed_template(pattern, reductions, threads, warp_rows)
     return _packed_template(pattern, threads)
+
+
+def _block_registers(pattern, length: int, threads: int) -> bool:
+    """Whether block mode keeps a row of ``length`` in the registers of ``threads`` threads (rather
+    than looping over it at block stride)."""
+    itemsize = min([n.dtype.itemsize for n in pattern.inputs] or [4])
+    tiles = _reduced_tiles(length, threads, max(1, 16 // itemsize))
+    return len(tiles) > 1 or tiles[0].size is not None
 
 
 def _cross_thread_worthy(node: Node) -> bool:

@@ -231,9 +231,8 @@ def test_half_lanes_of_an_f32_row_move_as_8_byte_vectors():
     centred = b.binary("sub", s, mean)
     graph = b.build([centred, b.convert(centred, DType.BF16)])
     nodes = [n for n in graph.nodes if n.op not in ("parameter", "constant")]
-    chosen = str(feasible(graph, nodes))  # tiles of 8 for the bf16 output; the f32 one's tiles of 4
-    assert "THREAD_3-CTA_32-THREAD_8]" in chosen, chosen
-    template = parse_template(chosen.replace("THREAD_3-CTA_32-THREAD_8", "THREAD_6-CTA_32-THREAD_4"))
+    tiles = "[GRID-WARP_4,THREAD_6-CTA_32-THREAD_4]"  # warp mode, the f32 values' tiles of 4
+    template = parse_template(f"reduce{tiles}; sub{tiles}; convert_1{tiles}; launch(blocks=2,threads=128)")
     kernel = generate(graph, nodes, template)
     source = kernel.cuda_source.split("extern")[1]
     assert "reinterpret_cast<const uint2*>(&in" in source and "make_uint2(" in source
@@ -273,3 +272,29 @@ def test_rows_of_vectors_that_are_not_whole_blocks_leave_no_thread_idle(cols, dt
     (got,) = kernel.simulate([data])
     (want,) = reference.evaluate(graph, [data])
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_few_long_rows_take_a_block_each():
+    """A LayerNorm-like row reduction over 128 rows of 768 (BERT at batch 1): warp mode would give
+    32 blocks of 4 warps, each lane working through 24 values; a block per row keeps the row in its
+    threads' registers. With many rows warp mode stays."""
+    from fusionstitching.schedule.grouping import FEW_ROWS_BLOCKS, WARP_ROWS
+
+    def graph_of(rows):
+        b = GraphBuilder("rows")
+        x = b.parameter((rows, 768), F32, "x")
+        mean = b.broadcast(b.reduce(x, [1], "sum"), (rows, 768), (0,))
+        return b.build([b.binary("sub", x, mean)])
+
+    few = graph_of(8)
+    nodes = [n for n in few.nodes if n.op != "parameter"]
+    template = feasible(few, nodes)
+    assert "[GRID,THREAD_3-CTA_256]" in str(template) and "threads=256" in str(template), template
+    kernel = generate(few, nodes, template)
+    compile_cuda(kernel.cuda_source, "sm_90")
+    data = np.random.default_rng(3).standard_normal((8, 768)).astype(np.float32)
+    (got,) = kernel.simulate([data])
+    (want,) = reference.evaluate(few, [data])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    many = graph_of(WARP_ROWS * FEW_ROWS_BLOCKS)
+    assert "WARP_4" in str(feasible(many, [n for n in many.nodes if n.op != "parameter"]))
