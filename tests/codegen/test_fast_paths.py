@@ -298,3 +298,22 @@ def test_few_long_rows_take_a_block_each():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     many = graph_of(WARP_ROWS * FEW_ROWS_BLOCKS)
     assert "WARP_4" in str(feasible(many, [n for n in many.nodes if n.op != "parameter"]))
+
+
+def test_transpose_into_a_dim_before_others_takes_32_by_32_tiles_along_it():
+    """A key gradient [b, h, d, s] -> [b, s, h, d]: the input runs along s, which lands before h in
+    the output. The tiles are 32 x 32 over (s, d), not the short vector rows of the other head
+    transposes, which read 2 bytes per row and lane here."""
+    b = GraphBuilder("key_grad")
+    shape = (2, 3, 64, 32)
+    out = b.transpose(b.parameter(shape, DType.BF16, "x"), (0, 3, 1, 2))
+    graph = b.build([out])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    template = feasible(graph, nodes)
+    assert "[GRID,GRID-CTA_32,GRID,GRID-CTA_8-THREAD_4]" in str(template), template
+    kernel = generate(graph, nodes, template)
+    compile_cuda(kernel.cuda_source, "sm_90")
+    import ml_dtypes
+    data = np.random.default_rng(4).standard_normal(shape).astype(ml_dtypes.bfloat16)
+    (got,) = kernel.simulate([data])
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.transpose(data, (0, 3, 1, 2)).astype(np.float32))
