@@ -23,7 +23,12 @@ from fusionstitching.fusion.legality import Legality, Roles
 from fusionstitching.fusion.plan import Chosen, FusionPlan, finalize
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
-from fusionstitching.graph.transforms import duplicate_broadcasts, fold_transposes, merge_duplicates, widen_dots
+from fusionstitching.graph.transforms import (
+    duplicate_broadcasts,
+    fold_transposes,
+    merge_duplicates,
+    widen_dots,
+)
 from fusionstitching.options import Options
 
 PRODUCER_CATEGORIES = (Category.LIGHT_ELEMENTWISE, Category.SHAPE, Category.RANDOM)

@@ -62,7 +62,12 @@ from fusionstitching.fusion.score import Scorer
 from fusionstitching.fusion.select import Selection, select_ilp
 from fusionstitching.fusion.split import split_underfilled_reductions
 from fusionstitching.graph.graph import Graph, Node
-from fusionstitching.graph.transforms import duplicate_broadcasts, fold_transposes, merge_duplicates, widen_dots
+from fusionstitching.graph.transforms import (
+    duplicate_broadcasts,
+    fold_transposes,
+    merge_duplicates,
+    widen_dots,
+)
 from fusionstitching.options import Options
 
 MERGE_ROUNDS = 4

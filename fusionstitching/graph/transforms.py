@@ -34,6 +34,9 @@ becomes 3 MB of traffic) or force all its consumers into one kernel. The first u
 original; copies are named ``<name>_<k>``. XLA makes the same choice when it duplicates cheap
 producers into each consumer fusion.
 
+``merge_duplicates`` is common subexpression elimination: nodes with the same op, operands,
+attributes, dtype, shape and layout become one (autocast's per-consumer casts of one activation).
+
 Naming. New nodes are named after the original: ``<name>_f32`` (the widening convert),
 ``<name>_split`` (the reshape), ``<name>_partial``, ``<name>_final`` (only when a convert follows
 it); a ``_N`` suffix is added if a name is taken. The node that replaces the original output (the

@@ -15,8 +15,8 @@ from fusionstitching.graph.graph import GraphBuilder
 from fusionstitching.graph.ops import DType
 from fusionstitching.runtime.nvrtc import compile_cuda
 from fusionstitching.schedule import feasible
-from fusionstitching.schedule.template import parse_template
 from fusionstitching.schedule.grouping import _candidate_templates
+from fusionstitching.schedule.template import parse_template
 
 F32 = DType.F32
 
