@@ -98,15 +98,7 @@ def split_reductions(graph: Graph, splits: Mapping[Node | str, int],
             copies[id(old)] = _split(old, operands[0], dim, parts, names, blocks)
         else:
             copies[id(old)] = dataclasses.replace(old, operands=operands)
-    result = Graph(
-        graph.parameters,
-        [None if out is None else copies[id(out)] for out in graph.outputs],
-        name=graph.name,
-        mutations=graph.mutations,
-        output_layouts=graph.output_layouts,
-    )
-    verify(result)
-    return result
+    return _rebuilt(graph, copies)
 
 
 def fold_transposes(graph: Graph) -> Graph:
@@ -132,10 +124,7 @@ def fold_transposes(graph: Graph) -> Graph:
             copies[id(old)] = dataclasses.replace(old, operands=(source,), attrs={"permutation": composed})
         else:
             copies[id(old)] = dataclasses.replace(old, operands=operands)
-    result = Graph(graph.parameters, [None if out is None else copies[id(out)] for out in graph.outputs],
-                   name=graph.name, mutations=graph.mutations, output_layouts=graph.output_layouts)
-    verify(result)
-    return result
+    return _rebuilt(graph, copies)
 
 
 def widen_dots(graph: Graph) -> Graph:
@@ -149,15 +138,12 @@ def widen_dots(graph: Graph) -> Graph:
     more precise than the graph asked for by one rounding (at most half an ulp of the half type),
     as XLA's and Inductor's fused kernels keep intermediates in f32. Only graph outputs are widened:
     inside the graph the f32 value would cost its readers twice the bytes of the half one."""
-    users: dict[int, list[Node]] = {}
-    for node in graph.nodes:
-        for operand in dict.fromkeys(node.operands):
-            users.setdefault(id(operand), []).append(node)
-    outputs = {id(o) for o in graph.outputs if o is not None}
+    users = graph.index.users
+    outputs = graph.index.output_ids
     widened = {id(n) for n in graph.nodes
                if n.op == "convert" and n.dtype == DType.F32 and id(n) in outputs
                and n.operands[0].op == "dot_general" and n.operands[0].dtype.is_half
-               and len(users.get(id(n.operands[0]), ())) == 1 and id(n.operands[0]) not in outputs}
+               and len(users[n.operands[0]]) == 1 and id(n.operands[0]) not in outputs}
     if not widened:
         return graph
     copies: dict[int, Node] = {id(p): p for p in graph.parameters}
@@ -169,10 +155,7 @@ def widen_dots(graph: Graph) -> Graph:
             copies[id(old)] = dataclasses.replace(dot, name=old.name, dtype=DType.F32, layout=old.layout)
             continue
         copies[id(old)] = dataclasses.replace(old, operands=tuple(copies[id(x)] for x in old.operands))
-    result = Graph(graph.parameters, [None if out is None else copies[id(out)] for out in graph.outputs],
-                   name=graph.name, mutations=graph.mutations, output_layouts=graph.output_layouts)
-    verify(result)
-    return result
+    return _rebuilt(graph, copies)
 
 
 # Ops ``merge_duplicates`` never merges: parameters and constants are inputs, a library call may
@@ -192,7 +175,7 @@ def merge_duplicates(graph: Graph) -> Graph:
     caller gets distinct tensors for distinct outputs); a duplicate that is an output is replaced
     by the kept node when that one is not an output yet."""
     copies: dict[int, Node] = {id(p): p for p in graph.parameters}
-    outputs = {id(o) for o in graph.outputs if o is not None}
+    outputs = graph.index.output_ids
     kept: dict[tuple, Node] = {}
     kept_is_output: set[int] = set()
     merged = False
@@ -216,10 +199,7 @@ def merge_duplicates(graph: Graph) -> Graph:
                 kept_is_output.add(id(new))
     if not merged:
         return graph
-    result = Graph(graph.parameters, [None if out is None else copies[id(out)] for out in graph.outputs],
-                   name=graph.name, mutations=graph.mutations, output_layouts=graph.output_layouts)
-    verify(result)
-    return result
+    return _rebuilt(graph, copies)
 
 
 def _merge_key(node: Node) -> tuple | None:
@@ -245,13 +225,10 @@ def duplicate_broadcasts(graph: Graph) -> Graph:
 
 
 def _duplicate_once(graph: Graph) -> Graph:
-    users: dict[int, list[Node]] = {}
-    for node in graph.nodes:
-        for operand in dict.fromkeys(node.operands):
-            users.setdefault(id(operand), []).append(node)
-    outputs = {id(o) for o in graph.outputs if o is not None}
+    users = graph.index.users
+    outputs = graph.index.output_ids
     shared = {id(n) for n in graph.nodes
-              if n.op in DUPLICATED_OPS and len(users.get(id(n), ())) > 1 and id(n) not in outputs}
+              if n.op in DUPLICATED_OPS and len(users[n]) > 1 and id(n) not in outputs}
     if not shared:
         return graph
     names = _Names(n.name for n in graph.nodes)
@@ -271,6 +248,11 @@ def _duplicate_once(graph: Graph) -> Graph:
                 copy = per_user[key]
             operands.append(copy)
         copies[id(old)] = dataclasses.replace(old, operands=tuple(operands))
+    return _rebuilt(graph, copies)
+
+
+def _rebuilt(graph: Graph, copies: Mapping[int, Node]) -> Graph:
+    """The graph whose outputs are the copies (by id of the original) of ``graph``'s, verified."""
     result = Graph(graph.parameters, [None if out is None else copies[id(out)] for out in graph.outputs],
                    name=graph.name, mutations=graph.mutations, output_layouts=graph.output_layouts)
     verify(result)
