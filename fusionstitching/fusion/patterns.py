@@ -304,9 +304,11 @@ class NeighbourMerging(PlanSeeded):
     (a gradient accumulated from two GEMMs' outputs) are only found this way. Patterns that read a
     common value are paired too (sibling fusion: LayerNorm backward's dγ and dβ partial sums both read
     the output gradient, which one kernel then reads once). Each union is checked
-    for cycles and by the schedule stage like every candidate. Only unions where one side has at most
-    ``MERGE_SMALL_OPS`` ops and both at most ``MERGE_MAX_OPS`` are proposed: lowering is what
-    exploration time is spent on, and what this step exists for is the small leftovers. A leftover
+    for cycles and by the schedule stage like every candidate. Unions over ``MERGE_MAX_OPS`` ops are
+    not proposed, nor sibling unions where both sides have over ``MERGE_SMALL_OPS``: lowering is
+    what exploration time is spent on, and what sibling fusion exists for is the small leftovers.
+    A producer and its consumer are proposed at any size: a softmax left as two large halves (an
+    f32 round trip between them) is found this way. A leftover
     reshape is no seed: it runs as a view."""
 
     def run(self, groups: Sequence[Sequence[Node]]) -> list[Candidate]:
