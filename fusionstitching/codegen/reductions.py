@@ -60,6 +60,27 @@ class Reductions:
         """Each warp folds its slice of the reduced dims for every kept element its lanes hold and
         writes it to shared memory; after a barrier the block's threads sum the warps' slices."""
         em = self.em
+        buffer, count, warp_index = self._cross_warp_slots(group)
+        kept = [d for d in range(len(group.space)) if d not in group.reduced]
+
+        def body() -> None:
+            index, guard = self._index(group, kept)
+
+            def compute() -> None:
+                value = self._serial_reduction(group, index)
+                slot = K.add(K.mul(warp_index, em.idx(count)), self._local_index(group, index))
+                em.stmts.append(K.Store(buffer.name, self._skewed(slot), value))
+
+            stmts, _ = em.nested(compute)
+            em.stmts.extend([K.If(guard, tuple(stmts))] if guard is not None else stmts)
+
+        stmts = self._thread_loops(group, body, frozenset(group.reduced))
+        return stmts + self._sum_cross_warp(group, buffer, count)
+
+    def _cross_warp_slots(self, group: Group) -> tuple[K.Buffer, int, K.Expr]:
+        """The shared buffer of a reduction across warps, the slots of one warp (the kept elements
+        of the block) and this warp's index among the WARP tiles."""
+        em = self.em
         root = group.root
         warps = [f for f in group.factors if f.level == Level.WARP]
         if not self.warp_mode or math.prod(f.extent for f in warps) != self.threads // WARP:
@@ -69,29 +90,25 @@ class Reductions:
         if group.output is None:
             raise CodegenError(f"{root.name}: a reduction across warps must be an output of the kernel; "
                                "other groups cannot read it")
-        footprint = self._footprint(group)
-        local_extents = [math.prod(f.extent for f in local) for _, local in footprint]
-        count = math.prod(local_extents)
-        slots = self.threads // WARP
-        buffer = self._cross_warp_buffer(slots * count, register_type(root.dtype))
+        count = math.prod(math.prod(f.extent for f in local) for _, local in self._footprint(group))
+        slots = (self.threads // WARP) * count
+        buffer = self._cross_warp_buffer(slots + slots // WARP, register_type(root.dtype))
         warp_index: K.Expr = em.idx(0)
         for f in warps:
             warp_index = K.add(K.mul(warp_index, em.idx(f.extent)), f.var)
-        kept = [d for d in range(len(group.space)) if d not in group.reduced]
+        return buffer, count, warp_index
 
-        def body() -> None:
-            index, guard = self._index(group, kept)
+    def _skewed(self, slot: K.Expr) -> K.Expr:
+        """A slot of the cross-warp buffer with one cell skipped after every 32: lanes that write
+        slots 8 apart (a THREAD_8 vector each, LayerNorm backward's partials) hit 32 banks instead
+        of 4, and consecutive slots stay in distinct banks for the readers."""
+        return K.add(slot, K.Binary("shr", slot, self.em.idx(WARP.bit_length() - 1), slot.dtype))  # slot / 32, slots >= 0
 
-            def compute() -> None:
-                value = self._serial_reduction(group, index)
-                slot = K.add(K.mul(warp_index, em.idx(count)), self._local_index(group, index))
-                em.stmts.append(K.Store(buffer.name, slot, value))
-
-            stmts, _ = em.nested(compute)
-            em.stmts.extend([K.If(guard, tuple(stmts))] if guard is not None else stmts)
-
-        stmts = self._thread_loops(group, body, frozenset(group.reduced)) + [K.Barrier()]
-        stmts += self._sum_slots(group, buffer, slots, count, footprint, local_extents)
+    def _sum_cross_warp(self, group: Group, buffer: K.Buffer, count: int) -> list[K.Stmt]:
+        footprint = self._footprint(group)
+        local_extents = [math.prod(f.extent for f in local) for _, local in footprint]
+        stmts: list[K.Stmt] = [K.Barrier()]
+        stmts += self._sum_slots(group, buffer, self.threads // WARP, count, footprint, local_extents)
         return stmts + [K.Barrier()]
 
     def _sum_slots(self, group, buffer, slots, count, footprint, local_extents) -> list[K.Stmt]:
@@ -102,7 +119,8 @@ class Reductions:
         v = em.fresh("w", em.index_type)
         acc = em.accumulator("acc", rtype)
         fold = K.For(v, em.idx(0), em.idx(slots), em.idx(1), (K.Assign(acc, combine(
-            kind, acc, K.Load(buffer.name, K.add(K.mul(v, em.idx(count)), j), rtype), rtype)),), "unroll")
+            kind, acc, K.Load(buffer.name, self._skewed(K.add(K.mul(v, em.idx(count)), j)), rtype), rtype)),),
+            "unroll")
         body: list[K.Stmt] = [K.Let(acc, reduce_identity(kind, root.dtype)), fold]
         # j → kept index: per kept dim, the grid part of this block plus the local offset.
         remaining: K.Expr = j

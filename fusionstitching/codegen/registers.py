@@ -199,6 +199,8 @@ class RegisterComposition:
             if buffer is not None:
                 em.stmts.append(K.Barrier())
                 self._register_shared_reader(group, buffer)
+        partials = {id(g): self._register_partials(g, lead, combos) for g in self.groups
+                    if g.cross_warp and self._tiles_like(g, lead)}
         lanes = serial[-1][1] if serial and serial[-1][0] == len(lead.space) - 1 else 1
         stmts = em.stmts
         if lanes > 1 and self.vectorize:
@@ -207,6 +209,52 @@ class RegisterComposition:
             if group.cross_warp:
                 em.stmts = []
                 em.current = group.root.name
-                stmts = stmts + [K.Comment(f"group {group.root.name}: {group.sched}")] + self._cross_warp(group)
+                stmts = stmts + [K.Comment(f"group {group.root.name}: {group.sched}")]
+                if id(group) in partials:
+                    stmts += self._store_partials(group, partials[id(group)])
+                else:
+                    stmts += self._cross_warp(group)
         return stmts
+
+    def _tiles_like(self, group: Group, lead: Group) -> bool:
+        """Whether a reduction across warps tiles its thread-level dims like the register body
+        (the same CTA and THREAD extents in the same order, all on kept dims that they cover
+        exactly): then each thread's elements of it are elements of the body's copies."""
+        local = [f for f in group.factors if f.level in (Level.CTA, Level.THREAD)]
+        if any(f.dim in group.reduced for f in local):
+            return False
+        if [(f.level, f.extent) for f in local] != [(level, e) for _, level, e in self._local(lead)]:
+            return False
+        return all(math.prod(f.extent for f in group.factors if f.dim == d) == size
+                   for d, size in enumerate(group.space) if d not in group.reduced)
+
+    def _register_partials(self, group: Group, lead: Group, combos) -> list[tuple[K.Expr, K.Expr]]:
+        """A reduction across warps computed in the register body: per register copy, the
+        element this warp folds in (its only one: no THREAD tiles on reduced dims) and its slot in
+        the block's footprint. A stitched partial column sum reads the rows the body holds (the same
+        index registers, through ``_op_reshape``), so it reuses their loads and values: LayerNorm
+        backward's dβ partial adds dy, which the body loaded for dx; in a loop of its own it
+        loaded every element again, two bytes at a time."""
+        em = self.em
+        root = group.root
+        em.current = root.name
+        self._share(group, Level.CTA, [f for f in lead.factors if f.level == Level.CTA])
+        thread_factors = [f for f in group.factors if f.level == Level.THREAD]
+        values = []
+        for combo in combos:
+            for f, value in zip(thread_factors, combo):
+                f.var = value
+            index, _ = self._index(group)
+            value = em.term(root, index)
+            if root.dtype.is_half:  # rounded as a fold of one element is
+                value = em.let("v", K.Cast(K.Cast(value, root.dtype.value), "f32"))
+            values.append((self._local_index(group, index), value))
+        return values
+
+    def _store_partials(self, group: Group, values: list[tuple[K.Expr, K.Expr]]) -> list[K.Stmt]:
+        em = self.em
+        buffer, count, warp_index = self._cross_warp_slots(group)
+        stmts: list[K.Stmt] = [K.Store(buffer.name, self._skewed(K.add(K.mul(warp_index, em.idx(count)), slot)), value)
+                               for slot, value in values]
+        return stmts + self._sum_cross_warp(group, buffer, count)
 

@@ -293,8 +293,12 @@ class ValueEmitter:
                                    for i, lo, st in zip(index, start, stride)))
 
     def _op_reshape(self, node: Node, index):
+        """The operand's index, each dim bound to a register: a split back to the rows of another
+        group (a stitched partial's [blocks, rows, cols] → [blocks·rows, cols]) then reads the very
+        index registers that group bound, and the values it computed are reused (``value`` is
+        cached by (node, index))."""
         (x,) = node.operands
-        return self.value(x, reshape_index(index, node.shape, x.shape, self.idx))
+        return self.value(x, tuple(self.let("i", i) for i in reshape_index(index, node.shape, x.shape, self.idx)))
 
     def _op_iota(self, node: Node, index):
         return K.Cast(index[node.attrs["dimension"]], register_type(node.dtype))

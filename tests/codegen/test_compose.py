@@ -455,6 +455,11 @@ def test_layernorm_backward_dx_and_partials_in_one_kernel_then_final_matches_ref
     assert len(kernels) == 2
     assert kernels[0].outputs[1:] == ["reduce_2_partial", "reduce_3_partial"]
     assert "__syncthreads" in kernels[0].cuda_source and "(registers)" in kernels[0].cuda_source
+    # The partials add values the register body holds: no loads of their own, and their shared
+    # slots skip a cell after every 32 (lanes 8 slots apart would share 4 banks).
+    partials = kernels[0].cuda_source.split("// group reduce_2_partial")[1]
+    assert not re.search(r"\bin\d+\[", partials)
+    assert partials.count(">> (5)") >= cols // 32
     env = {p.name: t.numpy() for p, t in zip(graph.parameters, inputs)}
     for kernel in kernels:
         env.update(zip(kernel.outputs, kernel.simulate([env[n] for n in kernel.inputs])))
