@@ -28,6 +28,7 @@ from fusionstitching.codegen.values import (
     reduced_dims,
     reduction_kind,
     register_type,
+    reshape_index,
 )
 from fusionstitching.codegen.vectorize import pack_lanes
 from fusionstitching.graph.graph import Node
@@ -104,22 +105,51 @@ def packed_groups(roots: Sequence[tuple[Schedule, Node]], inside: set[int]) -> l
         reads[id(root)] = found
         return found
 
-    groups: list[tuple[Schedule, list[Node], set[int]]] = []
-    alike: dict[tuple, list[int]] = {}  # (tiling, space) → the groups a root of them may join
+    groups: list[list] = []  # [lead's schedule, members (the lead first), values they read]
+    alike: dict[tuple, list[int]] = {}  # tiling key (``_nest_key``) → the groups a root of it may join
     for sched, root in roots:
-        space = iteration_space(root)
         mine = ancestry(root)
-        candidates = alike.setdefault((sched.dims, space), [])
+        candidates = alike.setdefault(_nest_key(sched, root), [])
         for k in candidates:
-            _, members, theirs = groups[k]
+            group = groups[k]
+            members, theirs = group[1], group[2]
             if (_nest_alike(members[0], root) and not sched.shared and not mine.isdisjoint(theirs)):
                 members.append(root)
                 theirs |= mine
+                if len(root.shape) > len(members[0].shape):  # the finest shape leads (``_element``)
+                    members.insert(0, members.pop())
+                    group[0] = sched
                 break
         else:
             candidates.append(len(groups))
-            groups.append((sched, [root], set(mine)))
+            groups.append([sched, [root], set(mine)])
     return [(sched, members) for sched, members, _ in groups]
+
+
+def _nest_key(sched: Schedule, root: Node) -> tuple:
+    """Roots with equal keys may share a loop nest. A reduction's key is its tiling and iteration
+    space. An elementwise root's key is its tiling read along the row-major order of its elements:
+    the (level, extent) of every tile, dims in order, runs of one level merged, together with its
+    size and last dim. Two shapes that one reshape relates (BERT's bias add [4096, 3072], saved for
+    the backward, and the GELU of its [32, 128, 3072] view) then put the same elements on the same
+    thread, and one nest computes both (``_element`` maps the lead's index to each root's shape):
+    as separate sub-kernels the GELU's read the GEMM output a second time."""
+    space = iteration_space(root)
+    exact = True
+    flat: list[list] = []
+    for size, tiles in zip(space, sched.dims):
+        extents = tile_extents(size, tiles)
+        exact = exact and math.prod(extents) == size
+        for tile, extent in zip(tiles, extents):
+            if extent == 1:
+                continue
+            if flat and flat[-1][0] == tile.level:
+                flat[-1][1] *= extent
+            else:
+                flat.append([tile.level, extent])
+    if is_reduction(root) or not exact or not space:
+        return ("tiling", sched.dims, space)
+    return ("flat", tuple((level, extent) for level, extent in flat), math.prod(space), space[-1])
 
 
 def _nest_alike(first: Node, root: Node) -> bool:
@@ -151,6 +181,15 @@ def _block_ranges(groups: list[tuple[Schedule, list[Node]]], blocks: int) -> lis
     while sum(counts) > blocks:
         largest = max(range(len(counts)), key=lambda k: counts[k])
         counts[largest] -= 1
+    spare = blocks - sum(counts)  # blocks a sub-kernel's grid capped go to those with tiles left
+    while spare > 0:
+        room = [k for k in range(len(counts)) if counts[k] < grids[k]]
+        if not room:
+            break
+        k = max(room, key=lambda k: work[k] / counts[k])
+        extra = min(spare, grids[k] - counts[k], max(1, spare // len(room)))
+        counts[k] += extra
+        spare -= extra
     ranges, start = [], 0
     for count in counts:
         ranges.append((start, start + count))
@@ -243,13 +282,14 @@ def _dim_index(em: ValueEmitter, factors: list[Factor], d: int) -> K.Expr:
 def _vector_lane(factors: list[Factor], space, stores, reduced) -> Factor | None:
     """The innermost THREAD factor whose lanes are unrolled for vector accesses, if any.
 
-    It must be the last tile of the last dim, that dim a multiple of the lane count (so one guard
-    covers all lanes), no reduction, and every output written with unit stride in that dim.
+    It must be the last tile of the last dim, that dim kept (a column sum's lanes each have their
+    accumulator) and a multiple of the lane count (so one guard covers all lanes), and every output
+    written with unit stride in that dim.
     """
     last = factors[-1] if factors else None
-    if last is None or last.level != Level.THREAD or last.extent < 2 or last.extent > 16 or reduced:
+    if last is None or last.level != Level.THREAD or last.extent < 2 or last.extent > 16:
         return None
-    if last.dim != len(space) - 1 or space[-1] % last.extent:
+    if last.dim != len(space) - 1 or last.dim in reduced or space[-1] % last.extent:
         return None
     if any(layout.strides[-1] != 1 for _, _, layout in stores):
         return None
@@ -282,19 +322,25 @@ def _element(em: ValueEmitter, stores, factors: list[Factor], space, reduced, re
     prefix = em.stmts
 
     def compute() -> None:
-        for j in range(lanes):
-            at = index
-            if j:
-                lane.var = em.idx(j)
-                at = point()
-            if reduced:  # the nest's roots are reductions over the same dims: one loop for all
-                values = _reduce_roots(em, [root for root, _, _ in stores], at, factors, space, red_factors)
+        ats = [index]
+        for j in range(1, lanes):
+            lane.var = em.idx(j)
+            ats.append(point())
+        if reduced:  # the nest's roots are reductions over the same dims: one loop for all lanes and roots
+            roots = [root for root, _, _ in stores]
+            per_lane = _reduce_roots(em, roots, ats, factors, space, red_factors, vectorize_access)
+            for at, values in zip(ats, per_lane):
                 out_index = [at[d] for d in range(len(space)) if d not in reduced]
-            else:
-                values = [em.value(root, tuple(at)) for root, _, _ in stores]
-                out_index = at
-            for (root, buffer, layout), value in zip(stores, values):
-                em.stmts.append(K.Store(buffer, em.linear(out_index, layout.strides), em.stored(value, root.dtype)))
+                for (root, buffer, layout), value in zip(stores, values):
+                    em.stmts.append(K.Store(buffer, em.linear(out_index, layout.strides), em.stored(value, root.dtype)))
+            return
+        for at in ats:
+            for root, buffer, layout in stores:
+                mine = at  # the lead's index, or the same element in this root's shape (``_nest_key``)
+                if root.shape != stores[0][0].shape:
+                    mine = [em.let("i", i) for i in reshape_index(at, stores[0][0].shape, root.shape, em.idx)]
+                value = em.value(root, tuple(mine))
+                em.stmts.append(K.Store(buffer, em.linear(mine, layout.strides), em.stored(value, root.dtype)))
 
     body, _ = em.nested(lambda: compute())
     if lane is not None and vectorize_access:
@@ -305,35 +351,44 @@ def _element(em: ValueEmitter, stores, factors: list[Factor], space, reduced, re
     return list(prefix) + body
 
 
-def _reduce_roots(em: ValueEmitter, roots: list[Node], index, factors, space, red_factors) -> list[K.Expr]:
-    """Reductions over the same dims in one serial loop, an accumulator each: a value several of
-    them read (an input element) is loaded once per point."""
+def _reduce_roots(em: ValueEmitter, roots: list[Node], indices, factors, space, red_factors,
+                  vectorize_access: bool = False) -> list[list[K.Expr]]:
+    """Reductions over the same dims in one serial loop, an accumulator per root and per vector lane
+    (``indices``: the kept index of each lane): a value several of them read (an input element) is
+    loaded once per point, and the lanes' loads of one point become one vector access (a column
+    sum of bf16 rows reads 8 bytes per thread and row, not 2). Returns the values per lane."""
     dims = reduced_dims(roots[0])
     accs = []
-    for root in roots:
-        acc = em.accumulator("acc", register_type(root.dtype))
-        em.stmts.append(K.Let(acc, reduce_identity(reduction_kind(root), root.dtype)))
-        accs.append(acc)
+    for _ in indices:
+        lane_accs = []
+        for root in roots:
+            acc = em.accumulator("acc", register_type(root.dtype))
+            em.stmts.append(K.Let(acc, reduce_identity(reduction_kind(root), root.dtype)))
+            lane_accs.append(acc)
+        accs.append(lane_accs)
 
     def body() -> None:
-        point = [_dim_index(em, factors, d) if d in dims else index[d] for d in range(len(space))]
-        guard = None
-        for d in dims:
-            if math.prod(f.extent for f in factors if f.dim == d) > space[d]:
-                guard = K.land(guard, K.lt(point[d], em.idx(space[d])))
+        for index, lane_accs in zip(indices, accs):
+            point = [_dim_index(em, factors, d) if d in dims else index[d] for d in range(len(space))]
+            guard = None
+            for d in dims:
+                if math.prod(f.extent for f in factors if f.dim == d) > space[d]:
+                    guard = K.land(guard, K.lt(point[d], em.idx(space[d])))
 
-        def terms() -> list[K.Stmt]:
-            return [K.Assign(acc, combine(reduction_kind(root), acc, em.term(root, point), acc.dtype))
-                    for root, acc in zip(roots, accs)]
+            def terms(point=point, lane_accs=lane_accs) -> list[K.Stmt]:
+                return [K.Assign(acc, combine(reduction_kind(root), acc, em.term(root, point), acc.dtype))
+                        for root, acc in zip(roots, lane_accs)]
 
-        inner, updates = em.nested(terms)
-        update = tuple(inner) + tuple(updates)
-        em.stmts.extend([K.If(guard, update)] if guard is not None else update)
+            inner, updates = em.nested(terms)
+            update = tuple(inner) + tuple(updates)
+            em.stmts.extend([K.If(guard, update)] if guard is not None else update)
+        if len(indices) > 1 and vectorize_access:
+            em.stmts[:] = pack_lanes(em.stmts, em.definitions, len(indices))
 
     stmts, _ = em.nested(lambda: _serial_into(em, red_factors, body))
     em.stmts.extend(stmts)
-    return [em.let("v", K.Cast(K.Cast(acc, root.dtype.value), "f32")) if root.dtype.is_half else acc
-            for root, acc in zip(roots, accs)]
+    return [[em.let("v", K.Cast(K.Cast(acc, root.dtype.value), "f32")) if root.dtype.is_half else acc
+             for root, acc in zip(roots, lane_accs)] for lane_accs in accs]
 
 
 def _serial_into(em: ValueEmitter, fs: list[Factor], body) -> None:

@@ -311,3 +311,54 @@ def test_packed_reductions_over_the_same_dims_share_one_loop():
     want = reference.evaluate(both, [arrays[p.name] for p in both.parameters])
     for a, w in zip(got, want):
         np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_one_reshape_apart_share_one_nest_and_read_the_input_once():
+    """BERT's bias add [rows, 3072] is an output (saved for the backward) and so is the GELU of its
+    [batch, seq, 3072] view: both tile the same elements onto the same threads, so one loop nest
+    computes both (the add once) instead of two sub-kernels that each read the GEMM output; the
+    weight cast beside them keeps its sub-kernel and its whole grid of blocks."""
+    b = GraphBuilder("bias_gelu_saved")
+    y = b.parameter((64, 512), DType.BF16, "y")
+    bias = b.parameter((512,), DType.BF16, "bias")
+    w = b.parameter((96, 512), DType.F32, "w")
+    added = b.binary("add", y, b.broadcast(bias, (64, 512), (1,)))
+    view = b.convert(b.reshape(added, (4, 16, 512)), DType.F32)
+    gelu = b.convert(b.binary("mul", view, b.unary("tanh", view)), DType.BF16)
+    graph = b.build([added, gelu, b.convert(w, DType.BF16)])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    kernel = generate(graph, nodes, default_template(graph, nodes))
+    source = kernel.cuda_source[kernel.cuda_source.index('extern "C"'):]
+    assert source.count("// sub-kernel") == 2, source
+    assert source.count(f"in{kernel.inputs.index('y')}[") == 1, source
+    assert source.count("tanhf(") == 8  # one 16-byte vector of bf16 lanes per thread
+    ranges = [line.split("blocks [")[1] for line in source.splitlines() if "// sub-kernel" in line]
+    assert ranges[-1].split(")")[0].split(", ")[1] == str(kernel.template.launch.blocks)
+    rng = np.random.default_rng(0)
+    arrays = {p.name: rng.standard_normal(p.shape).astype(p.dtype.numpy) for p in graph.parameters}
+    got = kernel.simulate([arrays[name] for name in kernel.inputs])
+    want = reference.evaluate(graph, [arrays[p.name] for p in graph.parameters])
+    for a, w_ in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(w_, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_column_sums_read_vectors_of_adjacent_columns():
+    """Bias-gradient partial sums of bf16 rows: each thread sums 4 adjacent columns (an accumulator
+    each) and reads them as one 8-byte vector per row, where a column per thread read 2 bytes."""
+    b = GraphBuilder("bias_grads")
+    gs = [b.parameter((8, 16, 768), DType.BF16, f"g{k}") for k in range(2)]
+    sums = [b.reduce(b.convert(g, DType.F32), (1,), "sum") for g in gs]
+    graph = b.build(sums)
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    template = default_template(graph, nodes)
+    assert "CTA_64-THREAD_4" in str(template), template
+    kernel = generate(graph, nodes, template)
+    source = kernel.cuda_source[kernel.cuda_source.index('extern "C"'):]
+    assert source.count("for (") == 2 and source.count("reinterpret_cast<const uint2*>") == 2, source
+    assert source.count("float4*>(&out") == 2
+    rng = np.random.default_rng(0)
+    arrays = {p.name: rng.standard_normal(p.shape).astype(p.dtype.numpy) for p in graph.parameters}
+    got = kernel.simulate([arrays[name] for name in kernel.inputs])
+    want = reference.evaluate(graph, [arrays[p.name] for p in graph.parameters])
+    for a, w in zip(got, want):
+        np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
