@@ -153,14 +153,6 @@ def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedu
         if position == 0 and not is_reduction(root) and size % vector == 0 and size >= vector * threads:
             dims[d] = (Tile(Level.GRID), Tile(Level.CTA, threads), Tile(Level.THREAD, vector))
             break
-        lanes = _column_vectors(space, reduced, d, threads, vector) if position == 0 and reduced else None
-        if lanes is not None:
-            dims[d] = ((Tile(Level.GRID),) if size > lanes * vector else ()) + (
-                Tile(Level.CTA, lanes), Tile(Level.THREAD, vector))
-            remaining //= lanes
-            if remaining < 2:
-                break
-            continue
         if size <= remaining:
             dims[d] = (Tile(Level.CTA),)
             remaining //= max(size, 1)
@@ -170,19 +162,6 @@ def _root_schedule(root: Node, threads: int, transposed: bool = False) -> Schedu
         dims[d] = (Tile(Level.GRID), Tile(Level.CTA, remaining))
         break
     return Schedule(root.name, tuple(dims))
-
-
-def _column_vectors(space, reduced: set[int], d: int, threads: int, vector: int) -> int | None:
-    """Lanes for a column reduction's kept innermost dim ``d`` in 16-byte vectors of the result
-    (each lane sums ``vector`` adjacent columns, an accumulator each, and reads them as one vector
-    per row): the largest power of two up to ``threads`` that divides its vectors, at least a warp.
-    The bias gradients' partial sums of BERT's bf16 [4096, 768] gradients read 2 bytes per lane and
-    row with a column per thread (2.1 TB/s on an H100)."""
-    if d != len(space) - 1 or d in reduced or space[d] % vector or vector < 2:
-        return None
-    vectors = space[d] // vector
-    lanes = min(vectors & -vectors, threads)
-    return lanes if lanes >= WARP_SIZE else None
 
 
 def _transposed_dim(root: Node) -> int | None:
