@@ -116,7 +116,7 @@ def packed_groups(roots: Sequence[tuple[Schedule, Node]], inside: set[int]) -> l
             if (_nest_alike(members[0], root) and not sched.shared and not mine.isdisjoint(theirs)):
                 members.append(root)
                 theirs |= mine
-                if len(root.shape) > len(members[0].shape):  # the finest shape leads (``_element``)
+                if len(root.shape) < len(members[0].shape):  # the coarsest shape leads (``_nest_key``)
                     members.insert(0, members.pop())
                     group[0] = sched
                 break
@@ -133,7 +133,10 @@ def _nest_key(sched: Schedule, root: Node) -> tuple:
     size and last dim. Two shapes that one reshape relates (BERT's bias add [4096, 3072], saved for
     the backward, and the GELU of its [32, 128, 3072] view) then put the same elements on the same
     thread, and one nest computes both (``_element`` maps the lead's index to each root's shape):
-    as separate sub-kernels the GELU's read the GEMM output a second time."""
+    as separate sub-kernels the GELU's read the GEMM output a second time. The root of fewest dims
+    leads: the others' indices split its own, and where their values come back through a reshape
+    to it, the merge of the split parts folds to the lead's index register (``reshape_index``), so
+    the values it computed are reused."""
     space = iteration_space(root)
     exact = True
     flat: list[list] = []
@@ -338,7 +341,8 @@ def _element(em: ValueEmitter, stores, factors: list[Factor], space, reduced, re
             for root, buffer, layout in stores:
                 mine = at  # the lead's index, or the same element in this root's shape (``_nest_key``)
                 if root.shape != stores[0][0].shape:
-                    mine = [em.let("i", i) for i in reshape_index(at, stores[0][0].shape, root.shape, em.idx)]
+                    mine = [em.let("i", i) for i in reshape_index(at, stores[0][0].shape, root.shape, em.idx,
+                                                                   em.definitions)]
                 value = em.value(root, tuple(mine))
                 em.stmts.append(K.Store(buffer, em.linear(mine, layout.strides), em.stored(value, root.dtype)))
 

@@ -16,7 +16,7 @@ simulated kernels match the reference bit for bit up to transcendental ulps.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fusionstitching.codegen import kernel_ir as K
@@ -298,7 +298,8 @@ class ValueEmitter:
         index registers that group bound, and the values it computed are reused (``value`` is
         cached by (node, index))."""
         (x,) = node.operands
-        return self.value(x, tuple(self.let("i", i) for i in reshape_index(index, node.shape, x.shape, self.idx)))
+        parts = reshape_index(index, node.shape, x.shape, self.idx, self.definitions)
+        return self.value(x, tuple(self.let("i", i) for i in parts))
 
     def _op_iota(self, node: Node, index):
         return K.Cast(index[node.attrs["dimension"]], register_type(node.dtype))
@@ -545,9 +546,12 @@ def combine(kind: str, acc: K.Expr, value: K.Expr, rtype: str) -> K.Expr:
 
 
 def reshape_index(index: Sequence[K.Expr], out_shape: Sequence[int], in_shape: Sequence[int],
-                  idx: Callable[[int], K.Const]) -> tuple[K.Expr, ...]:
+                  idx: Callable[[int], K.Const], definitions: Mapping[str, K.Expr] | None = None
+                  ) -> tuple[K.Expr, ...]:
     """Operand index of a reshape: dims are matched in groups of equal product, and only a group that
-    really splits or merges dims pays for a linearize/delinearize (size-1 dims map for free)."""
+    really splits or merges dims pays for a linearize/delinearize (size-1 dims map for free). A
+    merge of the two parts of a split, ``(x / n) * n + x % n``, is ``x`` (C's integer division
+    makes it an identity); ``definitions`` lets the parts be registers bound to them."""
     result: list[K.Expr] = []
     i = j = 0
     out_dims = [(d, s) for d, s in enumerate(out_shape)]
@@ -580,10 +584,23 @@ def reshape_index(index: Sequence[K.Expr], out_shape: Sequence[int], in_shape: S
             continue
         linear: K.Expr = idx(0)
         for g in group_out:
-            linear = K.add(K.mul(linear, idx(out_dims[g][1])), index[out_dims[g][0]])
+            linear = _merged(linear, out_dims[g][1], index[out_dims[g][0]], idx, definitions or {})
         sizes = [in_dims[g] for g in group_in]
         for k in range(len(sizes)):
             inner = math.prod(sizes[k + 1 :])
             part = K.div(linear, idx(inner)) if inner > 1 else linear
             result.append(K.rem(part, idx(sizes[k])) if k > 0 else part)
     return tuple(result)
+
+
+def _merged(high: K.Expr, n: int, low: K.Expr, idx: Callable[[int], K.Const],
+            definitions: Mapping[str, K.Expr]) -> K.Expr:
+    """``high * n + low``, or ``x`` when ``high`` is ``x / n`` and ``low`` is ``x % n``."""
+    def bound(e: K.Expr) -> K.Expr:
+        return definitions.get(e.name, e) if isinstance(e, K.Var) else e
+
+    a, b = bound(high), bound(low)
+    if (isinstance(a, K.Binary) and a.op == "div" and isinstance(b, K.Binary) and b.op == "rem"
+            and a.a == b.a and a.b == b.b == idx(n)):
+        return a.a
+    return K.add(K.mul(high, idx(n)), low)

@@ -364,3 +364,34 @@ def test_column_sums_read_vectors_of_adjacent_columns():
     want = reference.evaluate(graph, [arrays[p.name] for p in graph.parameters])
     for a, w in zip(got, want):
         np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_dropout_mask_and_the_view_it_masks_share_one_nest_and_one_draw():
+    """BERT's first attention dropout: the bool mask [b, h, s, s] (saved for the backward) and the
+    masked bf16 probabilities viewed as [b·h, s, s]. Tiled by the widest type (8 lanes) both put the
+    same elements on the same threads, so one nest draws each random number once and reads the
+    probabilities once; as sub-kernels of 16 and 8 lanes each drew them and both read the input."""
+    b = GraphBuilder("dropout_saved")
+    p = b.parameter((2, 3, 16, 128), DType.F32, "p")
+    seed = b.parameter((), DType.I64, "seed")
+    offset = b.parameter((), DType.I64, "offset")
+    shape = (2, 3, 16, 128)
+    u = b.node("rng_uniform", [seed, offset], shape=shape, dtype=DType.F32, stream=1)
+    keep = b.compare("GT", u, b.broadcast(b.constant(0.1, DType.F32), shape, ()))
+    kept = b.binary("mul", b.convert(keep, DType.F32), p)
+    out = b.reshape(b.convert(b.binary("mul", kept, b.broadcast(b.constant(1 / 0.9, DType.F32), shape, ())),
+                              DType.BF16), (6, 16, 128))
+    graph = b.build([keep, out])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    kernel = generate(graph, nodes, default_template(graph, nodes))
+    source = kernel.cuda_source[kernel.cuda_source.index('extern "C"'):]
+    assert "sub-kernel" not in source and "THREAD_8" in str(kernel.template), kernel.template
+    assert source.count(f"in{kernel.inputs.index('p')}[") == 2, source  # two float4 per 8 lanes
+    # 8 lanes: two Philox blocks of 4 words, each called once per word it serves.
+    assert len({line.split("fs_philox(")[1].split(")")[0] for line in source.splitlines() if "fs_philox(" in line}) == 2
+    arrays = [np.random.default_rng(0).random(shape).astype(np.float32), np.int64(-12345678901), np.int64(2**40 + 3)]
+    by_name = dict(zip(["p", "seed", "offset"], arrays))
+    got = kernel.simulate([by_name[name] for name in kernel.inputs])
+    want = reference.evaluate(graph, arrays)
+    for a, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(w, np.float32))
