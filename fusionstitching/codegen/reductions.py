@@ -7,7 +7,8 @@
   composition);
 - across warps (WARP tiles on reduced dims, kept dims on the lanes): each warp writes its slice
   for every kept element to shared memory and, after a barrier, the block's threads sum the slices
-  (per-block partial column sums, e.g. LayerNorm backward's dgamma and dbeta).
+  (per-block partial column sums, e.g. LayerNorm backward's dgamma and dbeta). The slots skip a
+  cell after every 32 (``_skewed``), so lanes holding vectors of adjacent slots hit distinct banks.
 """
 
 from __future__ import annotations

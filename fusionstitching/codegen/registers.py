@@ -5,7 +5,8 @@ When every group of a composed kernel tiles its thread-level dims identically, w
 thread and few THREAD elements, each thread keeps its elements in registers from one group to the
 next: a row is read from memory once, values like exp are computed once (let-CSE across groups),
 and the THREAD lanes of the last dim become 16-byte vector accesses. Reductions across warps
-(which only write outputs) follow the register body.
+(which only write outputs) follow the register body; those tiled like it (stitched partial
+column sums) take their elements from the body's registers and add only their stores and sums.
 """
 
 from __future__ import annotations
