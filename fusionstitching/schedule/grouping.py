@@ -389,6 +389,8 @@ def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1
             crowded = _crowded(pattern, template)
             if crowded is None:  # a Reason is falsy: no `or`
                 crowded = _recomputed(pattern, template)
+            if crowded is None:
+                crowded = _refolded(pattern, template)
             if crowded is not None:
                 reasons.append(crowded)
                 continue
@@ -453,6 +455,35 @@ def _crowded(pattern, template: KernelSchedule) -> Reason | None:
         if work > MAX_ELEMENTS_PER_THREAD * parallel:
             return Reason(f"{root.name} has {work} points for {parallel} threads in the template (over "
                           f"{MAX_ELEMENTS_PER_THREAD} each): too little parallelism")
+    return None
+
+
+REFOLD_POINTS = 16  # reduced points per result above which ``_refolded`` refuses recomputing it
+
+
+def _refolded(pattern, template: KernelSchedule) -> Reason | None:
+    """A template whose root folds a reduction inline for each of several elements that read the
+    same result (a softmax output computing its row's max and sum once per element of the row):
+    the work grows with the row length squared, and the cost model does not see it. A root that
+    reads each result once (the cast of a column sum) is fine."""
+    by_name = {n.name: n for n in pattern.nodes}
+    roots = {s.root for s in template.schedules}
+    for sched in template.schedules:
+        root = by_name.get(sched.root)
+        if root is None or is_reduction(root):
+            continue
+        stack, seen = list(root.operands), set()
+        while stack:
+            node = stack.pop()
+            if id(node) in seen or by_name.get(node.name) is not node or node.name in roots:
+                continue
+            seen.add(id(node))
+            if is_reduction(node):
+                folded = math.prod(_space(node)[d] for d in reduced_dims(node))
+                if folded > REFOLD_POINTS and root.size > node.size:
+                    return Reason(f"{root.name} would fold {node.name} ({folded} points) again for each of the "
+                                  f"{root.size // max(node.size, 1)} elements that read one of its results")
+            stack.extend(node.operands)
     return None
 
 

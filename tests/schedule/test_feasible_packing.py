@@ -62,6 +62,28 @@ def test_feasible_counts_inline_reductions_as_work_per_thread():
     assert not answer and "too little parallelism" in str(answer), answer
 
 
+def _softmax(b: GraphBuilder, rows: int, cols: int):
+    x = b.parameter((rows, cols), DType.F32, "x")
+    e = b.unary("exp", b.binary("sub", x, b.broadcast(b.reduce(x, [1], "max"), (rows, cols), (0,))))
+    return b.binary("div", e, b.broadcast(b.reduce(e, [1], "sum"), (rows, cols), (0,)))
+
+
+def test_feasible_refuses_folding_a_row_reduction_once_per_element_of_the_row():
+    """A softmax packed with an unrelated weight cast: the packed template would have each thread
+    of the softmax output fold its row's max and sum (128 points) for every element it holds, 64
+    times per row; refused with the reason. Alone, the softmax keeps its row template."""
+    b = GraphBuilder("softmax_and_cast")
+    y = _softmax(b, 256, 64)
+    w = b.parameter((512, 512), DType.F32, "w")
+    graph = b.build([y, b.convert(w, DType.BF16)])
+    answer = feasible(graph, [n for n in graph.nodes if n.op != "parameter"])
+    assert not answer, answer
+    b = GraphBuilder("softmax")
+    graph = b.build([_softmax(b, 256, 64)])
+    answer = feasible(graph, [n for n in graph.nodes if n.op != "parameter"])
+    assert answer and any(s.root.startswith("reduce") for s in answer.schedules), answer
+
+
 def _gelu_backward_with_partial_sums(share: bool = True):
     """GELU's backward dy·gelu'(h) in bf16, and the partial column sums of a bias gradient (16 parts
     of 32 rows): of that gradient (``share``), or of an unrelated input."""
