@@ -31,7 +31,7 @@ refusals of reads outside the footprint are confirmed by the full lowering) and 
 lowering refuses it, a composed pattern is tried with one row per warp at a time, then in block
 mode, then thread-serial (``thread_serial_template``), and the first template that lowers is returned, else the reason lowering gave for the default (block locality, shared memory, an unsupported op), so that whatever it
 accepts, ``generate`` builds. A template that would leave each thread more than
-``MAX_ELEMENTS_PER_THREAD`` elements of some node is refused before lowering (too little
+``MAX_ELEMENTS_PER_THREAD`` elements of some node is refused before lowering (``refusals.py``; too little
 parallelism: a large result fused into the one block of a full reduction).
 """
 
@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from fusionstitching.codegen.compose import iteration_space as _space
 from fusionstitching.codegen.values import is_reduction, reduced_dims
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
-from fusionstitching.schedule.packing import MAX_BLOCKS, _packed_template, recomputed_work
+from fusionstitching.schedule.packing import MAX_BLOCKS, _packed_template
+from fusionstitching.schedule.refusals import Reason, refusal
 from fusionstitching.schedule.template import (
     KernelSchedule,
     Launch,
@@ -53,7 +53,6 @@ from fusionstitching.schedule.template import (
     Schedule,
     Tile,
     level_extent,
-    tile_extents,
 )
 from fusionstitching.schedule.transpose import transpose_smem_template
 
@@ -68,20 +67,6 @@ FEW_ROWS_BLOCKS = 128
 WARP_SIZE = 32
 MAX_REGISTER_ELEMENTS = 32
 SERIAL_COLUMNS_MIN = 8192  # column reductions with an epilogue: a thread per column from this many
-MAX_ELEMENTS_PER_THREAD = 1024  # feasible refuses templates that leave a thread more work (``_crowded``)
-
-
-@dataclass(frozen=True)
-class Reason:
-    """Why a pattern has no schedule; falsy, and printable."""
-
-    message: str
-
-    def __bool__(self) -> bool:
-        return False
-
-    def __str__(self) -> str:
-        return self.message
 
 
 def sub_roots(pattern) -> list[Node]:
@@ -386,11 +371,7 @@ def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1
     for make in _candidate_templates(pattern):
         try:
             template = make()
-            crowded = _crowded(pattern, template)
-            if crowded is None:  # a Reason is falsy: no `or`
-                crowded = _recomputed(pattern, template)
-            if crowded is None:
-                crowded = _refolded(pattern, template)
+            crowded = refusal(pattern, template)
             if crowded is not None:
                 reasons.append(crowded)
                 continue
@@ -423,89 +404,6 @@ def _lowers(graph: Graph, nodes: list[Node], pattern, template: KernelSchedule, 
         lower(graph, nodes, template, vectorize_access=False, smem_limit=smem_limit, probe=True, pattern=pattern)
     except FootprintError:
         lower(graph, nodes, template, vectorize_access=False, smem_limit=smem_limit, pattern=pattern)
-
-
-def _crowded(pattern, template: KernelSchedule) -> Reason | None:
-    """A template that leaves some root's threads more than ``MAX_ELEMENTS_PER_THREAD`` points of
-    its iteration space each (a reduction's space is its operand's): counted per schedule, since a
-    packed root gets only its own tiles' threads. Such a template runs a large result on a sliver
-    of the GPU: cross-entropy's [4096, 1000] log-softmax output fused into the one block of its
-    scalar loss (196 µs on an H100, against 10 µs in the row kernel), a cast column sum that the
-    column template cannot take summed 2048 rows per thread on four blocks, a full sum packed next
-    to an elementwise result and computed by one thread. A reduction that a root computes inline
-    (one that is no root of the template) multiplies the root's points by its reduced length: a
-    weight-gradient cast packed with a bias gradient summed inline over 4096 rows on three blocks
-    took 425 µs on an H200."""
-    by_name = {n.name: n for n in pattern.nodes}
-    roots = {s.root for s in template.schedules}
-    inline = any(is_reduction(n) and n.name not in roots for n in pattern.nodes)
-    launched = template.launch.blocks * template.launch.threads
-    for sched in template.schedules:
-        root = by_name.get(sched.root)
-        space = _space(root) if root is not None else ()
-        if len(sched.dims) != len(space):
-            continue  # lowering reports the mismatch
-        parallel = 1
-        for size, tiles in zip(space, sched.dims):
-            for tile, extent in zip(tiles, tile_extents(size, tiles)):
-                if tile.level != Level.THREAD:
-                    parallel *= extent
-        parallel = min(parallel, launched)
-        work = math.prod(space) * (_inline_reduced_length(root, roots, by_name) if inline else 1)
-        if work > MAX_ELEMENTS_PER_THREAD * parallel:
-            return Reason(f"{root.name} has {work} points for {parallel} threads in the template (over "
-                          f"{MAX_ELEMENTS_PER_THREAD} each): too little parallelism")
-    return None
-
-
-REFOLD_POINTS = 16  # reduced points per result above which ``_refolded`` refuses recomputing it
-
-
-def _refolded(pattern, template: KernelSchedule) -> Reason | None:
-    """A template whose root folds a reduction inline for each of several elements that read the
-    same result (a softmax output computing its row's max and sum once per element of the row):
-    the work grows with the row length squared, and the cost model does not see it. A root that
-    reads each result once (the cast of a column sum) is fine."""
-    by_name = {n.name: n for n in pattern.nodes}
-    roots = {s.root for s in template.schedules}
-    for sched in template.schedules:
-        root = by_name.get(sched.root)
-        if root is None or is_reduction(root):
-            continue
-        stack, seen = list(root.operands), set()
-        while stack:
-            node = stack.pop()
-            if id(node) in seen or by_name.get(node.name) is not node or node.name in roots:
-                continue
-            seen.add(id(node))
-            if is_reduction(node):
-                folded = math.prod(_space(node)[d] for d in reduced_dims(node))
-                if folded > REFOLD_POINTS and root.size > node.size:
-                    return Reason(f"{root.name} would fold {node.name} ({folded} points) again for each of the "
-                                  f"{root.size // max(node.size, 1)} elements that read one of its results")
-            stack.extend(node.operands)
-    return None
-
-
-def _recomputed(pattern, template: KernelSchedule) -> Reason | None:
-    why = recomputed_work(pattern, template)
-    return None if why is None else Reason(why)
-
-
-def _inline_reduced_length(root: Node, roots: set[str], by_name: dict[str, Node]) -> int:
-    """The reduced points a thread of ``root`` folds per element for the reductions it computes
-    inline (those in its thread-composed operands that are not ``roots``), at least 1."""
-    total, stack, seen = 0, list(root.operands), set()
-    while stack:
-        node = stack.pop()
-        if id(node) in seen or by_name.get(node.name) is not node or node.name in roots:
-            continue
-        seen.add(id(node))
-        if is_reduction(node):
-            space = _space(node)
-            total += math.prod(space[d] for d in reduced_dims(node))
-        stack.extend(node.operands)
-    return max(total, 1)
 
 
 def is_stitched_partial(node: Node) -> bool:

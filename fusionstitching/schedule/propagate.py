@@ -309,7 +309,7 @@ _SHAPE_OPS = frozenset(("broadcast_in_dim", "transpose", "reshape", "reduce", "d
 
 
 def _reshape(need: Dims, out_shape: tuple[int, ...], in_shape: tuple[int, ...], grid) -> Dims:
-    """Dims matched in groups of equal size, as ``codegen.values.reshape_index`` matches them."""
+    """Dims matched in groups of equal size, as ``codegen.reshape.reshape_index`` matches them."""
     result: list = [None] * len(in_shape)
     i = j = 0
     while 0 not in out_shape + in_shape and (i < len(out_shape) or j < len(in_shape)):

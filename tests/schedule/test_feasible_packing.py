@@ -111,13 +111,14 @@ def test_packed_partial_sums_do_not_recompute_the_elementwise_work_they_sum():
     graph, nodes = _gelu_backward_with_partial_sums()
     answer = feasible(graph, nodes)
     assert not answer or recomputed_work(*_pattern_and(graph, nodes, answer)) is None, answer
-    from fusionstitching.schedule import grouping
+    from fusionstitching.schedule import refusals
 
+    saved = refusals.recomputed
     try:  # without the rule, the packed template that recomputes is what feasible answers
-        saved, grouping._recomputed = grouping._recomputed, lambda pattern, template: None
+        refusals.recomputed = lambda pattern, template: None
         packed = feasible(graph, nodes)
     finally:
-        grouping._recomputed = saved
+        refusals.recomputed = saved
     assert packed and "recompute" in recomputed_work(*_pattern_and(graph, nodes, packed))
     graph, nodes = _gelu_backward_with_partial_sums(share=False)
     answer = feasible(graph, nodes)
