@@ -48,12 +48,14 @@ from fusionstitching.codegen.reductions import Reductions
 from fusionstitching.codegen.registers import RegisterComposition
 from fusionstitching.codegen.values import (
     CodegenError,
+    DataDependentRead,
     FootprintError,
     ValueEmitter,
     is_reduction,
     reduced_dims,
     reduction_space,
     register_type,
+    shared_value,
 )
 from fusionstitching.codegen.vectorize import affine
 from fusionstitching.graph.graph import Layout, Node
@@ -332,7 +334,7 @@ class Composer(Reductions, RegisterComposition):
                     name, layout = group.output
                     em.stmts.append(K.Store(name, em.linear(out_index, layout.strides), em.stored(value, root.dtype)))
                 if buffer is not None:
-                    em.stmts.append(K.Store(buffer.name, self._local_index(group, index), value))
+                    em.stmts.append(K.Store(buffer.name, self._local_index(group, index), shared_value(value)))
 
             stmts, _ = em.nested(compute)
             if guard is not None:
@@ -357,8 +359,9 @@ class Composer(Reductions, RegisterComposition):
         for g in self.groups:
             if not g.shared:
                 continue
-            if register_type(g.root.dtype) != "f32":
-                raise CodegenError(f"{g.root.name}: 'S' is supported for float sub-roots, not {g.root.dtype.value}")
+            if register_type(g.root.dtype) not in ("f32", "bool"):
+                raise CodegenError(f"{g.root.name}: 'S' is supported for float and bool sub-roots, "
+                                   f"not {g.root.dtype.value}")
             size = self._tile_layout(g)[1]
             sizes[g.root.name] = size
             if fusable is None:
@@ -461,10 +464,16 @@ class Composer(Reductions, RegisterComposition):
             local = K.Binary("sub", i, base, em.index_type)
             form = affine(local, em.definitions, em.affine_forms)
             if form is None or not self._within(form, extent):
+                if _from_loaded_data(i, em.definitions):
+                    raise DataDependentRead(f"block locality: {consumer} reads {root.name} in dim {d} at an "
+                                            "index computed from loaded data")
                 raise FootprintError(f"block locality: {consumer} reads {root.name} in dim {d} outside the "
                                    "block's shared-memory footprint")
             linear = K.add(linear, K.mul(local, em.idx(stride)))
-        return em.let("s", K.Load(buffer.name, linear, buffer.dtype))
+        value: K.Expr = K.Load(buffer.name, linear, buffer.dtype)
+        if register_type(root.dtype) == "bool":
+            value = K.Cast(value, "bool")
+        return em.let("s", value)
 
     def _same_element(self, kept_index, index, shape) -> bool:
         defs, forms = self.em.definitions, self.em.affine_forms
@@ -486,3 +495,24 @@ class Composer(Reductions, RegisterComposition):
             low += min(0, coeff * (bound - 1))
             high += max(0, coeff * (bound - 1))
         return 0 <= low and high < extent
+
+
+def _from_loaded_data(e: K.Expr, definitions, seen: set[str] | None = None) -> bool:
+    """Whether index ``e`` depends on a value loaded from memory (through let-bound registers)."""
+    if isinstance(e, (K.Load, K.VecLoad)):
+        return True
+    if isinstance(e, K.Var):
+        seen = set() if seen is None else seen
+        if e.name in seen or e.name not in definitions:
+            return False
+        seen.add(e.name)
+        return _from_loaded_data(definitions[e.name], definitions, seen)
+    if isinstance(e, K.Cast):
+        return _from_loaded_data(e.x, definitions, seen)
+    if isinstance(e, K.Unary):
+        return _from_loaded_data(e.x, definitions, seen)
+    if isinstance(e, K.Binary):
+        return _from_loaded_data(e.a, definitions, seen) or _from_loaded_data(e.b, definitions, seen)
+    if isinstance(e, K.Select):
+        return any(_from_loaded_data(x, definitions, seen) for x in (e.cond, e.a, e.b))
+    return False

@@ -21,6 +21,7 @@ from fusionstitching.codegen.values import (
     reduce_identity,
     reduction_kind,
     register_type,
+    shared_value,
 )
 from fusionstitching.codegen.vectorize import affine, pack_lanes
 from fusionstitching.schedule.template import WARP_SIZE as WARP
@@ -195,7 +196,7 @@ class RegisterComposition:
                     name, layout = group.output
                     stores.append(K.Store(name, em.linear(index, layout.strides), em.stored(value, group.root.dtype)))
                 if buffer is not None:
-                    stores.append(K.Store(buffer.name, self._local_index(group, index), value))
+                    stores.append(K.Store(buffer.name, self._local_index(group, index), shared_value(value)))
                 em.stmts.extend([K.If(guard, tuple(stores))] if guard is not None and stores else stores)
             if buffer is not None:
                 em.stmts.append(K.Barrier())

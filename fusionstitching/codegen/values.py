@@ -35,8 +35,21 @@ class FootprintError(CodegenError):
     THREAD indices) may make where the full lowering would not."""
 
 
+class DataDependentRead(FootprintError):
+    """A read of a sub-root in shared memory at an index computed from loaded data (a gather's):
+    no footprint can be proven for it, and an elementwise sub-root is recomputed from the kernel's
+    inputs at that index instead (``ValueEmitter.value``)."""
+
+
 def register_type(dtype: DType) -> str:
     return "f32" if dtype.is_half else dtype.value
+
+
+def shared_value(value: K.Expr) -> K.Expr:
+    """A sub-root's value as stored in shared memory, whose buffers are f32: a bool as 0 or 1 (read
+    back as ``!= 0``), so that a mask computed once per row (a loss's ``target != ignore_index``)
+    is stitched like the float values beside it."""
+    return K.Cast(value, "f32") if value.dtype == "bool" else value
 
 
 _REDUCE_INIT = {"sum": 0, "prod": 1}
@@ -177,7 +190,14 @@ class ValueEmitter:
             return result
         entry = self.sub_roots.get(id(node))
         if entry is not None:
-            result = self.reader(entry, index, self.current)
+            try:
+                result = self.reader(entry, index, self.current)
+            except DataDependentRead:
+                if is_reduction(node):
+                    raise
+                # A loss gathering one logit per row from the row's stitched logits: one load of
+                # the GEMM output and the bias, where a footprint cannot be proven.
+                result = self._compute(node, index)
         else:
             result = self._compute(node, index)
         self._bind(key, result, None)

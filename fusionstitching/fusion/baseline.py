@@ -25,7 +25,7 @@ from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
 from fusionstitching.graph.transforms import (
     duplicate_broadcasts,
-    fold_transposes,
+    fold_views,
     merge_duplicates,
     widen_dots,
 )
@@ -37,7 +37,7 @@ PRODUCER_CATEGORIES = (Category.LIGHT_ELEMENTWISE, Category.SHAPE, Category.RAND
 def baseline(graph: Graph, options: Options | None = None) -> FusionPlan:
     options = options or Options()
     start = time.perf_counter()
-    graph = duplicate_broadcasts(merge_duplicates(fold_transposes(graph)))
+    graph = duplicate_broadcasts(merge_duplicates(fold_views(graph)))
     if options.widen_dots:
         graph = widen_dots(graph)
     roles = Roles.of(graph, options)

@@ -101,12 +101,18 @@ def split_reductions(graph: Graph, splits: Mapping[Node | str, int],
     return _rebuilt(graph, copies)
 
 
-def fold_transposes(graph: Graph) -> Graph:
-    """A copy of ``graph`` where a transpose of a transpose is one transpose with the composed
-    permutation, or no node at all when that is the identity (users read the inner operand). The
-    backward of a linear layer transposes the weight gradient twice; folded, the gradient is the
-    GEMM's output itself."""
-    if not any(n.op == "transpose" and n.operands[0].op == "transpose" for n in graph.nodes):
+def fold_views(graph: Graph) -> Graph:
+    """A copy of ``graph`` where views that change nothing are no nodes at all (users read the
+    operand): a transpose of a transpose is one transpose with the composed permutation, or none
+    when that is the identity; a reshape to its operand's shape, or back to the shape its operand
+    reshaped, is none.
+
+    The backward of a linear layer transposes the weight gradient twice (folded, the gradient is
+    the GEMM's output itself) and reshapes a bias gradient [n] to [1, n] and back. Each view left
+    between kernels or before an output is a host step of its own on every call. Other chains of
+    reshapes stay: they are free inside kernels, and folding them changes which nodes the fusion
+    search sees (BERT's attention reshapes), not what runs."""
+    if not any(_folds(n, n.operands[0]) for n in graph.nodes if n.operands):
         return graph
     copies: dict[int, Node] = {id(p): p for p in graph.parameters}
     for old in graph.nodes:
@@ -114,17 +120,30 @@ def fold_transposes(graph: Graph) -> Graph:
             continue
         operands = tuple(copies[id(x)] for x in old.operands)
         inner = operands[0] if operands else None
-        if old.op == "transpose" and inner is not None and inner.op == "transpose":
-            outer_perm, inner_perm = old.attrs["permutation"], inner.attrs["permutation"]
-            composed = tuple(inner_perm[d] for d in outer_perm)
-            source = inner.operands[0]
-            if composed == tuple(range(len(composed))) and old.layout is None:
-                copies[id(old)] = source
-                continue
-            copies[id(old)] = dataclasses.replace(old, operands=(source,), attrs={"permutation": composed})
-        else:
+        if inner is None or not _folds(old, inner):
             copies[id(old)] = dataclasses.replace(old, operands=operands)
+        elif old.op == "transpose":
+            permutation = tuple(old.attrs["permutation"])
+            source = inner
+            if inner.op == "transpose":
+                permutation, source = tuple(inner.attrs["permutation"][d] for d in permutation), inner.operands[0]
+            if permutation == tuple(range(len(permutation))):
+                copies[id(old)] = source
+            else:
+                copies[id(old)] = dataclasses.replace(old, operands=(source,), attrs={"permutation": permutation})
+        else:
+            copies[id(old)] = inner if inner.shape == old.shape else inner.operands[0]
     return _rebuilt(graph, copies)
+
+
+def _folds(node: Node, operand: Node) -> bool:
+    """Whether ``fold_views`` changes ``node`` (whose first operand is now ``operand``)."""
+    if node.op == "transpose":
+        identity = tuple(node.attrs["permutation"]) == tuple(range(len(node.shape)))
+        return identity or operand.op == "transpose"
+    if node.op == "reshape":
+        return operand.shape == node.shape or (operand.op == "reshape" and operand.operands[0].shape == node.shape)
+    return False
 
 
 def widen_dots(graph: Graph) -> Graph:

@@ -48,9 +48,14 @@ class KernelOp:
     """One generated kernel of the program."""
 
     def __init__(self, kernel, in_slots: list[int], out_slots: list[int], contiguous: list[int],
-                 device: torch.device, kept: set[int] = frozenset()) -> None:
+                 device: torch.device, kept: set[int] = frozenset(),
+                 reshaped: dict[int, tuple[int, ...]] | None = None) -> None:
         self.kernel = kernel
         self.in_slots = in_slots
+        # Inputs read through a reshape view without a step of its own (``_kernel_reshapes``): the
+        # slot holds the view's operand, made contiguous before the launch, so its pointer is the
+        # view's. Only the checked paths (first call, scalar variant) see the view's shape.
+        self.reshaped = reshaped or {}
         self.out_slots = out_slots
         self.contiguous = contiguous  # input positions produced by library calls or views: checked
         self.device = device
@@ -72,7 +77,7 @@ class KernelOp:
                 inputs[k] = inputs[k].contiguous()
         launcher = self.launcher
         if launcher is None:
-            outputs = self.kernel(*inputs)
+            outputs = self.kernel(*self._viewed(inputs))
             self.launcher = self.kernel._launchers.get(self.device)
         else:
             outputs = self.fixed if self.fixed is not None else self._outputs(inputs, here)
@@ -81,11 +86,14 @@ class KernelOp:
             if self.has_scalar_variant and pointers != launcher._last and any(p & _ALIGNMENT_MASK for p in pointers):
                 from fusionstitching.runtime.kernel_call import call_generated
 
-                outputs = call_generated(self.kernel, inputs, outputs)
+                outputs = call_generated(self.kernel, self._viewed(inputs), outputs)
             else:
                 launcher.launch(pointers, stream)
         for slot, tensor in zip(self.out_slots, outputs):
             slots[slot] = tensor
+
+    def _viewed(self, inputs: list[Any]) -> list[Any]:
+        return [x.reshape(self.reshaped[k]) if k in self.reshaped else x for k, x in enumerate(inputs)]
 
     def _outputs(self, inputs: list[Any], here: bool) -> list[Any]:
         """This call's output tensors: the inputs they overwrite, kept buffers, fresh allocations."""
@@ -168,15 +176,21 @@ class GpuProgram:
         kept = _kept_nodes(steps, escaping)
         kept_slots = {slot[n] for n in kept}
         self.folded = _folded_views(steps, escaping)
+        self.reshapes = _kernel_reshapes(steps, escaping)
         produced_by_call: set[Node] = set()
         self.ops: list[Any] = []
         for step in steps:
             if step.kernel is not None:
-                inputs = list(step.inputs)
-                checked = [k for k, x in enumerate(inputs) if x in produced_by_call]
-                self.ops.append(KernelOp(step.kernel, [slot[x] for x in inputs], [slot[o] for o in step.outputs],
-                                         checked, device, kept_slots))
-            elif step.nodes[0] not in self.folded:
+                sources = []
+                for x in step.inputs:
+                    while x in self.reshapes:
+                        x = x.operands[0]
+                    sources.append(x)
+                reshaped = {k: tuple(x.shape) for k, x in enumerate(step.inputs) if x in self.reshapes}
+                checked = [k for k, x in enumerate(sources) if x in produced_by_call or k in reshaped]
+                self.ops.append(KernelOp(step.kernel, [slot[x] for x in sources], [slot[o] for o in step.outputs],
+                                         checked, device, kept_slots, reshaped))
+            elif step.nodes[0] not in self.folded and step.nodes[0] not in self.reshapes:
                 node = step.nodes[0]
                 fn = view_function(node) if step.kind == "view" else library(node)
                 sources, views = [], []
@@ -246,6 +260,27 @@ def _folded_views(steps: Sequence[Any], escaping: set[Node]) -> set[Node]:
         if all(r.kind == "library" or (r.kind == "view" and r.nodes[0] in folded) for r in readers[node]):
             folded.add(node)
     return folded
+
+
+def _kernel_reshapes(steps: Sequence[Any], escaping: set[Node]) -> set[Node]:
+    """Reshape views that need no step: every reader is a kernel (or another such reshape), none
+    writes into it in place, and the value is no graph output (``escaping``). A kernel takes a
+    pointer and reads its input row-major, which a reshape does not change: given the operand's
+    buffer, made contiguous where it is not, it reads the view's elements (the split reductions'
+    [n] -> [parts, n / parts] reshapes and a loss's [rows] -> [rows, 1]: each a host step before)."""
+    readers: dict[Node, list[tuple[Any, int]]] = {}
+    for step in steps:
+        for k, x in enumerate(step.inputs):
+            readers.setdefault(x, []).append((step, k))
+    reshapes: set[Node] = set()
+    for step in reversed(steps):  # readers before the views they read
+        node = step.nodes[0]
+        if step.kind != "view" or node.op != "reshape" or node in escaping or node not in readers:
+            continue
+        if all((r.kernel is not None and k not in r.kernel.lowered.aliases.values())
+               or (r.kind == "view" and r.nodes[0] in reshapes) for r, k in readers[node]):
+            reshapes.add(node)
+    return reshapes
 
 
 def _chained(functions: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:

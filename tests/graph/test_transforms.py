@@ -283,22 +283,42 @@ def test_unknown_node():
         split_reduction(graph, other.outputs[0], 4)
 
 
-def test_fold_transposes_composes_permutations_and_drops_identities():
-    from fusionstitching.graph.transforms import fold_transposes
+def test_fold_views_composes_permutations_and_drops_identities():
+    from fusionstitching.graph.transforms import fold_views
 
     b = GraphBuilder("transposes")
     x = b.parameter((2, 3, 4), DType.F32, "x")
     back = b.transpose(b.transpose(x, (1, 0, 2)), (1, 0, 2))  # identity
     rotated = b.transpose(b.transpose(x, (1, 2, 0)), (1, 2, 0))  # one transpose (2, 0, 1)
     graph = b.build([back, rotated])
-    folded = fold_transposes(graph)
+    folded = fold_views(graph)
     assert folded.outputs[0] is folded.parameters[0]
     assert folded.outputs[1].op == "transpose" and folded.outputs[1].operands[0] is folded.parameters[0]
     assert tuple(folded.outputs[1].attrs["permutation"]) == (2, 0, 1)
     data = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
     for got, want in zip(evaluate(folded, [data]), evaluate(graph, [data])):
         np.testing.assert_array_equal(got, want)
-    assert fold_transposes(folded) is folded
+    assert fold_views(folded) is folded
+
+
+def test_fold_views_drops_reshape_round_trips_and_identity_reshapes():
+    from fusionstitching.graph.transforms import fold_views
+
+    b = GraphBuilder("reshapes")
+    x = b.parameter((4, 6), DType.F32, "x")
+    total = b.reduce(x, (0,), "sum")  # [6]
+    back = b.reshape(b.reshape(total, (1, 6)), (6,))  # a bias gradient's round trip: no node
+    regrouped = b.reshape(b.reshape(x, (24,)), (3, 8))  # a chain that changes the shape: kept
+    same = b.reshape(x, (4, 6))
+    graph = b.build([back, regrouped, same])
+    folded = fold_views(graph)
+    assert folded.outputs[0].op == "reduce"
+    assert [n.op for n in (folded.outputs[1], folded.outputs[1].operands[0])] == ["reshape", "reshape"]
+    assert folded.outputs[2] is folded.parameters[0]
+    data = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    for got, want in zip(evaluate(folded, [data]), evaluate(graph, [data])):
+        np.testing.assert_array_equal(got, want)
+    assert fold_views(folded) is folded
 
 
 def _gradient_graph(extra_user: bool = False, output_convert: bool = True):

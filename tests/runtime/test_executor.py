@@ -151,7 +151,8 @@ def test_gpu_program_numbers_every_value_and_keeps_only_call_internal_buffers():
     read_by_kernels = {x for s in compiled.steps if s.kind == "kernel" for x in s.inputs}
     assert program.folded <= views and len(program.folded) > len(views) / 2  # most feed GEMMs only
     assert not program.folded & (read_by_kernels | set(compiled.graph.outputs))
-    assert len(program.ops) == len(compiled.steps) - len(program.folded)
+    assert program.reshapes <= views and not program.reshapes & (program.folded | set(compiled.graph.outputs))
+    assert len(program.ops) == len(compiled.steps) - len(program.folded) - len(program.reshapes)
     assert all(isinstance(op, (KernelOp, CallOp)) for op in program.ops)
     outputs = {k for k in program.output_slots if k is not None}
     for op in kernels:
@@ -169,7 +170,7 @@ def test_views_fold_into_the_library_calls_reading_them():
     b = GraphBuilder("folded")
     x = b.parameter((4, 64, 256), DType.F32, "x")
     w = b.parameter((512, 256), DType.F32, "w")  # a GEMM above the small-dot threshold: a library call
-    flat = b.reshape(b.reshape(x, (64, 4, 256)), (256, 256))
+    flat = b.transpose(b.reshape(x, (256, 256)), (1, 0))
     wt = b.transpose(w, (1, 0))
     d = b.node("dot_general", [flat, wt], lhs_batch=(), rhs_batch=(), lhs_contract=(1,), rhs_contract=(0,))
     graph = b.build([d])
@@ -184,6 +185,45 @@ def test_views_fold_into_the_library_calls_reading_them():
         got = program.run([torch.from_numpy(a) for a in inputs])
         for g, w_ in zip(got, want):
             np.testing.assert_allclose(g.numpy(), w_, rtol=1e-4, atol=1e-4)
+
+
+def _split_column_sum():
+    """A column sum split into partial and final kernels: the partial kernel reads the input
+    through a reshape view ([4096, 512] -> [parts, rows, 512])."""
+    b = GraphBuilder("split_sum")
+    x = b.parameter((4096, 512), DType.F32, "x")
+    graph = b.build([b.reduce(x, (0,), "sum")])
+    return graph, CompiledGraph(explore(graph))
+
+
+def test_reshape_views_read_only_by_kernels_take_no_step():
+    from fusionstitching.runtime.executor import _library_function
+    from fusionstitching.runtime.program import GpuProgram, KernelOp
+
+    _, compiled = _split_column_sum()
+    views = [s.nodes[0] for s in compiled.steps if s.kind == "view"]
+    assert [v.op for v in views] == ["reshape"]
+    program = GpuProgram(compiled.graph, compiled.steps, torch.device("cpu"), lambda node, device: None,
+                         _library_function)
+    assert program.reshapes == set(views)
+    assert all(isinstance(op, KernelOp) for op in program.ops) and len(program.ops) == 2
+    partial = program.ops[0]
+    assert partial.in_slots == [0] and partial.reshaped == {0: views[0].shape}
+    assert 0 in partial.contiguous  # a strided operand is made contiguous before the launch
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_kernel_reads_a_reshape_view_through_its_operand():
+    graph, compiled = _split_column_sum()
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((4096, 512)).astype(np.float32)
+    want = reference.evaluate(graph, [data])[0]
+    contiguous = torch.from_numpy(data).cuda()
+    strided = torch.from_numpy(np.ascontiguousarray(data.T)).cuda().t()  # same values, transposed storage
+    for x in (contiguous, strided, contiguous):
+        got = compiled.run([x], trusted=True)[0]
+        np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-4, atol=1e-3)
 
 
 def test_folded_view_of_a_kept_buffer_is_made_once_per_buffer():
