@@ -59,7 +59,7 @@ def test_a_small_run_on_the_cpu_times_and_checks_every_system():
     assert ours.gpu_ms is None and ours.kernels is None  # no profiler kernels without a GPU
     assert results[2].skipped  # no GPU (or no JAX) here: the row says why
     assert results[4].error is None  # adam returns nothing: its updates are in place
-    assert "[2/2] adam: fusionstitching: timing" in lines.getvalue()
+    assert "[2/2] adam: timing eager, fusionstitching in turn" in lines.getvalue()
     table = suite.format_table(results, ("eager", "fusionstitching", "xla"))
     assert table.count("\n") == 2 + len(results) - 1 and "skipped:" in table
 
@@ -110,3 +110,20 @@ def test_bench_on_the_gpu_counts_kernels_and_runs_xla_where_installed():
         assert eager.kernels >= 1 and ours.error < 1e-5
         xla = by[name, "xla"]
         assert xla.skipped or (xla.kernels >= 1 and xla.error < 1e-4)
+
+
+def test_interleaved_wall_times_take_the_systems_rounds_in_turn():
+    """Rounds alternate between systems, each system keeps its own calls per round, and the
+    median is per system."""
+    calls: list[str] = []
+    syncs: list[str] = []
+
+    def system(name):
+        return (lambda: calls.append(name), lambda _: syncs.append(name))
+
+    walls = suite.interleaved_wall_ms({"a": system("a"), "b": system("b")}, rounds=3, round_seconds=0.0)
+    assert set(walls) == {"a", "b"} and all(w >= 0 for w in walls.values())
+    # two calls each to size the rounds, then one call per round (round_seconds 0), in turn
+    assert calls == ["a", "a", "b", "b", "a", "b", "a", "b", "a", "b"]
+    assert syncs == calls
+

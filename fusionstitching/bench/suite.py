@@ -7,7 +7,8 @@ for the micro workloads where JAX is installed, XLA through ``jax.jit``) the ben
   Inductor's, Triton's and our NVRTC cache point to a new directory per workload unless
   ``warm_caches``);
 - the wall time per call: the median over rounds of (calls of one round / their time, with one
-  synchronization at the end of the round);
+  synchronization at the end of the round), the systems' rounds taken in turn so that a host
+  that drifts during the run moves every system alike;
 - the GPU time and the kernel count per call from the torch profiler (CUPTI), the kernels split by
   name into GEMM/library (cuBLAS, cuBLASLt, CUTLASS and Triton GEMM templates) and the rest, the
   memory-intensive kernels;
@@ -224,19 +225,30 @@ def wall_ms(step: Callable[[], Any], sync: Callable[[Any], None], rounds: int = 
             round_seconds: float = 0.2) -> float:
     """Median over ``rounds`` of the wall time per call; calls per round chosen to last ~``round_seconds``.
     ``sync(outputs)`` waits for the device once per round."""
-    sync(step())
-    start = time.perf_counter()
-    sync(step())
-    once = time.perf_counter() - start
-    calls = max(1, min(1000, int(round_seconds / max(once, 1e-6))))
-    times = []
-    for _ in range(rounds):
+    return interleaved_wall_ms({"": (step, sync)}, rounds, round_seconds)[""]
+
+
+def interleaved_wall_ms(steps: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]], rounds: int = 5,
+                        round_seconds: float = 0.2) -> dict[str, float]:
+    """``wall_ms`` of several systems, their rounds taken in turn (A B C A B C ...): a host that
+    slows down or speeds up during the run moves every system's median alike, where timing one
+    system after the other would hand the drift to whichever ran in the slow stretch."""
+    calls = {}
+    for name, (step, sync) in steps.items():
+        sync(step())
         start = time.perf_counter()
-        for _ in range(calls):
-            outs = step()
-        sync(outs)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times) * 1e3
+        sync(step())
+        once = time.perf_counter() - start
+        calls[name] = max(1, min(1000, int(round_seconds / max(once, 1e-6))))
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, (step, sync) in steps.items():
+            start = time.perf_counter()
+            for _ in range(calls[name]):
+                outs = step()
+            sync(outs)
+            times[name].append((time.perf_counter() - start) / calls[name])
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def profile_kernels(step: Callable[[], Any], sync: Callable[[Any], None], calls: int = 3,
@@ -323,25 +335,34 @@ class Progress:
             self.stream.flush()
 
 
-def _torch_system(case: Case, system: str, device: torch.device, warm_caches: bool,
-                  progress: Callable[[str], None]):
+def _torch_system(case: Case, system: str, device: torch.device, progress: Callable[[str], None]):
     """(step, sync, first-call seconds, comparable outputs of a call) for a PyTorch system."""
-    with fresh_caches(not warm_caches):
-        progress(f"{case.name}: {system}: compiling and first call")
-        fn = _compiled(case, system)
-        start = time.perf_counter()
-        step = step_function(case, fn)
-        step()
-        _synchronize(device)
-        first = time.perf_counter() - start
+    progress(f"{case.name}: {system}: compiling and first call")
+    fn = _compiled(case, system)
+    start = time.perf_counter()
+    step = step_function(case, fn)
+    step()
+    _synchronize(device)
+    first = time.perf_counter() - start
     return step, lambda _: _synchronize(device), first, _tensors
 
 
 def run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: int = 5,
              warm_caches: bool = False, progress: Callable[[str], None] = lambda _: None) -> list[Result]:
-    """Every system on ``case`` (already on ``device``); eager's outputs are the reference."""
+    """Every system on ``case`` (already on ``device``); eager's outputs are the reference.
+
+    Each system compiles with its compile caches empty (one new directory per case; no two systems
+    share a cache). The wall times are then taken in interleaved rounds (``interleaved_wall_ms``)
+    and the GPU profiles one system after the other."""
+    with fresh_caches(not warm_caches):
+        return _run_case(case, systems, device, rounds, progress)
+
+
+def _run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: int,
+              progress: Callable[[str], None]) -> list[Result]:
     results: list[Result] = []
     reference: list[torch.Tensor] = []
+    steps: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
     for system in systems:
         result = Result(case.name, system)
         results.append(result)
@@ -355,7 +376,7 @@ def run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: i
             progress(f"{case.name}: xla: compiling and first call")
             step, sync, first, comparable = jax_cases.system(case)
         else:
-            step, sync, first, comparable = _torch_system(case, system, device, warm_caches, progress)
+            step, sync, first, comparable = _torch_system(case, system, device, progress)
         result.first_call_s = first
         outs = comparable(step())
         if system == "eager":
@@ -363,8 +384,15 @@ def run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: i
         elif reference and not case.random:
             result.error = relative_error(outs, reference)
         del outs
-        progress(f"{case.name}: {system}: timing")
-        result.wall_ms = wall_ms(step, sync, rounds=rounds)
+        steps[system] = (step, sync)
+    # Each compile reset TorchDynamo: the first calls here compile the earlier systems again, from
+    # the caches their first compile filled.
+    progress(f"{case.name}: timing {', '.join(steps)} in turn")
+    walls = interleaved_wall_ms(steps, rounds=rounds)
+    by_system = {r.system: r for r in results}
+    for system, (step, sync) in steps.items():
+        result = by_system[system]
+        result.wall_ms = walls[system]
         if device.type == "cuda":
             progress(f"{case.name}: {system}: profiling")
             by_name: dict[str, list[float]] = {}
@@ -373,8 +401,8 @@ def run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: i
             ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
             result.top_kernels = [(name, round(us, 2), round(n, 2)) for name, (us, n) in ranked[:TOP_KERNELS]]
             result.kernels = result.gemm_kernels + result.mi_kernels
-        del step
-        gc.collect()
+    steps.clear()
+    gc.collect()
     timed = [r for r in results if r.wall_ms]
     for r in timed:
         r.speedup = {o.system: o.wall_ms / r.wall_ms for o in timed if o is not r}
