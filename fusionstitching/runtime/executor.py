@@ -307,10 +307,16 @@ def _library_function(node: Node) -> Callable[..., Any]:
     if node.op == "library":
         target = reference.resolve_library_target(node.attrs["target"])
         call, index = node.attrs["call"], node.attrs["out_index"]
+        fill = _filled_destination(node)
+        if fill is not None:
+            target = torch.ops.aten.index_put_.default
 
         def library_op(*args: Any) -> Any:
             positional = _fill(call.get("args", []), list(args))
             keywords = {k: _fill(v, list(args)) for k, v in call.get("kwargs", {}).items()}
+            if fill is not None:  # a new filled tensor, put into in place: no copy of a broadcast
+                dest = positional[0]
+                positional[0] = torch.full(dest.shape, fill, dtype=dest.dtype, device=dest.device)
             with torch.no_grad():
                 result = target(*positional, **keywords)
             return result[index] if index >= 0 else result
@@ -323,6 +329,26 @@ def _library_function(node: Node) -> Callable[..., Any]:
         return _from_numpy(value, node).to(args[0].device if args else "cpu")
 
     return on_host
+
+
+def _filled_destination(node: Node) -> float | int | bool | None:
+    """The scalar whose broadcast an ``index_put`` puts into, when its destination is one (an
+    embedding gradient: ``index_put(zeros, [ids], grad, accumulate=True)``). torch's functional
+    op first clones its destination; cloning a broadcast runs an elementwise copy from a stride-0
+    tensor (57 µs for BERT's [30522, 768] f32 gradient on an H100), where ``torch.full`` writes the
+    same bytes with a vectorized fill and the put then runs in place on it."""
+    if node.attrs.get("target") != "aten.index_put.default":
+        return None
+    args = node.attrs["call"].get("args", [])
+    if not args or args[0] != {"operand": 0} or node.attrs["out_index"] >= 0:
+        return None
+    dest = node.operands[0]
+    while dest.op in ("broadcast_in_dim", "reshape"):
+        dest = dest.operands[0]
+    if dest.op != "constant" or node.operands[0].op != "broadcast_in_dim":
+        return None
+    value = np.asarray(dest.attrs["value"])
+    return value.item() if value.size == 1 else None
 
 
 def _fill(template: Any, args: list[Any]) -> Any:

@@ -363,3 +363,54 @@ def test_widened_weight_gradient_runs_as_its_f32_accumulator(rows):
         if torch.cuda.is_available():  # cuBLAS writes the f32 accumulator
             out = fn(*[t.cuda() for t in tensors])
             assert out.dtype == torch.float32 and _relative(out.cpu().numpy(), want) < 1e-5
+
+
+def _embedding_gradient_graph(rows: int = 5000):
+    """``index_put(zeros, [ids], grad, accumulate=True)`` into more rows than the one-hot GEMM
+    takes: a library call whose destination is a broadcast constant."""
+    import warnings
+
+    from fusionstitching import capture
+
+    def fn(ids, grad):
+        return torch.ops.aten.index_put.default(torch.zeros(rows, 8), [ids], grad, True)
+
+    ids = torch.randint(0, rows, (64,), generator=torch.Generator().manual_seed(0))
+    ids[:8] = 7  # repeated rows accumulate
+    grad = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(fn, ids, grad, name="embedding_grad").forward
+    return graph, (ids, grad), fn(ids, grad)
+
+
+def test_index_put_into_a_broadcast_fills_a_new_tensor_and_puts_in_place():
+    from fusionstitching.runtime.executor import _filled_destination, _library_function
+
+    graph, (ids, grad), want = _embedding_gradient_graph()
+    (put,) = [n for n in graph.nodes if n.op == "library"]
+    assert _filled_destination(put) == 0.0
+    zeros = torch.zeros(()).reshape(1, 1).expand(5000, 8)  # the broadcast view the call receives
+    got = _library_function(put)(zeros, ids, grad)
+    assert got.is_contiguous() and not torch.equal(got, zeros)
+    torch.testing.assert_close(got, want)
+    assert float(zeros.sum()) == 0.0  # the broadcast is not written
+
+
+def test_index_put_into_a_computed_destination_keeps_the_functional_op():
+    from fusionstitching.runtime.executor import _filled_destination, _library_function
+
+    b = GraphBuilder("put")
+    x = b.parameter((5000, 8), DType.F32, "x")
+    ids = b.parameter((64,), DType.I64, "ids")
+    values = b.parameter((64, 8), DType.F32, "values")
+    call = {"args": [{"operand": 0}, [{"operand": 1}], {"operand": 2}, True], "kwargs": {}}
+    put = b.node("library", [x, ids, values], shape=(5000, 8), dtype=DType.F32, name="index_put",
+                 target="aten.index_put.default", call=call, out_index=-1)
+    assert _filled_destination(put) is None
+    dest = torch.randn(5000, 8)
+    before = dest.clone()
+    index = torch.arange(64)
+    got = _library_function(put)(dest, index, torch.ones(64, 8))
+    torch.testing.assert_close(got[:64], before[:64] + 1)
+    assert torch.equal(dest, before)  # the destination is an input: not written
