@@ -351,8 +351,9 @@ def run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: i
              warm_caches: bool = False, progress: Callable[[str], None] = lambda _: None) -> list[Result]:
     """Every system on ``case`` (already on ``device``); eager's outputs are the reference.
 
-    Each system compiles with its compile caches empty (one new directory per case; no two systems
-    share a cache). The wall times are then taken in interleaved rounds (``interleaved_wall_ms``)
+    Each system compiles with its compile caches empty: one new directory per case, in which
+    Inductor/Triton and our NVRTC cache have directories of their own. Every system's compiled
+    step stays alive until the case is done (its kept buffers too). The wall times are then taken in interleaved rounds (``interleaved_wall_ms``)
     and the GPU profiles one system after the other."""
     with fresh_caches(not warm_caches):
         return _run_case(case, systems, device, rounds, progress)

@@ -105,7 +105,7 @@ def fold_views(graph: Graph) -> Graph:
     """A copy of ``graph`` where views that change nothing are no nodes at all (users read the
     operand): a transpose of a transpose is one transpose with the composed permutation, or none
     when that is the identity; a reshape to its operand's shape, or back to the shape its operand
-    reshaped, is none.
+    reshaped, is none, unless that leaves a parameter in its place.
 
     The backward of a linear layer transposes the weight gradient twice (folded, the gradient is
     the GEMM's output itself) and reshapes a bias gradient [n] to [1, n] and back. Each view left
@@ -142,7 +142,12 @@ def _folds(node: Node, operand: Node) -> bool:
         identity = tuple(node.attrs["permutation"]) == tuple(range(len(node.shape)))
         return identity or operand.op == "transpose"
     if node.op == "reshape":
-        return operand.shape == node.shape or (operand.op == "reshape" and operand.operands[0].shape == node.shape)
+        # Not back to a parameter: torch's reshape of a strided input is a copy, taken before the
+        # graph's in-place updates are written back into that input; the parameter is not.
+        if operand.shape == node.shape:
+            return operand.op != "parameter"
+        return operand.op == "reshape" and operand.operands[0].shape == node.shape \
+            and operand.operands[0].op != "parameter"
     return False
 
 

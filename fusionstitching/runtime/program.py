@@ -263,22 +263,22 @@ def _folded_views(steps: Sequence[Any], escaping: set[Node]) -> set[Node]:
 
 
 def _kernel_reshapes(steps: Sequence[Any], escaping: set[Node]) -> set[Node]:
-    """Reshape views that need no step: every reader is a kernel (or another such reshape), none
-    writes into it in place, and the value is no graph output (``escaping``). A kernel takes a
-    pointer and reads its input row-major, which a reshape does not change: given the operand's
-    buffer, made contiguous where it is not, it reads the view's elements (the split reductions'
-    [n] -> [parts, n / parts] reshapes and a loss's [rows] -> [rows, 1]: each a host step before)."""
-    readers: dict[Node, list[tuple[Any, int]]] = {}
+    """Reshape views that need no step: every reader is a kernel (or another such reshape) and
+    the value is no graph output (``escaping``). A kernel takes a pointer and reads its input
+    row-major, which a reshape does not change: given the operand's buffer, made contiguous where
+    it is not, it reads the view's elements (the split reductions' [n] -> [parts, n / parts]
+    reshapes and a loss's [rows] -> [rows, 1]: each a host step before). Kernels write in place
+    only into parameters (``lower._aliases``), never into a reshape."""
+    readers: dict[Node, list[Any]] = {}
     for step in steps:
-        for k, x in enumerate(step.inputs):
-            readers.setdefault(x, []).append((step, k))
+        for x in step.inputs:
+            readers.setdefault(x, []).append(step)
     reshapes: set[Node] = set()
     for step in reversed(steps):  # readers before the views they read
         node = step.nodes[0]
         if step.kind != "view" or node.op != "reshape" or node in escaping or node not in readers:
             continue
-        if all((r.kernel is not None and k not in r.kernel.lowered.aliases.values())
-               or (r.kind == "view" and r.nodes[0] in reshapes) for r, k in readers[node]):
+        if all(r.kernel is not None or (r.kind == "view" and r.nodes[0] in reshapes) for r in readers[node]):
             reshapes.add(node)
     return reshapes
 

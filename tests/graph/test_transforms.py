@@ -309,12 +309,14 @@ def test_fold_views_drops_reshape_round_trips_and_identity_reshapes():
     total = b.reduce(x, (0,), "sum")  # [6]
     back = b.reshape(b.reshape(total, (1, 6)), (6,))  # a bias gradient's round trip: no node
     regrouped = b.reshape(b.reshape(x, (24,)), (3, 8))  # a chain that changes the shape: kept
-    same = b.reshape(x, (4, 6))
-    graph = b.build([back, regrouped, same])
+    same = b.reshape(b.unary("neg", x), (4, 6))
+    kept = b.reshape(b.reshape(x, (24,)), (4, 6))  # back to a parameter: a copy of it in torch, kept
+    graph = b.build([back, regrouped, same, kept])
     folded = fold_views(graph)
     assert folded.outputs[0].op == "reduce"
     assert [n.op for n in (folded.outputs[1], folded.outputs[1].operands[0])] == ["reshape", "reshape"]
-    assert folded.outputs[2] is folded.parameters[0]
+    assert folded.outputs[2].op == "neg"
+    assert folded.outputs[3].op == "reshape" and folded.outputs[3] is not folded.parameters[0]
     data = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
     for got, want in zip(evaluate(folded, [data]), evaluate(graph, [data])):
         np.testing.assert_array_equal(got, want)
