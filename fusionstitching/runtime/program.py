@@ -248,18 +248,7 @@ def _folded_views(steps: Sequence[Any], escaping: set[Node]) -> set[Node]:
     (BERT's weight transposes and activation reshapes before each GEMM: two of every three host
     steps of an inference call): every reader is a library call or another folded view, and the
     value is no graph output (``escaping``)."""
-    readers: dict[Node, list[Any]] = {}
-    for step in steps:
-        for x in step.inputs:
-            readers.setdefault(x, []).append(step)
-    folded: set[Node] = set()
-    for step in reversed(steps):  # readers before the views they read
-        node = step.nodes[0]
-        if step.kind != "view" or node in escaping or node not in readers:
-            continue
-        if all(r.kind == "library" or (r.kind == "view" and r.nodes[0] in folded) for r in readers[node]):
-            folded.add(node)
-    return folded
+    return _views_read_only_by(steps, escaping, "library")
 
 
 def _kernel_reshapes(steps: Sequence[Any], escaping: set[Node]) -> set[Node]:
@@ -269,18 +258,24 @@ def _kernel_reshapes(steps: Sequence[Any], escaping: set[Node]) -> set[Node]:
     it is not, it reads the view's elements (the split reductions' [n] -> [parts, n / parts]
     reshapes and a loss's [rows] -> [rows, 1]: each a host step before). Kernels write in place
     only into parameters (``lower._aliases``), never into a reshape."""
+    return _views_read_only_by(steps, escaping, "kernel", "reshape")
+
+
+def _views_read_only_by(steps: Sequence[Any], escaping: set[Node], kind: str, op: str | None = None) -> set[Node]:
+    """The view steps (of ``op``, when given) whose every reader is a step of ``kind`` or another
+    view of the set, and whose value is no graph output."""
     readers: dict[Node, list[Any]] = {}
     for step in steps:
         for x in step.inputs:
             readers.setdefault(x, []).append(step)
-    reshapes: set[Node] = set()
+    chosen: set[Node] = set()
     for step in reversed(steps):  # readers before the views they read
         node = step.nodes[0]
-        if step.kind != "view" or node.op != "reshape" or node in escaping or node not in readers:
+        if step.kind != "view" or (op is not None and node.op != op) or node in escaping or node not in readers:
             continue
-        if all(r.kernel is not None or (r.kind == "view" and r.nodes[0] in reshapes) for r in readers[node]):
-            reshapes.add(node)
-    return reshapes
+        if all(r.kind == kind or (r.kind == "view" and r.nodes[0] in chosen) for r in readers[node]):
+            chosen.add(node)
+    return chosen
 
 
 def _chained(functions: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
