@@ -33,6 +33,16 @@ class Options:
     # per BERT-base training step (its weight gradients).
     widen_dots: bool = True
     smem_limit: int = 48 * 1024  # bytes of shared memory a generated kernel may use per block
+    # Failure policy (DESIGN.md "Failure policy"): an internal error while compiling a graph makes
+    # that graph run in PyTorch with a FallbackWarning; strict raises it instead (the tests run strict).
+    strict: bool = False
+    # The one cache root: the NVRTC cache and any later plan or performance caches live under it.
+    # None: ``$XDG_CACHE_HOME/fusionstitching`` (``~/.cache/fusionstitching``). Created 0700.
+    cache_dir: str | None = None
+    cache_max_bytes: int = 1 << 30  # the NVRTC cache is pruned, oldest entries first, above this size
+    # Shape specializations compiled per graph; a graph called with more distinct shapes runs the
+    # others in PyTorch (one FallbackWarning).
+    max_specializations: int = 16
 
     def __post_init__(self) -> None:
         if self.solver not in ("ilp", "beam"):

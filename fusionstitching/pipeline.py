@@ -50,7 +50,10 @@ def dump(compiled: CompiledGraph, graph: Graph, directory: Path, arch: str | Non
     """Write the stages' outputs for one graph under ``directory/<graph name>/``; returns the files.
     With ``arch`` (e.g. "sm_90") every kernel is also compiled with NVRTC and ptxas's resource
     report (registers, shared memory, spills) goes to ``4-resources.txt``."""
-    root = directory / graph.name
+    # A graph's name comes from user code (a function's ``__name__``) or a JSON file: only its
+    # identifier characters name the directory, so it stays under ``directory``.
+    safe = "".join(ch if ch.isascii() and (ch.isalnum() or ch in "_-") else "_" for ch in graph.name)
+    root = directory / (safe or "graph")
     root.mkdir(parents=True, exist_ok=True)
     files = {"1-graph.txt": str(graph), "2-explore.txt": compiled.plan.explain()}
     for k, kernel in enumerate(compiled.kernels):

@@ -145,9 +145,14 @@ def _has_vector_access(body) -> bool:
 
 
 def _kernel_name(graph: Graph, nodes: list) -> str:
+    """``fs_<graph>_<first node>``, every character outside [A-Za-z0-9_] replaced by ``_`` (a graph
+    named after a lambda, ``<lambda>``, is no C identifier)."""
     first = nodes[0] if isinstance(nodes[0], str) else nodes[0].name
-    safe = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in first)
-    return f"fs_{graph.name}_{safe}"[:60].replace(".", "_")
+    return _identifier(f"fs_{graph.name}_{first}")[:60]
+
+
+def _identifier(text: str) -> str:
+    return "".join(ch if ch.isascii() and (ch.isalnum() or ch == "_") else "_" for ch in text)
 
 
 def default_template(graph: Graph, nodes: Iterable[Node | str]) -> KernelSchedule:

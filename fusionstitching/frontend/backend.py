@@ -22,10 +22,20 @@ the shape signature and become constants of that specialization.
 (``runtime.program.GraphedProgram``); outputs are then overwritten by the next call, as with
 Inductor's CUDA graphs.
 
-Fallbacks. A graph the frontend cannot convert (an input that is neither a tensor nor a number, an
-unsupported dtype) runs in PyTorch as AOTAutograd gave it: counted in ``stats()["fallbacks"]`` and announced by
-a ``FallbackWarning`` that names the graph and the reason. Library calls inside a plan (GEMMs,
-ops without a lowering) are counted in ``stats()["library calls"]``.
+Failure policy (DESIGN.md). A graph the compiler cannot handle — one the frontend cannot convert (an
+input that is neither a tensor nor a number, an unsupported dtype), or an internal error anywhere in
+planning, scheduling, lowering, compiling or the first run of a specialization — runs in PyTorch as
+AOTAutograd gave it: counted in ``stats()["fallbacks"]`` and announced by a ``FallbackWarning`` that
+names the graph, the stage, the node being handled with its ATen op, and the exception.
+``Options(strict=True)`` raises ``CompileFailure`` with the same evidence instead. Errors that eager
+raises too (an index out of range: ``IndexError``) are the user's and always propagate. A graph
+called with more than ``Options.max_specializations`` shapes runs the further shapes in PyTorch (one
+warning). Library calls inside a plan (GEMMs, ops without a lowering) are counted in
+``stats()["library calls"]``.
+
+Threads. Compiling a specialization holds the runner's lock; shapes are propagated through the graph
+with ``FakeTensorProp`` (an interpreter), not re-traced with ``make_fx``, whose process-wide tracing
+flag made other threads' compiled calls fail meanwhile. ``CompiledGraph`` serializes its own calls.
 
 ``stats()`` reads process-wide counters: compiling is a process-wide activity that a user wants
 to audit, the one place where this package keeps state across calls.
@@ -34,6 +44,8 @@ to audit, the one place where this package keeps state across calls.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import traceback
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -49,6 +61,11 @@ _STATS: Counter[str] = Counter()
 
 class FallbackWarning(UserWarning):
     """A graph (or part of one) runs in PyTorch instead of generated kernels."""
+
+
+class CompileFailure(RuntimeError):
+    """An internal error while compiling a graph, raised under ``Options(strict=True)``; the message
+    names the graph, the stage, the node being handled with its ATen op, and the cause."""
 
 
 def stats() -> dict[str, int]:
@@ -119,13 +136,20 @@ class _Runner:
         self.outputs = len(gm.graph.output_node().args[0])
         self.compiled: dict[tuple, Any] = {}
         self.fallback: str | None = None
+        self.lock = threading.Lock()  # compiling a specialization
+        self.over_limit = False  # more shapes than Options.max_specializations were seen
+        # Outputs that are numbers, not tensors (a size saved for the backward of a symbolic graph),
+        # per specialization: {output index: value}.
+        self.numbers: dict[tuple, dict[int, Any]] = {}
+        self.origins: dict[str, str] = {}  # the converted graph's node origins (for failure evidence)
         # A graph with static shapes and only tensor inputs is called with exactly the example
         # inputs' shapes, strides, dtypes and devices (TorchDynamo's guards and AOTAutograd ensure
         # it): its one specialization needs no signature per call (0.5 ms for BERT's 200 inputs).
         # Its CompiledGraph is kept apart: looking it up by signature would hash ~200 nested tuples
-        # per call (7 µs for BERT).
+        # per call (7 µs for BERT). Its first call is checked (``_first_run``) before the lean path.
         self.static_key: tuple | None = None
         self.static = None
+        self.proven = False  # the static specialization has run once
         if not _symbolic(example_inputs):
             key = _signature(example_inputs)
             self.static = self._compile(gm, example_inputs, key)
@@ -136,7 +160,7 @@ class _Runner:
 
     def __call__(self, args: list[Any]) -> list[Any]:
         compiled = self.static
-        if compiled is not None:
+        if compiled is not None and self.proven:
             _STATS["cache hits"] += 1
             if len(compiled.graph.parameters) > len(args):
                 args = list(args) + _rng_state(args)
@@ -146,28 +170,79 @@ class _Runner:
             return list(self.gm(*args))
         key = self.static_key if self.static_key is not None else _signature(args)
         compiled = self.compiled.get(key)
+        first = compiled is not None and compiled is self.static
         if compiled is None:
-            _STATS["shape specializations"] += 1
-            compiled = self._compile(_concrete(self.gm, args), args, key)
-            if compiled is None:
-                return list(self.gm(*args))
-        else:
+            with self.lock:
+                compiled = self.compiled.get(key)
+                if compiled is None:
+                    if len(self.compiled) >= self.options.max_specializations:
+                        return self._beyond_limit(args)
+                    _STATS["shape specializations"] += 1
+                    concrete = self._concrete(args)
+                    compiled = self._compile(concrete[0], args, key) if concrete is not None else None
+                    if compiled is None:
+                        return list(self.gm(*args))
+                    self.numbers[key] = concrete[1]
+                    first = True
+        if not first:
             _STATS["cache hits"] += 1
         if self.static_key is None:  # numbers are constants of the specialization
-            args = [a for a in args if isinstance(a, torch.Tensor)]
-        if len(compiled.graph.parameters) > len(args):
-            args += _rng_state(args)
-        return compiled.run(args, trusted=True)[: self.outputs]
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        else:
+            tensors = args
+        if len(compiled.graph.parameters) > len(tensors):
+            tensors = tensors + _rng_state(tensors)
+        if first:
+            results = self._first_run(compiled, tensors, args)
+        else:
+            results = compiled.run(tensors, trusted=True)[: self.outputs]
+        for k, value in self.numbers.get(key, {}).items():
+            results[k] = value
+        return results
+
+    def _first_run(self, compiled, tensors: list[Any], args: list[Any]) -> list[Any]:
+        """The first call of a specialization: an internal error here (a kernel that does not
+        compile or simulate) is a compile failure, and the graph runs in PyTorch from then on."""
+        try:
+            results = compiled.run(tensors, trusted=True)[: self.outputs]
+        except IndexError:  # the user's error, raised by eager too
+            raise
+        except Exception as err:
+            self._failed(err, "run")
+            return list(self.gm(*args))
+        if compiled is self.static:
+            self.proven = True
+        return results
+
+    def _beyond_limit(self, args: list[Any]) -> list[Any]:
+        if not self.over_limit:
+            self.over_limit = True
+            _STATS["fallbacks"] += 1
+            warnings.warn(f"fusionstitching: graph {self.name} was called with more than "
+                          f"{self.options.max_specializations} shapes (Options.max_specializations); "
+                          "further shapes run in PyTorch", FallbackWarning, stacklevel=3)
+        return list(self.gm(*args))
+
+    def _concrete(self, args: list[Any]) -> tuple[fx.GraphModule, dict[int, Any]] | None:
+        try:
+            return _concrete(self.gm, args)
+        except Exception as err:
+            self._failed(err, "capture")
+            return None
 
     def _compile(self, gm: fx.GraphModule, inputs: list[Any], key: tuple):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         # AOTAutograd may call the compiler under its fake mode; constants of the graph are real.
         with unset_fake_temporarily():
-            return self._compile_real(gm, inputs, key)
+            try:
+                return self._compile_real(gm, inputs, key)
+            except Exception as err:
+                self._failed(err, None, gm)
+                return None
 
     def _compile_real(self, gm: fx.GraphModule, inputs: list[Any], key: tuple):
-        from fusionstitching.frontend.context import CaptureError, Unsupported
+        from fusionstitching.frontend.context import Unsupported
         from fusionstitching.frontend.torch_fx import convert
         from fusionstitching.pipeline import compile_graph
 
@@ -182,11 +257,9 @@ class _Runner:
                 else:
                     raise Unsupported(f"input {i} is a {type(value).__name__}, not a tensor or a number")
             graph = convert(gm, specs, slots, name=self.name)
-        except (CaptureError, Unsupported, ValueError) as err:
-            self.fallback = str(err)
-            _STATS["fallbacks"] += 1
-            warnings.warn(f"fusionstitching: graph {self.name} runs in PyTorch: {err}", FallbackWarning,
-                          stacklevel=2)
+            self.origins = graph.origins
+        except Unsupported as err:  # a program outside what the compiler takes: announced, not an error
+            self._fall_back(str(err))
             return None
         compiled = compile_graph(graph, self.options, self.mode)
         plan = compiled.plan
@@ -195,6 +268,56 @@ class _Runner:
         _STATS["views"] += len(plan.views)
         self.compiled[key] = compiled
         return compiled
+
+    def _failed(self, err: BaseException, stage: str | None, gm: fx.GraphModule | None = None) -> None:
+        """An internal error: raised with its evidence under ``Options(strict=True)``, else the graph
+        runs in PyTorch from now on."""
+        evidence = _evidence(err, gm if gm is not None else self.gm, stage, self.origins)
+        if self.options.strict:
+            raise CompileFailure(f"fusionstitching: graph {self.name}: {evidence}") from err
+        self._fall_back(evidence)
+
+    def _fall_back(self, reason: str) -> None:
+        self.fallback = reason
+        self.static = None
+        _STATS["fallbacks"] += 1
+        warnings.warn(f"fusionstitching: graph {self.name} runs in PyTorch: {reason}", FallbackWarning,
+                      stacklevel=4)
+
+
+def _evidence(err: BaseException, gm: fx.GraphModule, stage: str | None, origins: dict[str, str]) -> str:
+    """``<stage>, node <name> (<ATen op>): <exception>``. The stage, unless given, is the package of
+    the innermost frame of this package in the traceback; the node is the innermost graph or FX node
+    a frame of this package was handling (a local of type ``Node`` or ``fx.Node``)."""
+    from fusionstitching.graph.graph import Node
+
+    node_name, where = None, None
+    for frame, _ in traceback.walk_tb(err.__traceback__):
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("fusionstitching."):
+            continue
+        where = module.split(".")[1]
+        for value in frame.f_locals.values():
+            if isinstance(value, (Node, fx.Node)):
+                node_name = value.name
+    stage = stage or where or "compile"
+    text = f"{type(err).__name__}: {err}"
+    if node_name is None:
+        return f"{stage}: {text}"
+    origin = origins.get(node_name) or _aten_op(gm, node_name)
+    return f"{stage}, node {node_name} (from {origin}): {text}"
+
+
+def _aten_op(gm: fx.GraphModule, name: str) -> str:
+    """The ATen op of the FX node an IR node came from: IR nodes take their FX node's name, nodes a
+    lowering or pass adds take it with a suffix (``mul_3_partial``)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    parts = name.split("_")
+    for end in range(len(parts), 0, -1):
+        fx_node = nodes.get("_".join(parts[:end]))
+        if fx_node is not None:
+            return f"{fx_node.name}: {fx_node.target if fx_node.op == 'call_function' else fx_node.op}"
+    return "no FX node"
 
 
 def _rng_state(args: list[Any]) -> list[Any]:
@@ -229,15 +352,25 @@ def _signature(inputs: list[Any]) -> tuple:
     return tuple(key)
 
 
-def _concrete(gm: fx.GraphModule, args: list[Any]) -> fx.GraphModule:
-    """``gm`` re-traced with fake tensors of the call's shapes: every node's metadata concrete."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
+def _concrete(gm: fx.GraphModule, args: list[Any]) -> tuple[fx.GraphModule, dict[int, Any]]:
+    """A copy of ``gm`` whose nodes' metadata hold fake values of the call's concrete shapes, and
+    the graph's outputs that are numbers (sizes a symbolic forward saves for its backward).
+    Propagated by an interpreter (``FakeTensorProp``): no tracing, so no process-wide tracing flag."""
+    import copy
 
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    concrete = copy.deepcopy(gm)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-    with mode:
-        return make_fx(gm, tracing_mode="real")(*fakes)
+    FakeTensorProp(concrete, mode).propagate(*fakes)
+    numbers = {}
+    for k, out in enumerate(concrete.graph.output_node().args[0]):
+        value = out.meta.get("val") if isinstance(out, fx.Node) else out
+        if isinstance(value, (bool, int, float)):
+            numbers[k] = value
+    return concrete, numbers
 
 
 def register() -> None:

@@ -114,7 +114,9 @@ def convert(
         elif fx_node.op == "get_attr":
             values[fx_node] = _constant(builder, getattr(gm, fx_node.target))
         elif fx_node.op == "call_function":
+            builder.origin = f"{fx_node.name}: {fx_node.target}"
             values[fx_node] = _call(builder, rng, fx_node, values, mutated, warned)
+            builder.origin = None
         elif fx_node.op == "output":
             fx_outputs = list(fx_node.args[0])
     out_values = [values[o] if isinstance(o, fx.Node) else None for o in fx_outputs]

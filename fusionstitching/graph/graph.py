@@ -112,6 +112,7 @@ class Graph:
         self.mutations = dict(mutations or {})
         self.output_layouts = list(output_layouts) if output_layouts is not None else [None] * len(outputs)
         self.nodes = topological(self.parameters, self.outputs)
+        self.origins: dict[str, str] = {}  # node name → where it came from (``GraphBuilder.origin``)
 
     def __str__(self) -> str:
         from fusionstitching.graph.serialize import to_text
@@ -454,6 +455,10 @@ class GraphBuilder:
         self.parameters: list[Node] = []
         self._counts: dict[str, int] = {}
         self._used: set[str] = set()
+        # Where each node came from (the FX node and ATen op a frontend was converting when it made
+        # the node; set ``origin`` before making nodes): named in compile-failure messages.
+        self.origin: str | None = None
+        self.origins: dict[str, str] = {}
 
     def unique(self, base: str) -> str:
         """``base``, or ``base_N`` with the smallest N not taken yet."""
@@ -488,7 +493,10 @@ class GraphBuilder:
             raise VerifyError(f"building {name or op}: {err}") from None
         if out_dtype is None:
             raise VerifyError(f"building {name or op}: {op} needs an explicit dtype")
-        return Node(self.unique(name or op), op, operands, tuple(out_shape), out_dtype, attrs, layout)
+        node = Node(self.unique(name or op), op, operands, tuple(out_shape), out_dtype, attrs, layout)
+        if self.origin is not None:
+            self.origins[node.name] = self.origin
+        return node
 
     def parameter(self, shape: Sequence[int], dtype: DType, name: str | None = None, layout: Layout | None = None) -> Node:
         node = self.node("parameter", shape=shape, dtype=dtype, name=name or "p", layout=layout,
@@ -508,6 +516,7 @@ class GraphBuilder:
     ) -> Graph:
         graph = Graph(self.parameters, outputs, name=self.name, mutations=mutations, output_layouts=output_layouts)
         verify(graph)
+        graph.origins = dict(self.origins)
         return graph
 
     # Convenience constructors for the common ops; everything else goes through ``node``.
