@@ -194,6 +194,9 @@ class Reductions:
         stmts = self._butterfly(acc, kind, rtype)
         if not self.warp_mode and self.threads > WARP:
             stmts += self._across_warps(acc, kind, root)
+        across = self.warp_mode and self._reduced_across_warps(group)
+        if across:
+            stmts += self._across_warps(acc, kind, root)
         result = acc
         if root.dtype.is_half:
             result = em.fresh("r", "f32")
@@ -203,7 +206,8 @@ class Reductions:
         if group.output is not None:
             name, layout = group.output
             value = K.Cast(acc, root.dtype.value) if root.dtype.is_half else result  # rounded once
-            first: K.Expr = K.Binary("eq", self._special("lane" if self.warp_mode else "tid"), em.idx(0), "bool")
+            storer = "lane" if self.warp_mode and not across else "tid"
+            first: K.Expr = K.Binary("eq", self._special(storer), em.idx(0), "bool")
             for d, i in zip(kept, kept_index):
                 covered = math.prod(f.extent for f in group.factors if f.dim == d)
                 if covered > group.space[d] and self.guard_tails:
@@ -213,6 +217,23 @@ class Reductions:
         candidates = previous[2] if previous is not None and previous[0] == "register" else []
         em.sub_roots[id(root)] = ("register", root, candidates + [(kept_index, result)])
         return stmts
+
+    def _reduced_across_warps(self, group: Group) -> bool:
+        """In warp mode, whether ``group`` reduces over a WARP-tiled dim (a sum to a scalar beside
+        row reductions, whose rows are the warps): each warp then holds a partial result, and the
+        warps' partials are combined through shared memory. That needs a block barrier inside the
+        warp loop, so every warp must run exactly one iteration of it (the WARP tiles cover the
+        block's warps) and no WARP tile may sit on a kept dim (warps of other kept elements would
+        be folded in)."""
+        warps = [f for f in group.factors if f.level == Level.WARP and f.extent > 1]
+        if not any(f.dim in group.reduced for f in warps):
+            return False
+        if any(f.dim not in group.reduced for f in warps):
+            raise CodegenError(f"{group.root.name}: a reduction over WARP tiles keeps other WARP tiles on kept dims")
+        if math.prod(f.extent for f in warps) != self.threads // WARP:
+            raise CodegenError(f"{group.root.name}: a reduction over WARP tiles needs one tile per warp of the block "
+                               f"({self.threads // WARP} warps)")
+        return True
 
     def _kept_index(self, group: Group, d: int) -> K.Expr:
         expr: K.Expr = self.em.idx(0)

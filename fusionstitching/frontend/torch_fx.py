@@ -110,9 +110,16 @@ def convert(
         if fx_node.op == "placeholder":
             slot = placeholder_slots[placeholder_index]
             placeholder_index += 1
-            values[fx_node] = builder.parameters[slot] if isinstance(slot, int) else _constant(builder, slot)
+            if isinstance(slot, int):
+                values[fx_node] = builder.parameters[slot]
+            elif _is_number(fx_node.meta.get("val")):  # a size or scalar of this specialization
+                values[fx_node] = fx_node.meta["val"]
+            else:
+                values[fx_node] = _constant(builder, slot)
         elif fx_node.op == "get_attr":
             values[fx_node] = _constant(builder, getattr(gm, fx_node.target))
+        elif fx_node.op == "call_function" and _is_number(fx_node.meta.get("val")):
+            values[fx_node] = fx_node.meta["val"]  # size arithmetic, concrete in a specialization
         elif fx_node.op == "call_function":
             builder.origin = f"{fx_node.name}: {fx_node.target}"
             values[fx_node] = _call(builder, rng, fx_node, values, mutated, warned)
@@ -145,6 +152,10 @@ def _constant(builder: GraphBuilder, tensor: torch.Tensor) -> Node:
     else:
         value = array.numpy()
     return builder.node("constant", shape=value.shape, dtype=dtype, name="const", value=value.copy())
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (bool, int, float)) and not isinstance(value, torch.SymInt)
 
 
 def _call(builder, rng, fx_node: fx.Node, values, mutated, warned) -> Any:

@@ -1,7 +1,7 @@
 """``explore``: Graph → FusionPlan, the fusion stage's pipeline (DESIGN.md "Fusion exploration").
 
-1. fold chains of views and views that change nothing (``graph.transforms.fold_views``), merge
-   nodes that compute
+1. replace computations on empty tensors by constants (``graph.transforms.fold_empty``), fold
+   chains of views and views that change nothing (``fold_views``), merge nodes that compute
    the same value (``merge_duplicates``), give every user of a broadcast its own copy
    (``duplicate_broadcasts``), let half GEMMs whose f32 conversion is a
    graph output write f32 (``widen_dots``, when ``Options.widen_dots``) and
@@ -65,6 +65,7 @@ from fusionstitching.fusion.split import split_underfilled_reductions
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.transforms import (
     duplicate_broadcasts,
+    fold_empty,
     fold_views,
     merge_duplicates,
     widen_dots,
@@ -130,7 +131,7 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
                          f"names of {GENERATORS}")
     start = time.perf_counter()
     notes = []
-    graph = duplicate_broadcasts(merge_duplicates(fold_views(graph)))
+    graph = duplicate_broadcasts(merge_duplicates(fold_views(fold_empty(graph))))
     if options.widen_dots:
         graph = widen_dots(graph)
     if options.split_reductions:

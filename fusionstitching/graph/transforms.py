@@ -54,6 +54,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from fusionstitching.graph.graph import Graph, Layout, Node, infer, verify
 from fusionstitching.graph.ops import DType
 
@@ -99,6 +101,58 @@ def split_reductions(graph: Graph, splits: Mapping[Node | str, int],
         else:
             copies[id(old)] = dataclasses.replace(old, operands=operands)
     return _rebuilt(graph, copies)
+
+
+def fold_empty(graph: Graph) -> Graph:
+    """A copy of ``graph`` where no node computes on a tensor of zero elements: a node with an empty
+    result is an empty constant, a reduction or dot over an empty dim is its identity (0 for sums
+    and dots, 1 for products, -inf / +inf or the type's extremes for max / min) broadcast to its
+    shape, a pad of an empty operand is its padding value broadcast, and a concatenation drops its
+    empty pieces. Kernels and their launch dims then never see an empty extent (a grid of zero
+    blocks, a row of zero elements), and eager's results on empty inputs come out exactly."""
+    if all(n.size for n in graph.nodes if n.op != "parameter"):
+        if not any(x.size == 0 for n in graph.nodes for x in n.operands):
+            return graph
+    names = _Names(n.name for n in graph.nodes)
+    copies: dict[int, Node] = {id(p): p for p in graph.parameters}
+    for old in graph.nodes:
+        if id(old) in copies:
+            continue
+        operands = tuple(copies[id(x)] for x in old.operands)
+        if old.size == 0 and old.op != "library":
+            copies[id(old)] = _make("constant", (), old.name, shape=old.shape, dtype=old.dtype,
+                                    value=np.zeros(old.shape, old.dtype.numpy))
+        elif old.op in ("reduce", "dot_general", "pad") and any(x.size == 0 for x in operands[:1]):
+            copies[id(old)] = _filled(old, _empty_result(old), names)
+        elif old.op == "concatenate" and any(x.size == 0 for x in operands):
+            pieces = tuple(x for x in operands if x.size)
+            copies[id(old)] = dataclasses.replace(old, operands=pieces) if len(pieces) > 1 else pieces[0]
+        else:
+            copies[id(old)] = dataclasses.replace(old, operands=operands)
+    return _rebuilt(graph, copies)
+
+
+def _empty_result(node: Node) -> Any:
+    """The value every element of ``node`` takes when its (first) operand has no elements."""
+    if node.op == "pad":
+        return node.attrs["value"]
+    if node.op == "dot_general":
+        return 0
+    kind, dtype = node.attrs["kind"], node.dtype
+    if kind in ("sum", "prod"):
+        return int(kind == "prod")
+    if dtype == DType.BOOL:
+        return kind == "min"
+    if dtype.is_float:
+        return -np.inf if kind == "max" else np.inf
+    info = np.iinfo(dtype.numpy)
+    return info.min if kind == "max" else info.max
+
+
+def _filled(node: Node, value: Any, names: _Names) -> Node:
+    scalar = _make("constant", (), names.new(f"{node.name}_empty"), shape=(), dtype=node.dtype,
+                   value=np.asarray(value).astype(node.dtype.numpy))
+    return _make("broadcast_in_dim", (scalar,), node.name, shape=node.shape, broadcast_dimensions=())
 
 
 def fold_views(graph: Graph) -> Graph:

@@ -38,7 +38,7 @@ from fusionstitching.graph import reference
 from fusionstitching.graph.analysis import in_place_outputs, pattern_structure
 from fusionstitching.graph.graph import Graph, Node, contiguous_strides
 from fusionstitching.graph.ops import Category
-from fusionstitching.runtime.program import GpuProgram, GraphedProgram, dot_function
+from fusionstitching.runtime.program import GpuProgram, GraphedProgram, dot_function, view_function
 from fusionstitching.schedule.template import KernelSchedule
 
 
@@ -92,6 +92,11 @@ class CompiledGraph:
 
     # -- NumPy (CPU: simulated kernels) ------------------------------------------------------
     def run_numpy(self, inputs: Sequence[Any]) -> list[np.ndarray | None]:
+        values = self._simulate(inputs)
+        return [None if out is None else np.array(values[out], order="C") for out in self.graph.outputs]
+
+    def _simulate(self, inputs: Sequence[Any]) -> dict[Node, np.ndarray]:
+        """Every node's value: kernels in the simulator, the other steps through the reference."""
         graph = self.graph
         if len(inputs) != len(graph.parameters):
             raise ValueError(f"{graph.name} takes {len(graph.parameters)} inputs, got {len(inputs)}")
@@ -108,7 +113,7 @@ class CompiledGraph:
                 node = step.nodes[0]
                 with np.errstate(all="ignore"):
                     values[node] = reference.evaluate_node(node, [values[x] for x in node.operands])
-        return [None if out is None else np.array(values[out], order="C") for out in graph.outputs]
+        return values
 
     # -- torch tensors -------------------------------------------------------------------------
     def __call__(self, *tensors: Any) -> list[Any]:
@@ -173,14 +178,22 @@ class CompiledGraph:
         from fusionstitching.frontend.context import DTYPE_TO_TORCH
 
         arrays = [_to_numpy(t, p) for t, p in zip(tensors, self.graph.parameters)]
-        results = self.run_numpy(arrays)
-        outputs = []
-        for out, value in zip(self.graph.outputs, results):
-            if out is None:
-                outputs.append(None)
-                continue
-            tensor = torch.from_numpy(np.array(value, dtype=np.float32 if out.dtype.is_half else value.dtype))
-            outputs.append(tensor.to(DTYPE_TO_TORCH[out.dtype]))
+        values = self._simulate(arrays)
+        views = {step.nodes[0] for step in self.steps if step.kind == "view"}
+        made: dict[Node, Any] = dict(zip(self.graph.parameters, tensors))
+
+        def tensor_of(node: Node) -> Any:
+            """A view step's value is a view of its operand's tensor, as on the GPU: outputs that
+            alias one another (``y, y.view(-1)``) share storage, as eager's do."""
+            if node not in made:
+                if node in views:
+                    made[node] = view_function(node)(tensor_of(node.operands[0]))
+                else:
+                    value = np.array(values[node], dtype=np.float32 if node.dtype.is_half else values[node].dtype)
+                    made[node] = torch.from_numpy(value).to(DTYPE_TO_TORCH[node.dtype])
+            return made[node]
+
+        outputs = [None if out is None else tensor_of(out) for out in self.graph.outputs]
         return self._finish(tensors, outputs)
 
     def _finish(self, tensors: Sequence[Any], outputs: list[Any]) -> list[Any]:
@@ -195,11 +208,7 @@ class CompiledGraph:
         for k, strides in self._layout_checks:
             value = outputs[k]
             if value is not None and tuple(value.stride()) != strides and value.numel() > 1:
-                import torch
-
-                strided = torch.empty_strided(value.shape, strides, dtype=value.dtype, device=value.device)
-                strided.copy_(value)
-                outputs[k] = strided
+                outputs[k] = _with_strides(value, strides)
         return outputs
 
     def _constant(self, node: Node, device: Any) -> Any:
@@ -207,6 +216,21 @@ class CompiledGraph:
         if key not in self._constants:
             self._constants[key] = _from_numpy(np.asarray(node.attrs["value"]), node).to(device)
         return self._constants[key]
+
+
+def _with_strides(value: Any, strides: tuple[int, ...]) -> Any:
+    """``value`` with the promised ``strides``. A dim of stride 0 (an output that is a broadcast,
+    ``x.expand(3, 5)``) is stored once and expanded: no tensor can be written through strides that
+    overlap."""
+    import torch
+
+    broadcast = [d for d, (size, stride) in enumerate(zip(value.shape, strides)) if stride == 0 and size > 1]
+    compact = value
+    for d in broadcast:
+        compact = compact.narrow(d, 0, 1)
+    strided = torch.empty_strided(compact.shape, strides, dtype=value.dtype, device=value.device)
+    strided.copy_(compact)
+    return strided.expand(value.shape) if broadcast else strided
 
 
 # ----------------------------------------------------------------------------------------------

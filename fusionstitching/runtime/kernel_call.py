@@ -5,15 +5,18 @@ and strides the kernel was generated for (strided inputs are read in place; the 
 already in ``data_ptr``). Outputs are new contiguous tensors, except in-place outputs, which are
 the input tensor whose storage they overwrite. A kernel with vector accesses runs only when every
 pointer is 16-byte aligned; otherwise its scalar variant runs. CUBINs are compiled once per
-device arch and cached on disk by ``nvrtc.py``.
+device arch and cached on disk by ``nvrtc.py``, under the cache root the caller passes
+(``Options.cache_dir`` and ``Options.cache_max_bytes``, given to ``precompile`` and ``call_generated``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from os import PathLike
 from typing import Any
 
 from fusionstitching.frontend.context import DTYPE_TO_TORCH
+from fusionstitching.options import Options
 
 _ALIGNMENT = 16
 
@@ -25,28 +28,33 @@ def device_arch(device: Any = None) -> str:
     return f"sm_{major}{minor}"
 
 
-def _launcher(kernel, arch: str):
-    """The kernel's LoadedKernel for ``arch``: compiled (or read from the disk cache) on first use;
-    a twin (``GeneratedKernel.twin``) shares its original's module and has its own arguments."""
+def _launcher(kernel, arch: str, cache_dir: str | PathLike | None, cache_max_bytes: int):
+    """The kernel's LoadedKernel for ``arch``: compiled (or read from the disk cache under
+    ``cache_dir``) on first use; a twin (``GeneratedKernel.twin``) shares its original's module and
+    has its own arguments."""
     from fusionstitching.runtime.launch import LoadedKernel
     from fusionstitching.runtime.nvrtc import compile_cuda
 
     launcher = kernel._modules.get(arch)
     if launcher is None:
         if kernel._twin is not None:
-            launcher = _launcher(kernel._twin, arch).twin()
+            launcher = _launcher(kernel._twin, arch, cache_dir, cache_max_bytes).twin()
         else:
             ir = kernel.lowered.kernel
-            module = compile_cuda(kernel.cuda_source, arch, name=f"{ir.name}.cu")
+            module = compile_cuda(kernel.cuda_source, arch, name=f"{ir.name}.cu", cache_dir=cache_dir,
+                                  cache_max_bytes=cache_max_bytes)
             launcher = LoadedKernel(module.cubin, ir.name, len(ir.params), ir.blocks, ir.threads)
         kernel._modules[arch] = launcher
     return launcher
 
 
-def precompile(kernels: Sequence[Any], arch: str, workers: int | None = None) -> None:
+def precompile(kernels: Sequence[Any], arch: str, workers: int | None = None, *,
+               cache_dir: str | PathLike | None = None,
+               cache_max_bytes: int = Options.cache_max_bytes) -> None:
     """Compile the kernels' CUDA sources for ``arch`` in a thread pool (NVRTC runs without the
     interpreter lock), each distinct source once, so that their first calls find their modules.
-    Scalar variants are left to the first misaligned call that needs them."""
+    Scalar variants are left to the first misaligned call that needs them. ``cache_dir`` and
+    ``cache_max_bytes``: ``Options.cache_dir`` and ``Options.cache_max_bytes`` (``nvrtc.compile_cuda``)."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -60,7 +68,7 @@ def precompile(kernels: Sequence[Any], arch: str, workers: int | None = None) ->
         return
     workers = workers or min(16, os.cpu_count() or 1, len(originals))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(lambda k: _launcher(k, arch), originals.values()))
+        list(pool.map(lambda k: _launcher(k, arch, cache_dir, cache_max_bytes), originals.values()))
 
 
 def check_inputs(kernel, tensors: Sequence[Any]) -> None:
@@ -97,8 +105,12 @@ def _signature(tensors: Sequence[Any]) -> list:
     return [(t.shape, t.stride(), t.dtype, t.device) for t in tensors]
 
 
-def call_generated(kernel, tensors: Sequence[Any], outputs: Sequence[Any] | None = None) -> list[Any]:
+def call_generated(kernel, tensors: Sequence[Any], outputs: Sequence[Any] | None = None, *,
+                   cache_dir: str | PathLike | None = None,
+                   cache_max_bytes: int = Options.cache_max_bytes) -> list[Any]:
     """Launch ``kernel`` on the current stream; ``outputs`` may be given (e.g. poisoned buffers).
+    A kernel (or scalar variant) not yet compiled for the device's arch is compiled here, with the
+    disk cache under ``cache_dir`` (as ``precompile``).
 
     The host path is kept short (DESIGN.md "Runtime"): the inputs' (shape, strides, dtype, device)
     are compared in one list comparison with those of the last call that passed the full check.
@@ -117,7 +129,7 @@ def call_generated(kernel, tensors: Sequence[Any], outputs: Sequence[Any] | None
     device = arguments[0].device
     launcher = variant._launchers.get(device)
     if launcher is None:
-        launcher = _launcher(variant, device_arch(device))
+        launcher = _launcher(variant, device_arch(device), cache_dir, cache_max_bytes)
         launcher.launch_tensors(arguments)  # loads the module in the device's context
         variant._launchers[device] = launcher
         return list(outputs)

@@ -1,0 +1,251 @@
+"""Fuzz programs: small straight-line torch functions with symbolic shapes, and their source text.
+
+A ``Program`` is a list of ``Step``s, each one torch expression over earlier values, plus the
+``Input``s it takes and the values it returns. Shapes are symbolic: every dim is a ``Dim``,
+``scale × product(symbols) + offset`` over the program's size symbols (``Program.sizes``), so that
+the shrinker can make a symbol smaller and every shape, slice bound, pad and index range follows.
+The source text (``source``) is rendered with the concrete sizes; it is what the fuzzer executes
+and what a reproducer file contains, so the two cannot disagree.
+
+Dtypes of values: ``"float"`` is the program's float dtype, written ``DT`` in the source (a float
+program runs once more with ``DT = torch.float64`` as the arbiter of rounding differences);
+``"int32"``, ``"int64"`` and ``"bool"`` are themselves.
+
+Input data is drawn per input from its own ``torch.Generator``, seeded from the program's data
+seed and the input's name, so removing an input while shrinking leaves the others' data alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+VALUE_DTYPES = ("float", "int32", "int64", "bool")
+
+
+@dataclass(frozen=True)
+class Dim:
+    """A symbolic dim: ``scale × product(sizes of symbols) + offset``; a constant has no symbols."""
+
+    symbols: tuple[str, ...] = ()
+    scale: int = 1
+    offset: int = 0
+
+    @staticmethod
+    def const(n: int) -> Dim:
+        return Dim((), 0, n)
+
+    @staticmethod
+    def symbol(name: str) -> Dim:
+        return Dim((name,))
+
+    def size(self, sizes: Mapping[str, int]) -> int:
+        if not self.symbols:
+            return self.offset
+        return self.scale * math.prod(sizes[s] for s in self.symbols) + self.offset
+
+    @property
+    def pure(self) -> bool:
+        """A product of symbols (times a scale), with no offset: it can be flattened with another."""
+        return bool(self.symbols) and self.offset == 0
+
+    def plus(self, n: int) -> Dim:
+        return Dim(self.symbols, self.scale, self.offset + n)
+
+    def __str__(self) -> str:
+        if not self.symbols:
+            return str(self.offset)
+        text = "*".join(([str(self.scale)] if self.scale != 1 else []) + list(self.symbols))
+        return text + (f"{self.offset:+d}" if self.offset else "")
+
+
+Shape = tuple[Dim, ...]
+
+
+def concrete(shape: Sequence[Dim], sizes: Mapping[str, int]) -> tuple[int, ...]:
+    return tuple(d.size(sizes) for d in shape)
+
+
+@dataclass(frozen=True)
+class Input:
+    """An argument of the program. ``index`` inputs hold integers in ``[0, bound)``, or, with
+    ``out_of_range``, one element equal to ``bound`` (eager must reject it, so must the compiler)."""
+
+    name: str
+    shape: Shape
+    dtype: str
+    index_bound: Dim | None = None
+    out_of_range: bool = False
+
+
+@dataclass(frozen=True)
+class Step:
+    """``name = code.format(*operands, d0=..., d1=...)``: one torch expression. ``dims`` are the
+    symbolic sizes the code spells out (``{d0}``...), rendered with the concrete sizes."""
+
+    name: str
+    op: str  # the op's name, counted in the coverage report
+    category: str  # its category in the coverage report
+    code: str
+    operands: tuple[str, ...]
+    shape: Shape
+    dtype: str
+    dims: tuple[Dim, ...] = ()
+
+
+@dataclass(frozen=True)
+class Program:
+    """A fuzz program; ``ident`` is ``"S:k"`` (program k of seed S), enough to generate it again."""
+
+    ident: str
+    dtype: str  # the float dtype DT
+    sizes: tuple[tuple[str, int], ...]
+    inputs: tuple[Input, ...]
+    steps: tuple[Step, ...]
+    outputs: tuple[str, ...]
+    backward: bool  # float inputs require grad and gradients are compared
+    data_seed: int
+    expect_error: bool = False  # an out-of-range index: eager raises, the compiled program must too
+
+    @property
+    def size_map(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    def shape_of(self, name: str) -> Shape:
+        return self.value(name).shape
+
+    def value(self, name: str) -> Input | Step:
+        for item in self.inputs + self.steps:
+            if item.name == name:
+                return item
+        raise KeyError(name)
+
+    def dims(self) -> list[Dim]:
+        """Every dim the program mentions: shapes, spelled-out sizes and index bounds."""
+        found = [d for item in self.inputs + self.steps for d in item.shape]
+        found += [d for s in self.steps for d in s.dims]
+        found += [i.index_bound for i in self.inputs if i.index_bound is not None]
+        return found
+
+    def valid_sizes(self, sizes: Mapping[str, int]) -> bool:
+        """Every dim non-negative and every index bound positive under ``sizes``."""
+        if any(d.size(sizes) < 0 for d in self.dims()):
+            return False
+        return all(i.index_bound.size(sizes) > 0 or 0 in concrete(i.shape, sizes)
+                   for i in self.inputs if i.index_bound is not None)
+
+    def with_sizes(self, sizes: Mapping[str, int]) -> Program:
+        return dataclasses.replace(self, sizes=tuple(sorted(sizes.items())))
+
+    def numels(self) -> list[int]:
+        sizes = self.size_map
+        return [math.prod(concrete(item.shape, sizes)) for item in self.inputs + self.steps]
+
+
+def input_seed(program: Program, name: str) -> int:
+    return (program.data_seed ^ zlib.crc32(name.encode())) & 0x7FFF_FFFF_FFFF
+
+
+def _input_expression(program: Program, item: Input) -> str:
+    sizes = program.size_map
+    shape = concrete(item.shape, sizes)
+    gen = f"_generator({input_seed(program, item.name)})"
+    if item.index_bound is not None:
+        bound = item.index_bound.size(sizes)
+        dtype = "torch.int64" if item.dtype == "int64" else "torch.int32"
+        text = f"torch.randint(0, {max(bound, 1)}, {shape}, generator={gen}, dtype={dtype})"
+        return f"_out_of_range({text}, {bound})" if item.out_of_range else text
+    if item.dtype == "float":
+        return f"torch.randn({shape}, generator={gen}).to(DT)"
+    if item.dtype == "bool":
+        return f"torch.randint(0, 2, {shape}, generator={gen}).bool()"
+    return f"torch.randint(-8, 9, {shape}, generator={gen}, dtype=torch.{item.dtype})"
+
+
+def function_source(program: Program) -> str:
+    """``def fn(...)``: the program as a Python function."""
+    sizes = program.size_map
+    lines = [f"def fn({', '.join(i.name for i in program.inputs)}):"]
+    for step in program.steps:
+        spelled = {f"d{k}": d.size(sizes) for k, d in enumerate(step.dims)}
+        lines.append(f"    {step.name} = {step.code.format(*step.operands, **spelled)}")
+    lines.append(f"    return {', '.join(program.outputs)}{',' if len(program.outputs) == 1 else ''}")
+    return "\n".join(lines)
+
+
+PRELUDE = '''import torch
+import torch.nn.functional as F
+
+
+def _generator(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _out_of_range(index, bound):
+    index.view(-1)[0] = bound
+    return index
+'''
+
+
+def source(program: Program) -> str:
+    """The module text: ``DT``, ``fn`` and ``make_inputs(device)`` (inputs drawn on the CPU, then moved)."""
+    body = [f"    {i.name} = {_input_expression(program, i)}" for i in program.inputs]
+    names = ", ".join(i.name for i in program.inputs)
+    make = ["def make_inputs(device='cpu'):", *body,
+            f"    return [t.to(device) for t in ({names}{',' if len(program.inputs) == 1 else ''})]"]
+    return "\n".join([PRELUDE, f"DT = torch.{program.dtype}", "", "", function_source(program), "", "",
+                      *make, ""])
+
+
+@dataclass
+class Built:
+    """A program made runnable: its function, the same function in float64, and its inputs' maker."""
+
+    fn: Callable[..., Any]
+    fn64: Callable[..., Any]
+    make_inputs: Callable[..., list[Any]]
+    text: str
+
+
+def build(program: Program) -> Built:
+    text = source(program)
+    namespace: dict[str, Any] = {"__name__": f"fuzz_{program.ident.replace(':', '_')}"}
+    exec(compile(text, f"<fuzz program {program.ident}>", "exec"), namespace)
+    namespace64: dict[str, Any] = {"__name__": namespace["__name__"] + "_f64"}
+    exec(compile(text, f"<fuzz program {program.ident}, float64>", "exec"), namespace64)
+    import torch
+
+    namespace64["DT"] = torch.float64
+    return Built(namespace["fn"], namespace64["fn"], namespace["make_inputs"], text)
+
+
+def live(program: Program) -> Program:
+    """The program without steps and inputs that no output depends on."""
+    needed = set(program.outputs)
+    steps = []
+    for step in reversed(program.steps):
+        if step.name in needed:
+            steps.append(step)
+            needed.update(step.operands)
+    return dataclasses.replace(program, steps=tuple(reversed(steps)),
+                               inputs=tuple(i for i in program.inputs if i.name in needed))
+
+
+def used_symbols(program: Program) -> set[str]:
+    return {s for d in program.dims() for s in d.symbols}
+
+
+def describe(program: Program) -> str:
+    """One line: dtype, sizes, op count."""
+    sizes = ", ".join(f"{k}={v}" for k, v in program.sizes if k in used_symbols(program))
+    return (f"{program.dtype}, {len(program.inputs)} inputs, {len(program.steps)} ops, sizes {sizes or 'none'}"
+            f"{', backward' if program.backward else ''}{', expects an error' if program.expect_error else ''}")
+
+
+def input_names(program: Program) -> Sequence[str]:
+    return [i.name for i in program.inputs]
