@@ -125,6 +125,10 @@ def _stmt(s: K.Stmt, depth: int) -> list[str]:
         return [f"{pad}__syncthreads();"]
     if isinstance(s, K.Comment):
         return [f"{pad}// {s.text}"]
+    if isinstance(s, K.Trap):
+        text = "".join(ch if ch.isascii() and ch.isprintable() and ch not in '"\\%' else "_" for ch in s.message)
+        return [f'{pad}printf("fusionstitching: block %d thread %d: {text}\\n", (int)blockIdx.x, (int)threadIdx.x);',
+                f"{pad}__trap();"]
     if isinstance(s, K.VecLoad):
         return _vec_load(s, pad)
     if isinstance(s, K.VecStore):

@@ -257,7 +257,16 @@ class Comment:
     text: str
 
 
-Stmt = Let | Assign | Store | VecLoad | VecStore | For | If | Barrier | Comment
+@dataclass(frozen=True)
+class Trap:
+    """Stop the kernel with ``message``: an error of the program's inputs that eager rejects too
+    (an index out of range). CUDA: ``printf`` and ``__trap()``, which fails the launch as torch's
+    device-side asserts do; the simulator raises ``IndexError``."""
+
+    message: str
+
+
+Stmt = Let | Assign | Store | VecLoad | VecStore | For | If | Barrier | Comment | Trap
 
 
 # ----------------------------------------------------------------------------------------------

@@ -146,7 +146,7 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
     in_names = [f"in{k}" for k in range(len(pattern.inputs))]
     out_names = [f"out{k}" for k in range(len(pattern.outputs))]
     inputs = {id(n): InputBuffer(nm, n, lay.strides) for n, nm, lay in zip(pattern.inputs, in_names, input_layouts)}
-    emitter = ValueEmitter(inputs, {id(n) for n in pattern.nodes}, index_type)
+    emitter = ValueEmitter(inputs, {id(n) for n in pattern.nodes}, index_type, origins=graph.origins)
 
     shared: list[K.Buffer] = []
     smem_plan = None

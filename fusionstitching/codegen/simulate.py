@@ -335,6 +335,12 @@ class _Machine:
         self.run_block(s.then, act & cond)
         self.run_block(s.orelse, act & ~cond)
 
+    def trap(self, s: K.Trap, act: np.ndarray, scope: dict) -> None:
+        if act.any():
+            lane = int(np.argmax(act))
+            raise IndexError(f"kernel {self.kernel.name}: {s.message} (block {lane // self.threads} thread "
+                             f"{lane % self.threads})")
+
     def barrier(self, s: K.Barrier, act: np.ndarray, scope: dict) -> None:
         per_block = act.reshape(self.blocks, self.threads)
         complete = per_block.all(axis=1)
@@ -529,7 +535,7 @@ class _Machine:
 _STATEMENTS: dict[type, Callable[[_Machine, K.Stmt, np.ndarray, dict], None]] = {
     K.Let: _Machine.let, K.Assign: _Machine.assign_stmt, K.Store: _Machine.store,
     K.VecLoad: _Machine.vec_load, K.VecStore: _Machine.vec_store, K.For: _Machine.for_stmt,
-    K.If: _Machine.if_stmt, K.Barrier: _Machine.barrier, K.Comment: lambda *args: None,
+    K.If: _Machine.if_stmt, K.Barrier: _Machine.barrier, K.Comment: lambda *args: None, K.Trap: _Machine.trap,
 }
 _EXPRESSIONS: dict[type, Callable[[_Machine, K.Expr, np.ndarray], np.ndarray]] = {
     K.Const: _Machine.eval_const, K.Var: _Machine.eval_var, K.Special: _Machine.eval_special,
@@ -594,4 +600,5 @@ _RENDER: dict[type, Callable] = {
     K.If: lambda n: f"if {_text(n.cond)}",
     K.Barrier: lambda n: "barrier",
     K.Comment: lambda n: f"// {n.text}",
+    K.Trap: lambda n: f"trap {n.message!r}",
 }

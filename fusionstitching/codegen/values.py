@@ -78,6 +78,7 @@ class ValueEmitter:
     sub_roots: dict[int, tuple] = field(default_factory=dict)  # results of earlier groups (composition)
     reader: Callable | None = None  # reads a sub-root's result: reader(entry, index, consumer)
     current: str = ""  # the group being emitted, for error messages
+    origins: dict[str, str] = field(default_factory=dict)  # node → its FX node and ATen op (``Graph.origins``)
     mutable: set[str] = field(default_factory=set)  # registers assigned after their Let (accumulators)
     shared_buffers: set[str] = field(default_factory=set)  # rewritten between barriers
     # Values and let-bindings visible in the current scope, in one table; each open nested scope
@@ -332,7 +333,15 @@ class ValueEmitter:
         idx_index = index[:batch] + index[axis : axis + k]
         raw = self.value(indices, idx_index)
         size = self.idx(x.shape[axis] - 1)
-        # Out-of-range indices are clamped so that a kernel never reads outside the operand.
+        # An index out of range stops the kernel, as eager's indexing raises; it is checked in the
+        # index's own type (an i64 index of 2^32 must not wrap into range). Other threads may still
+        # read before the launch fails: indices are clamped too, so no thread reads outside the operand.
+        rtype = register_type(indices.dtype)
+        outside = K.Binary("or", K.Binary("lt", raw, K.Const(0, rtype), "bool"),
+                           K.Binary("ge", raw, K.Const(x.shape[axis], rtype), "bool"), "bool")
+        origin = self.origins.get(node.name, node.name)
+        self.stmts.append(K.If(outside, (K.Trap(f"index out of range in {origin} (dim {axis} of {x.name}, "
+                                                 f"size {x.shape[axis]})"),)))
         position = self.let("g", K.Binary("min", K.Binary("max", K.Cast(raw, self.index_type), self.idx(0),
                                                           self.index_type), size, self.index_type))
         operand_index = index[:axis] + (position,) + index[axis + k :]

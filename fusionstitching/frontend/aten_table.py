@@ -432,12 +432,18 @@ def _index(cx: LoweringContext, x: Node, indices: Sequence[Node | None]) -> Node
         raise Unsupported("boolean-mask indexing (data-dependent shape)")
     first, last = positions[0], positions[-1]
     index_shape = _broadcast_shapes([indices[i].shape for i in positions])
-    linear = None
+    linear, inside = None, None
     for i in positions:
         idx = cx.broadcast_to(cx.lift(indices[i], DType.I64, indices[i].shape), index_shape)
         idx = _wrap_negative(cx, idx, x.shape[i])
+        if len(positions) > 1:  # one index out of range must not land in range once merged
+            ok = cx.b.binary("and", cx.b.compare("GE", idx, cx.lift(0, DType.I64, index_shape)),
+                             cx.b.compare("LT", idx, cx.lift(x.shape[i], DType.I64, index_shape)))
+            inside = ok if inside is None else cx.b.binary("and", inside, ok)
         linear = idx if linear is None else cx.b.binary(
             "add", cx.b.binary("mul", linear, cx.lift(x.shape[i], DType.I64, index_shape)), idx)
+    if inside is not None:  # the gather's own check then stops the call
+        linear = cx.b.select(inside, linear, cx.lift(-1, DType.I64, index_shape))
     merged = x.shape[:first] + (math.prod(x.shape[first : last + 1]),) + x.shape[last + 1 :]
     return cx.reshape(cx.node("gather", cx.reshape(x, merged), linear, axis=first, batch_dims=0), cx.shape)
 

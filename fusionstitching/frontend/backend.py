@@ -207,7 +207,7 @@ class _Runner:
             results = compiled.run(tensors, trusted=True)[: self.outputs]
         except IndexError:  # the user's error, raised by eager too
             raise
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 -- the failure policy: any internal error
             self._failed(err, "run")
             return list(self.gm(*args))
         if compiled is self.static:
@@ -226,7 +226,7 @@ class _Runner:
     def _concrete(self, args: list[Any]) -> tuple[fx.GraphModule, dict[int, Any]] | None:
         try:
             return _concrete(self.gm, args)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 -- the failure policy: any internal error
             self._failed(err, "capture")
             return None
 
@@ -237,7 +237,7 @@ class _Runner:
         with unset_fake_temporarily():
             try:
                 return self._compile_real(gm, inputs, key)
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 -- the failure policy: any internal error
                 self._failed(err, None, gm)
                 return None
 
@@ -286,17 +286,19 @@ class _Runner:
 
 
 def _evidence(err: BaseException, gm: fx.GraphModule, stage: str | None, origins: dict[str, str]) -> str:
-    """``<stage>, node <name> (<ATen op>): <exception>``. The stage, unless given, is the package of
-    the innermost frame of this package in the traceback; the node is the innermost graph or FX node
-    a frame of this package was handling (a local of type ``Node`` or ``fx.Node``)."""
+    """``<stage>, node <name> (from <FX node>: <ATen op>): <exception>``. The stage, unless given, is
+    the package of the innermost frame of this package in the traceback; the node is the innermost
+    graph or FX node that a frame from the compiler inwards was handling (a local of type ``Node``
+    or ``fx.Node``)."""
     from fusionstitching.graph.graph import Node
 
     node_name, where = None, None
     for frame, _ in traceback.walk_tb(err.__traceback__):
         module = frame.f_globals.get("__name__", "")
-        if not module.startswith("fusionstitching."):
+        if module.startswith("fusionstitching."):
+            where = module.split(".")[1]
+        if where is None:  # frames of the caller, outside the compiler
             continue
-        where = module.split(".")[1]
         for value in frame.f_locals.values():
             if isinstance(value, (Node, fx.Node)):
                 node_name = value.name

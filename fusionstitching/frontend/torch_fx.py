@@ -126,7 +126,7 @@ def convert(
             builder.origin = None
         elif fx_node.op == "output":
             fx_outputs = list(fx_node.args[0])
-    out_values = [values[o] if isinstance(o, fx.Node) else None for o in fx_outputs]
+    out_values = [values[o] if isinstance(o, fx.Node) and isinstance(values[o], Node) else None for o in fx_outputs]
     out_metas = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in fx_outputs]
     order = list(range(len(fx_outputs))) if output_order is None else list(output_order)
     outputs = [out_values[i] for i in order]

@@ -246,22 +246,18 @@ class _Builder:
         self.dtype = kind if kind in FLOAT_DTYPES else rng.choice(FLOAT_DTYPES)
         dtype = "float" if kind in FLOAT_DTYPES else kind
         rank = rng.choices([0, 1, 2, 3, 4], [2, 15, 43, 30, 10])[0]
-        long_row = "long_rows" in self.features and rank >= 1 and rng.random() < 0.1
-        if long_row:
+        long_at = None
+        if "long_rows" in self.features and rank >= 1 and rng.random() < 0.1:
             self.cap = LONG_ELEMENT_CAP
-        shape: list[Dim] = []
-        for d in range(rank):
-            if long_row and d == rank - 1 - (rng.random() < 0.25) * min(1, rank - 1):
-                name = _symbol_name(len(self.sizes))
-                self.sizes[name] = rng.choice(LONG_ROWS)
-                shape.append(Dim.symbol(name))
-            else:
-                shape.append(self.new_symbol(self.room(tuple(shape)) // (8 if long_row else 1) or 1))
-        if long_row:  # the long dim is drawn last: shrink the others until it fits
-            while self.numel(tuple(shape)) > self.cap:
-                small = max((d for d in shape if self.sizes[d.symbols[0]] not in LONG_ROWS),
-                            key=lambda d: self.sizes[d.symbols[0]])
-                self.sizes[small.symbols[0]] = max(1, self.sizes[small.symbols[0]] // 2)
+            long_at = rank - 1 - int(rank >= 2 and rng.random() < 0.25)
+        shape: list[Dim | None] = [None] * rank
+        if long_at is not None:
+            name = _symbol_name(len(self.sizes))
+            self.sizes[name] = rng.choice(LONG_ROWS)
+            shape[long_at] = Dim.symbol(name)
+        for d in rng.sample(range(rank), rank):  # in a random order: the first drawn may be the largest
+            if shape[d] is None:
+                shape[d] = self.new_symbol(self.room(tuple(x for x in shape if x is not None)))
         self.add_input(tuple(shape), dtype)
         if rng.random() < 0.5:
             self.add_input(self.broadcast_variant(tuple(shape)), dtype)
@@ -297,6 +293,7 @@ class _Builder:
                           tuple(self.steps), tuple(outputs), backward, program_seed(*map(int, self.ident.split(":"))),
                           self.expect_error)
         program = live(program)
+        program = replace(program, expect_error=any(i.out_of_range for i in program.inputs))
         used_symbols = {s for d in program.dims() for s in d.symbols}
         return replace(program, sizes=tuple((k, v) for k, v in program.sizes if k in used_symbols))
 
@@ -352,9 +349,7 @@ class _Builder:
         if isinstance(other, str):
             if op in ("maximum", "minimum"):
                 op = "add"
-            if value.dtype != "float" and op in ("floor_divide", "remainder", "fmod") and "-" in other:
-                other = other.lstrip("-")
-            code = codes[op].replace("{1}.abs()", "abs({1})").replace("{1}", other)
+            code = codes[op].replace("{1}.abs() + 1", other.lstrip("-")).replace("{1}", other)
             return self._binary(op, code, [value], value, None, value.shape)
         shape = broadcast_shapes(value.shape, other.shape)
         operands = [value, other] if rng.random() < 0.7 else [other, value]
@@ -460,9 +455,7 @@ class _Builder:
             target = rng.choice(["int32", "int64"])
             return self.add("convert", "convert", f"{{0}}.to(torch.{target})", [value], value.shape, target,
                             value.bound, True)
-        targets = ["float", "int32", "int64"]
-        targets.remove(value.dtype) if value.dtype in targets else None
-        target = rng.choice(targets)
+        target = rng.choice([t for t in ("float", "int32", "int64") if t != value.dtype])
         code = "{0}.to(DT)" if target == "float" else f"{{0}}.to(torch.{target})"
         if target == "float" and rng.random() < 0.3:
             code = "{0}.float().to(DT)" if self.dtype != "float32" else "{0}.float()"
@@ -474,15 +467,17 @@ class _Builder:
         if value is None:
             return None
         shape = list(value.shape)
+        source = "{0}"
         if ONE not in shape or rng.random() < 0.5:
-            shape.insert(rng.randint(0, len(shape)), ONE)
-        target = [self.new_symbol(self.room(tuple(d for d in shape if d != ONE)) // 2) if d == ONE
-                  and rng.random() < 0.8 else d for d in shape]
+            at = rng.randint(0, len(shape))
+            shape.insert(at, ONE)
+            source = f"{{0}}.unsqueeze({at})"
+        target: list[Dim] = []
+        for k, d in enumerate(shape):
+            if d == ONE and rng.random() < 0.8:
+                d = self.new_symbol(self.room(tuple(target) + tuple(shape[k + 1:])) // 2)
+            target.append(d)
         dims = tuple(target)
-        unsqueeze = len(shape) != len(value.shape)
-        at = next(k for k, (a, b) in enumerate(zip(shape + [None], list(value.shape) + [None])) if a != b) \
-            if unsqueeze else 0
-        source = f"{{0}}.unsqueeze({at})" if unsqueeze else "{0}"
         spelled = ", ".join(f"{{d{k}}}" for k in range(len(dims)))
         code = f"{source}.expand({spelled})" if rng.random() < 0.7 else f"torch.broadcast_to({source}, ({spelled},))"
         return self.add("expand", "broadcast", code, [value], dims, value.dtype, value.bound, value.exact,
@@ -513,7 +508,7 @@ class _Builder:
         empty = extent == 0
         if value.dtype == "float":
             names = ["sum", "sum", "mean", "amax", "amin", "var", "std"]
-            if extent <= 32:
+            if extent <= 32 and (len(dims) == 1 or to_scalar):
                 names.append("prod")
         elif value.dtype == "bool":
             names = ["any", "all", "sum"]
@@ -537,10 +532,9 @@ class _Builder:
             code = f"torch.{op}({{0}}, dim={dim_text}{keep})" if op != "mean" else f"{{0}}.mean({dim_text}{keep})"
         else:
             code = f"{{0}}.{op}({dim_text}{keep})"
-        value_prod = value.bound ** max(extent, 1)
         bound = {"sum": value.bound * max(extent, 1), "mean": value.bound, "amax": value.bound,
-                 "amin": value.bound, "var": value.bound ** 2 * 2, "std": value.bound * 2, "prod": value_prod,
-                 "any": 1, "all": 1}[op]
+                 "amin": value.bound, "var": value.bound ** 2 * 2, "std": value.bound * 2,
+                 "prod": value.bound ** max(extent, 1) if op == "prod" else 0.0, "any": 1, "all": 1}[op]
         limit = self.limit() if value.dtype == "float" else INT_BOUND_LIMIT
         if op == "prod" and bound > limit:
             code = code.replace("{0}", "(torch.tanh({0}) * 0.5 + 1)", 1)
@@ -562,8 +556,6 @@ class _Builder:
         value = self.pick(lambda v: v.reduced and len(v.shape) >= 1) if after_row else None
         value = value or self.pick(lambda v: self.may_reduce_all(v) and len(v.shape) >= 1)
         if value is None:
-            return None
-        if self.numel(value.shape) == 0 and value.dtype != "bool":
             return None
         return self.reduction(value, list(range(len(value.shape))), False, to_scalar=True)
 
@@ -646,10 +638,7 @@ class _Builder:
             dims = tuple(new)
             spelled = ", ".join(f"{{d{k}}}" for k in range(len(new)))
             code = rng.choice([f"{{0}}.flatten({at}, {at + 1})", f"{{0}}.reshape({spelled})",
-                               f"{{0}}.view({spelled})" if not value.expanded else f"{{0}}.reshape({spelled})"])
-            code = code if new else "{0}.reshape(())"
-            if "view" in code:
-                code = f"{{0}}.contiguous().view({spelled})"
+                               f"{{0}}.contiguous().view({spelled})"])
         elif move == "all":
             total = shape[0]
             for d in shape[1:]:
@@ -663,7 +652,7 @@ class _Builder:
             dims = (first, rest)
             code = f"{{0}}.unflatten({at}, ({{d0}}, {{d1}}))"
         return self.add("reshape", "reshape", code, [value], tuple(new), value.dtype, value.bound, value.exact,
-                        dims=dims, reduced=False, expanded=value.expanded)
+                        dims=dims, expanded=value.expanded and "contiguous" not in code)
 
     def _transpose(self) -> _Value | None:
         rng = self.rng
@@ -773,7 +762,10 @@ class _Builder:
         out_of_range = ("out_of_range" in self.features and not self.expect_error and self.rng.random() < 0.08
                         and self.numel(shape) > 0)
         self.expect_error = self.expect_error or out_of_range
-        return self.add_input(shape, dtype, index_bound=bound, out_of_range=out_of_range)
+        index = self.add_input(shape, dtype, index_bound=bound, out_of_range=out_of_range)
+        if out_of_range:  # used by its gather only, so that the program must fail
+            self.values.remove(index)
+        return index
 
     def _gather(self) -> _Value | None:
         rng = self.rng

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+import types
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -213,15 +215,23 @@ class Built:
 
 
 def build(program: Program) -> Built:
-    text = source(program)
-    namespace: dict[str, Any] = {"__name__": f"fuzz_{program.ident.replace(':', '_')}"}
-    exec(compile(text, f"<fuzz program {program.ident}>", "exec"), namespace)
-    namespace64: dict[str, Any] = {"__name__": namespace["__name__"] + "_f64"}
-    exec(compile(text, f"<fuzz program {program.ident}, float64>", "exec"), namespace64)
+    """Execute the program's source as a module (``fuzz_S_k``, registered in ``sys.modules``, where
+    TorchDynamo looks up the globals of the functions it inlines) and once more with ``DT = float64``."""
     import torch
 
-    namespace64["DT"] = torch.float64
-    return Built(namespace["fn"], namespace64["fn"], namespace["make_inputs"], text)
+    text = source(program)
+    name = f"fuzz_{program.ident.replace(':', '_')}"
+    module = _module(name, text, f"<fuzz program {program.ident}>")
+    wide = _module(name + "_f64", text, f"<fuzz program {program.ident}, float64>")
+    wide.DT = torch.float64
+    return Built(module.fn, wide.fn, module.make_inputs, text)
+
+
+def _module(name: str, text: str, filename: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    exec(compile(text, filename, "exec"), module.__dict__)
+    sys.modules[name] = module
+    return module
 
 
 def live(program: Program) -> Program:

@@ -110,9 +110,8 @@ def fold_empty(graph: Graph) -> Graph:
     shape, a pad of an empty operand is its padding value broadcast, and a concatenation drops its
     empty pieces. Kernels and their launch dims then never see an empty extent (a grid of zero
     blocks, a row of zero elements), and eager's results on empty inputs come out exactly."""
-    if all(n.size for n in graph.nodes if n.op != "parameter"):
-        if not any(x.size == 0 for n in graph.nodes for x in n.operands):
-            return graph
+    if not any(n.size == 0 for n in graph.nodes):
+        return graph
     names = _Names(n.name for n in graph.nodes)
     copies: dict[int, Node] = {id(p): p for p in graph.parameters}
     for old in graph.nodes:
@@ -334,6 +333,7 @@ def _rebuilt(graph: Graph, copies: Mapping[int, Node]) -> Graph:
     result = Graph(graph.parameters, [None if out is None else copies[id(out)] for out in graph.outputs],
                    name=graph.name, mutations=graph.mutations, output_layouts=graph.output_layouts)
     verify(result)
+    result.origins = graph.origins
     return result
 
 

@@ -145,8 +145,8 @@ def test_cache_hit_returns_identical_cubin(tmp_path):
     assert second.cubin == first.cubin
     assert second.resources == first.resources
     assert second.log == first.log
-    assert len(list(tmp_path.glob("*.entry"))) == 1
-    assert not list(tmp_path.glob("*.tmp"))
+    assert len(list((tmp_path / "nvrtc").glob("*.entry"))) == 1
+    assert not list((tmp_path / "nvrtc").glob("*.tmp"))
 
 
 def test_cache_key_covers_options_arch_and_source(tmp_path):
@@ -154,14 +154,14 @@ def test_cache_key_covers_options_arch_and_source(tmp_path):
     assert not compile_cuda(AXPY, "sm_90", ["--use_fast_math"], cache_dir=tmp_path).cached
     assert not compile_cuda(AXPY, "sm_80", cache_dir=tmp_path).cached
     assert not compile_cuda(AXPY + "\n", "sm_90", cache_dir=tmp_path).cached
-    assert len(list(tmp_path.glob("*.entry"))) == 4
+    assert len(list((tmp_path / "nvrtc").glob("*.entry"))) == 4
     assert compile_cuda(AXPY, "sm_90", ["--use_fast_math"], cache_dir=tmp_path).cached
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
 def test_corrupt_cache_entry_is_recompiled(damage, tmp_path):
     good = compile_cuda(AXPY, "sm_90", cache_dir=tmp_path)
-    (entry,) = tmp_path.glob("*.entry")
+    (entry,) = (tmp_path / "nvrtc").glob("*.entry")
     data = entry.read_bytes()
     entry.write_bytes({"garbage": b"\x00not json\n" + data, "truncated": data[:-100], "empty": b""}[damage])
     again = compile_cuda(AXPY, "sm_90", cache_dir=tmp_path)
@@ -178,11 +178,15 @@ def test_unwritable_cache_still_compiles(tmp_path):
     assert module.cubin[:4] == ELF_MAGIC and not module.cached
 
 
-def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
+def test_cache_root_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert nvrtc.default_cache_dir() == tmp_path / "fusionstitching" / "nvrtc"
+    assert nvrtc.cache_root(None) == tmp_path / "fusionstitching"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # the XDG spec says to ignore it
+    assert nvrtc.cache_root(None).parts[-2:] == (".cache", "fusionstitching")
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert nvrtc.default_cache_dir().parts[-3:] == (".cache", "fusionstitching", "nvrtc")
+    assert nvrtc.cache_root(None) == nvrtc.Path.home() / ".cache" / "fusionstitching"
+    assert nvrtc.cache_root(tmp_path / "mine") == tmp_path / "mine"
+    assert nvrtc.cache_root(str(tmp_path)) == tmp_path
 
 
 def test_syntax_error_shows_numbered_source_and_log(tmp_path):
@@ -197,7 +201,7 @@ def test_syntax_error_shows_numbered_source_and_log(tmp_path):
     assert "sm_80" in text and "--use_fast_math" in text
     assert info.value.arch == "sm_80"
     assert "undefined_name" in info.value.log
-    assert not list(tmp_path.glob("*.entry"))  # failures are not cached
+    assert not list(tmp_path.rglob("*.entry"))  # failures are not cached
 
 
 def test_numbered_source_aligns_widths():

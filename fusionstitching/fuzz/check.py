@@ -1,0 +1,436 @@
+"""One fuzz program checked: compiled against eager, and every kernel of its plans against the reference.
+
+``check(program, config, device)`` runs
+
+1. eager PyTorch on the program's inputs (and, for a backward, ``torch.autograd.grad`` of the float
+   outputs with seeded random tangents);
+2. ``torch.compile(fn, backend="fusionstitching", dynamic=False, options={"strict": True, "solver":
+   ..., "generators": ...})`` on the same inputs, after ``torch._dynamo.reset()``, compared with (1);
+3. with ``plans``, the plan check: ``fusionstitching.capture`` of the program, ``pipeline.compile_graph``
+   of its forward and backward graphs with the same options, and every kernel simulated
+   (``GeneratedKernel.simulate``) on the reference values of its inputs and compared with the
+   reference values of its outputs (``graph/reference.py``). On the CPU, (2) runs the same kernels in
+   the simulator already; the plan check adds the reference semantics as a second oracle, names the
+   failing kernel, and is where the coverage of composition schemes is read. On a GPU it is the
+   simulator's own check.
+
+Tolerances. Integers and bools must be equal. Floats: the largest difference relative to the
+largest magnitude of the expected tensor (at least ``SCALE_FLOOR``) must stay under ``TOLERANCE``
+of the dtype. Compiled half-type kernels compute in f32 between stores where eager rounds every
+op, so a difference above the tolerance is judged by a float64 run of the same program (``DT =
+torch.float64``): the compiled result passes when it is no further from float64 than twice eager's
+distance (the accuracy check of TorchDynamo's minifier, ``same(..., fp64_ref=...)``). The plan
+check has no float64 twin: a half-type kernel passes when at most ``HALF_OUTLIERS`` of its elements
+differ by more than the tolerance (a routing decision of a gradient, ``x > 0`` on a value the kernel
+holds in f32 and the reference rounds, may flip there).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fusionstitching.fuzz.programs import Built, Program, build
+
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2, "float64": 1e-9}
+SCALE_FLOOR = 1e-2
+HALF_OUTLIERS = 0.01
+ARBITER_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """The compiler options a program runs with: a selector and a set of candidate generators."""
+
+    solver: str
+    generators: tuple[str, ...]
+    label: str  # the generator set's name in reports
+
+    def options(self) -> dict[str, Any]:
+        return {"strict": True, "solver": self.solver, "generators": self.generators}
+
+    def __str__(self) -> str:
+        return f"{self.solver}, {self.label}"
+
+
+@dataclass
+class KernelInfo:
+    """What the coverage report counts of one generated kernel."""
+
+    ops: int
+    schemes: frozenset[str]
+    ir_ops: frozenset[str]
+
+
+@dataclass
+class Outcome:
+    """The verdict on one program: ``ok``, ``mismatch`` or ``error``; ``kind`` groups failures (the
+    shrinker keeps a candidate only when it fails with the same kind)."""
+
+    status: str = "ok"
+    where: str = ""
+    message: str = ""
+    kind: str = ""
+    location: str = ""
+    kernels: list[KernelInfo] = field(default_factory=list)
+    library_calls: int = 0
+    fallbacks: int = 0
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.status != "ok"
+
+    def line(self) -> str:
+        where = f"{self.where}: " if self.where else ""
+        at = f" (at {self.location})" if self.location else ""
+        return f"{self.status}: {where}{self.message}{at}"
+
+
+class _Failure(Exception):
+    """A mismatch or error found on the way; carries the outcome."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(outcome.line())
+        self.outcome = outcome
+
+
+def check(program: Program, config: Config, device: str = "cpu", plans: bool = True) -> Outcome:
+    """Run ``program`` eagerly and compiled (and check its plans); the verdict with what was counted."""
+    from fusionstitching.frontend.backend import stats
+
+    start = time.perf_counter()
+    before = stats()
+    outcome = Outcome()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            built = build(program)
+            _against_eager(program, built, config, device)
+            if plans and not program.expect_error:
+                _plans(program, built, config, device, outcome)
+        except _Failure as failure:
+            found = failure.outcome
+            found.kernels, found.library_calls = outcome.kernels, outcome.library_calls
+            outcome = found
+        finally:
+            torch._dynamo.reset()
+    after = stats()
+    outcome.fallbacks = after.get("fallbacks", 0) - before.get("fallbacks", 0)
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+# -- eager vs compiled --------------------------------------------------------------------------
+
+@dataclass
+class _Run:
+    outputs: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+
+
+def _against_eager(program: Program, built: Built, config: Config, device: str) -> None:
+    inputs = built.make_inputs(device)
+    try:
+        eager = _run(built.fn, inputs, program)
+    except Exception as err:
+        if program.expect_error:
+            _compiled_must_raise(built, inputs, program, config)
+            return
+        raise _Failure(_error("eager", err, "the program is invalid (a fuzzer bug)")) from err
+    if program.expect_error:
+        raise _Failure(Outcome("error", "eager", "an out-of-range index that eager accepts (a fuzzer bug)",
+                               "fuzzer"))
+    torch._dynamo.reset()
+    compiled_fn = torch.compile(built.fn, backend="fusionstitching", dynamic=False, options=config.options())
+    try:
+        compiled = _run(compiled_fn, inputs, program)
+    except Exception as err:
+        raise _Failure(_error("torch.compile", err)) from err
+    reference: list[_Run] = []
+
+    def float64() -> _Run:
+        if not reference:
+            wide = [x.double() if x.is_floating_point() else x for x in inputs]
+            reference.append(_run(built.fn64, wide, program, tangent_dtype=_torch_dtype(program.dtype)))
+        return reference[0]
+
+    if len(compiled.outputs) != len(eager.outputs):
+        raise _Failure(Outcome("mismatch", "outputs", f"{len(compiled.outputs)} outputs, eager has "
+                               f"{len(eager.outputs)}", "mismatch"))
+    for k, (got, want) in enumerate(zip(compiled.outputs, eager.outputs)):
+        _compare(f"output {k}", got, want, program.dtype, lambda k=k: float64().outputs[k])
+    if len(compiled.grads) != len(eager.grads):
+        raise _Failure(Outcome("mismatch", "gradients", f"{len(compiled.grads)} gradients, eager has "
+                               f"{len(eager.grads)}", "mismatch"))
+    names = [i.name for i in program.inputs if i.dtype == "float" and i.index_bound is None]
+    for name, k, got, want in zip(names, range(len(names)), compiled.grads, eager.grads):
+        if got is None and want is None:
+            continue
+        got = torch.zeros_like(want) if got is None else got
+        want = torch.zeros_like(got) if want is None else want
+        _compare(f"gradient of {name}", got, want, program.dtype,
+                 lambda k=k: _or_zeros(float64().grads[k], want))
+
+
+def _compiled_must_raise(built: Built, inputs: list[torch.Tensor], program: Program, config: Config) -> None:
+    torch._dynamo.reset()
+    compiled_fn = torch.compile(built.fn, backend="fusionstitching", dynamic=False, options=config.options())
+    try:
+        outputs = _run(compiled_fn, inputs, program).outputs
+        if outputs and outputs[0].is_cuda:
+            torch.cuda.synchronize()
+    except Exception:
+        return
+    raise _Failure(Outcome("mismatch", "out-of-range index", "eager raises, the compiled program returns values",
+                           "mismatch"))
+
+
+def _run(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], program: Program,
+         tangent_dtype: torch.dtype | None = None) -> _Run:
+    """Outputs of ``fn`` on copies of ``inputs`` and, for a backward, the gradients of the float inputs
+    (``None`` where an input gets none) for tangents drawn from the program's data seed."""
+    grad_inputs = [i.dtype == "float" and i.index_bound is None and program.backward for i in program.inputs]
+    args = [x.detach().clone().requires_grad_(g) for x, g in zip(inputs, grad_inputs)]
+    outputs = list(fn(*args))
+    grads: list[torch.Tensor | None] = []
+    if program.backward:
+        differentiable = [o for o in outputs if o.requires_grad]
+        wrt = [a for a, g in zip(args, grad_inputs) if g]
+        grads = [None] * len(wrt)
+        if differentiable:
+            tangents = _tangents(differentiable, program.data_seed, tangent_dtype)
+            grads = list(torch.autograd.grad(differentiable, wrt, tangents, allow_unused=True))
+    return _Run([o.detach() for o in outputs], [None if g is None else g.detach() for g in grads])
+
+
+def _tangents(outputs: Sequence[torch.Tensor], seed: int, dtype: torch.dtype | None) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed + 1)
+    return [torch.randn(tuple(o.shape), generator=generator).to(dtype or o.dtype).to(o.dtype).to(o.device)
+            for o in outputs]
+
+
+def _or_zeros(value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like, dtype=torch.float64) if value is None else value
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _compare(what: str, got: torch.Tensor, want: torch.Tensor, dtype: str,
+             float64: Callable[[], torch.Tensor]) -> None:
+    if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+        raise _Failure(Outcome("mismatch", what, f"{got.dtype}{list(got.shape)}, eager has "
+                               f"{want.dtype}{list(want.shape)}", "mismatch"))
+    got_np, want_np = _numpy(got), _numpy(want)
+    if not want.is_floating_point():
+        wrong = int(np.sum(got_np != want_np))
+        if wrong:
+            raise _Failure(Outcome("mismatch", what, f"{wrong} of {want_np.size} elements differ from eager "
+                                   f"({want.dtype})", "mismatch"))
+        return
+    tolerance = TOLERANCE[dtype]
+    error = relative_error(got_np, want_np)
+    if error <= tolerance:
+        return
+    truth = _numpy(float64())
+    compiled_error, eager_error = relative_error(got_np, truth), relative_error(want_np, truth)
+    if compiled_error <= max(tolerance, ARBITER_FACTOR * eager_error):
+        return
+    raise _Failure(Outcome("mismatch", what, f"error {error:.3g} against eager > {tolerance:g} ({dtype}); "
+                           f"against float64 {compiled_error:.3g}, eager's {eager_error:.3g}", "mismatch"))
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.float()
+    return t.numpy()
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    """The largest difference relative to the largest finite magnitude of ``want`` (at least
+    ``SCALE_FLOOR``); equal values, NaN against NaN and equal infinities are no difference."""
+    diff = _differences(got, want)
+    return float(diff.max(initial=0.0) / _scale(want))
+
+
+def _differences(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    same = (got64 == want64) | (np.isnan(got64) & np.isnan(want64))
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(got64 - want64)
+    return np.where(same, 0.0, np.where(np.isnan(diff), np.inf, diff))
+
+
+def _scale(want: np.ndarray) -> float:
+    want64 = np.asarray(want, np.float64)
+    finite = np.abs(want64[np.isfinite(want64)])
+    return max(float(finite.max(initial=0.0)), SCALE_FLOOR)
+
+
+# -- plans: every kernel against the reference ------------------------------------------------------
+
+def _plans(program: Program, built: Built, config: Config, device: str, outcome: Outcome) -> None:
+    from fusionstitching.bench.check import forward_arrays
+    from fusionstitching.frontend.torch_fx import capture
+    from fusionstitching.graph import reference
+    from fusionstitching.options import Options
+    from fusionstitching.pipeline import compile_graph
+
+    options = Options(**config.options())
+    inputs = built.make_inputs(device)
+    args = [x.detach().clone().requires_grad_(program.backward and i.dtype == "float" and i.index_bound is None)
+            for x, i in zip(inputs, program.inputs)]
+    try:
+        captured = capture(built.fn, *args, train=program.backward, name=f"fuzz_{program.ident.replace(':', '_')}")
+    except Exception as err:
+        raise _Failure(_error("capture", err)) from err
+    graphs = [("forward", captured.forward, forward_arrays(captured, built.fn, args))]
+    if captured.backward is not None:
+        saved_at = captured.num_user_outputs
+        try:
+            outputs = reference.evaluate(captured.forward, graphs[0][2])
+        except Exception as err:
+            raise _Failure(_error("reference of the forward graph", err)) from err
+        saved = outputs[saved_at: saved_at + captured.num_saved]
+        rng = np.random.default_rng(program.data_seed)
+        tangents = [rng.standard_normal(p.shape).astype(p.dtype.numpy)
+                    for p in captured.backward.parameters[len(saved):]]
+        graphs.append(("backward", captured.backward, list(saved) + tangents))
+    for label, graph, arrays in graphs:
+        try:
+            compiled = compile_graph(graph, options)
+        except Exception as err:
+            raise _Failure(_error(f"compile_graph ({label})", err)) from err
+        outcome.library_calls += compiled.plan.library_count
+        try:
+            values = _all_values(compiled.graph, arrays)
+        except Exception as err:
+            raise _Failure(_error(f"reference of the planned {label} graph", err)) from err
+        for kernel in compiled.kernels:
+            outcome.kernels.append(kernel_info(kernel))
+            _check_kernel(label, kernel, values)
+
+
+def _all_values(graph: Any, arrays: Sequence[Any]) -> dict[Any, np.ndarray]:
+    """The reference value of every node of ``graph`` (what ``reference.evaluate`` computes on the way)."""
+    from fusionstitching.graph import reference
+
+    if len(arrays) != len(graph.parameters):
+        raise ValueError(f"{graph.name} takes {len(graph.parameters)} inputs, got {len(arrays)}")
+    values = {p: np.asarray(a) for p, a in zip(graph.parameters, arrays)}
+    with np.errstate(all="ignore"):
+        for node in graph.nodes:
+            if node not in values:
+                values[node] = reference.evaluate_node(node, [values[x] for x in node.operands])
+    return values
+
+
+def _check_kernel(label: str, kernel: Any, values: dict[Any, np.ndarray]) -> None:
+    pattern = kernel.lowered.pattern
+    where = f"{label} kernel {kernel.name} [{kernel.template}]"
+    try:
+        with np.errstate(all="ignore"):
+            results = kernel.simulate([np.array(values[n]) for n in pattern.inputs])
+    except Exception as err:
+        raise _Failure(_error(where, err)) from err
+    for node, got in zip(pattern.outputs, results):
+        want = values[node]
+        dtype = node.dtype
+        if not dtype.is_float:
+            wrong = int(np.sum(np.asarray(got) != np.asarray(want)))
+            if wrong:
+                raise _Failure(Outcome("mismatch", where, f"{node.name}: {wrong} of {np.size(want)} elements "
+                                       f"differ from the reference ({dtype.value})", "mismatch"))
+            continue
+        tolerance = TOLERANCE[{"f32": "float32", "f64": "float64"}.get(dtype.value, "bfloat16")]
+        diff = _differences(got, want) / _scale(want)
+        beyond = int(np.sum(diff > tolerance))
+        allowed = int(HALF_OUTLIERS * diff.size) if dtype.is_half else 0
+        if beyond > allowed:
+            raise _Failure(Outcome("mismatch", where, f"{node.name}: error {float(diff.max()):.3g} > {tolerance:g} "
+                                   f"against the reference at {beyond} of {diff.size} elements", "mismatch"))
+
+
+def kernel_info(kernel: Any) -> KernelInfo:
+    """Ops, composition schemes and tiling attributes of a generated kernel (for the coverage report).
+
+    Schemes: ``thread`` (producers recomputed in the consumer's thread: a kernel of more than one op),
+    ``warp`` (``__shfl`` in its CUDA C), ``block`` (``__syncthreads``), ``S sub-root`` (a root cached
+    in shared memory), ``sub-root`` (a template root that is not a kernel output), ``packed``
+    (several roots, no composition between them); ``tile:LEVEL`` for every tiling attribute of its
+    template and ``multi-level tile`` for a dim split over several levels."""
+    from fusionstitching.codegen.compose import needs_composition
+
+    pattern = kernel.lowered.pattern
+    schedules = kernel.template.schedules
+    source = kernel.cuda_source
+    outputs = {o.name: o for o in pattern.outputs}
+    schemes = set()
+    if len(pattern.nodes) > 1:
+        schemes.add("thread")
+    if "__shfl" in source:
+        schemes.add("warp")
+    if "__syncthreads" in source:
+        schemes.add("block")
+    if any(s.shared for s in schedules):
+        schemes.add("S sub-root")
+    if any(s.root not in outputs for s in schedules):
+        schemes.add("sub-root")
+    if len(schedules) > 1 and not needs_composition(schedules, outputs, {n.name: n for n in pattern.nodes}):
+        schemes.add("packed")
+    for schedule in schedules:
+        for tiles in schedule.dims:
+            schemes.update(f"tile:{t.level.value}" for t in tiles)
+            if len(tiles) > 1:
+                schemes.add("multi-level tile")
+    return KernelInfo(len(pattern.nodes), frozenset(schemes), frozenset(n.op for n in pattern.nodes))
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+def _error(where: str, err: BaseException, message: str | None = None) -> Outcome:
+    root = root_cause(err)
+    text = message or f"{type(root).__name__}: {_first_line(root)}"
+    location = _location(root)
+    kind = f"{type(root).__name__} at {location.split(':')[0] if location else where}"
+    return Outcome("error", where, text, kind, location)
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The exception under TorchDynamo's and AOTAutograd's wrappers."""
+    seen = set()
+    while id(err) not in seen:
+        seen.add(id(err))
+        inner = getattr(err, "inner_exception", None) or err.__cause__
+        if inner is None:
+            break
+        err = inner
+    return err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    line = text[0] if text else ""
+    return line if len(line) <= 300 else line[:300] + "..."
+
+
+def _location(err: BaseException) -> str:
+    """``module.function:line`` of the innermost frame of the compiler (not the fuzzer) in the traceback."""
+    frames = traceback.extract_tb(err.__traceback__)
+    for frame in reversed(frames):
+        path = frame.filename.replace("\\", "/")
+        if "/fusionstitching/" in path and "/fuzz/" not in path:
+            module = re.sub(r"\.py$", "", path.split("/fusionstitching/")[-1]).replace("/", ".")
+            return f"{module}.{frame.name}:{frame.lineno}"
+    return ""
