@@ -39,7 +39,7 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
     options = options or Options()
     plan = explore(graph, solver=options.solver, options=options,
                    generators=options.generators or DEFAULT_GENERATORS)
-    compiled = CompiledGraph(plan, mode=mode)
+    compiled = CompiledGraph(plan, mode=mode, options=options)
     directory = dump_dir if dump_dir is not None else os.environ.get(DUMP_VARIABLE)
     if directory:
         dump(compiled, graph, Path(directory))
@@ -65,7 +65,8 @@ def dump(compiled: CompiledGraph, graph: Graph, directory: Path, arch: str | Non
                  "| kernel | registers | shared bytes | spill stores | spill loads | stack bytes |",
                  "|---|---|---|---|---|---|"]
         for kernel in compiled.kernels:
-            report = kernel.compile(arch).resources.get(kernel.name)
+            report = kernel.compile(arch, cache_dir=compiled.options.cache_dir,
+                                    cache_max_bytes=compiled.options.cache_max_bytes).resources.get(kernel.name)
             if report is not None:
                 lines.append(f"| {kernel.name} | {report.registers} | {report.shared_bytes} | {report.spill_stores} "
                              f"| {report.spill_loads} | {report.stack_bytes} |")

@@ -283,17 +283,18 @@ def profile_kernels(step: Callable[[], Any], sync: Callable[[Any], None], calls:
 
 @contextlib.contextmanager
 def fresh_caches(enabled: bool):
-    """Inductor's, Triton's and the NVRTC cache in a new empty directory while inside."""
+    """Inductor's and Triton's caches in a new empty directory while inside; yields the cache root
+    for fusionstitching (``Options.cache_dir``) in that directory, or None when not ``enabled``."""
     if not enabled:
-        yield
+        yield None
         return
-    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FUSIONSTITCHING_CACHE_DIR")
+    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
     saved = {name: os.environ.get(name) for name in names}
     with tempfile.TemporaryDirectory(prefix="fusionstitching-bench-") as root:
         for name in names:
             os.environ[name] = os.path.join(root, name.lower())
         try:
-            yield
+            yield os.path.join(root, "fusionstitching")
         finally:
             for name, value in saved.items():
                 if value is None:
@@ -302,7 +303,7 @@ def fresh_caches(enabled: bool):
                     os.environ[name] = value
 
 
-def _compiled(case: Case, system: str) -> Callable[..., Any]:
+def _compiled(case: Case, system: str, cache_dir: str | None = None) -> Callable[..., Any]:
     if system == "eager":
         return case.fn
     torch._dynamo.reset()
@@ -311,7 +312,8 @@ def _compiled(case: Case, system: str) -> Callable[..., Any]:
     if system == "fusionstitching":
         import fusionstitching  # noqa: F401  (registers the backend)
 
-        return torch.compile(case.fn, backend="fusionstitching")
+        return torch.compile(case.fn, backend="fusionstitching",
+                             options={"cache_dir": cache_dir} if cache_dir is not None else None)
     raise KeyError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
 
 
@@ -335,10 +337,11 @@ class Progress:
             self.stream.flush()
 
 
-def _torch_system(case: Case, system: str, device: torch.device, progress: Callable[[str], None]):
+def _torch_system(case: Case, system: str, device: torch.device, progress: Callable[[str], None],
+                  cache_dir: str | None = None):
     """(step, sync, first-call seconds, comparable outputs of a call) for a PyTorch system."""
     progress(f"{case.name}: {system}: compiling and first call")
-    fn = _compiled(case, system)
+    fn = _compiled(case, system, cache_dir)
     start = time.perf_counter()
     step = step_function(case, fn)
     step()
@@ -355,12 +358,12 @@ def run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: i
     Inductor/Triton and our NVRTC cache have directories of their own. Every system's compiled
     step stays alive until the case is done (its kept buffers too). The wall times are then taken in interleaved rounds (``interleaved_wall_ms``)
     and the GPU profiles one system after the other."""
-    with fresh_caches(not warm_caches):
-        return _run_case(case, systems, device, rounds, progress)
+    with fresh_caches(not warm_caches) as cache_dir:
+        return _run_case(case, systems, device, rounds, progress, cache_dir)
 
 
 def _run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: int,
-              progress: Callable[[str], None]) -> list[Result]:
+              progress: Callable[[str], None], cache_dir: str | None = None) -> list[Result]:
     results: list[Result] = []
     reference: list[torch.Tensor] = []
     steps: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
@@ -377,7 +380,7 @@ def _run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: 
             progress(f"{case.name}: xla: compiling and first call")
             step, sync, first, comparable = jax_cases.system(case)
         else:
-            step, sync, first, comparable = _torch_system(case, system, device, progress)
+            step, sync, first, comparable = _torch_system(case, system, device, progress, cache_dir)
         result.first_call_s = first
         outs = comparable(step())
         if system == "eager":

@@ -196,6 +196,9 @@ def _library(builder: GraphBuilder, fx_node: fx.Node, op_name: str, raw_args, ra
     def encode(a: Any) -> Any:
         if isinstance(a, fx.Node):
             operands.append(values[a])
+            meta = a.meta.get("val")
+            if isinstance(meta, torch.Tensor):  # the call gets the layout it had when traced
+                return {"operand": len(operands) - 1, "strides": [int(st) for st in meta.stride()]}
             return {"operand": len(operands) - 1}
         if isinstance(a, torch.dtype):
             return {"dtype": to_dtype(a).value}

@@ -27,11 +27,14 @@ holds in f32 and the reference rounds, may flip there).
 
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
+import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +75,8 @@ class KernelInfo:
 
 @dataclass
 class Outcome:
-    """The verdict on one program: ``ok``, ``mismatch`` or ``error``; ``kind`` groups failures (the
+    """The verdict on one program: ``ok``, ``mismatch``, ``error`` or ``timeout`` (not a failure: the
+    simulator can take minutes for a large grid of mostly idle threads); ``kind`` groups failures (the
     shrinker keeps a candidate only when it fails with the same kind)."""
 
     status: str = "ok"
@@ -87,7 +91,7 @@ class Outcome:
 
     @property
     def failed(self) -> bool:
-        return self.status != "ok"
+        return self.status in ("mismatch", "error")
 
     def line(self) -> str:
         where = f"{self.where}: " if self.where else ""
@@ -103,14 +107,22 @@ class _Failure(Exception):
         self.outcome = outcome
 
 
-def check(program: Program, config: Config, device: str = "cpu", plans: bool = True) -> Outcome:
-    """Run ``program`` eagerly and compiled (and check its plans); the verdict with what was counted."""
+class _Timeout(BaseException):
+    """The program ran past its time limit (a BaseException, so that no ``except Exception`` of the
+    compiler or of torch takes it for the compiler's own error)."""
+
+
+def check(program: Program, config: Config, device: str = "cpu", plans: bool = True,
+          timeout_s: float | None = None) -> Outcome:
+    """Run ``program`` eagerly and compiled (and check its plans); the verdict with what was counted.
+    With ``timeout_s`` (main thread only), a program still running after that many seconds is
+    stopped and reported with status ``timeout``."""
     from fusionstitching.frontend.backend import stats
 
     start = time.perf_counter()
     before = stats()
     outcome = Outcome()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _time_limit(timeout_s):
         warnings.simplefilter("ignore")
         try:
             built = build(program)
@@ -121,12 +133,32 @@ def check(program: Program, config: Config, device: str = "cpu", plans: bool = T
             found = failure.outcome
             found.kernels, found.library_calls = outcome.kernels, outcome.library_calls
             outcome = found
+        except _Timeout:
+            outcome.status, outcome.message = "timeout", f"still running after {timeout_s:g} s"
         finally:
             torch._dynamo.reset()
     after = stats()
     outcome.fallbacks = after.get("fallbacks", 0) - before.get("fallbacks", 0)
     outcome.seconds = time.perf_counter() - start
     return outcome
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float | None) -> Iterator[None]:
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _Timeout()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 # -- eager vs compiled --------------------------------------------------------------------------

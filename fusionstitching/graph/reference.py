@@ -506,11 +506,30 @@ def _to_torch(array: np.ndarray) -> Any:
     return torch.from_numpy(np.array(array, order="C"))  # a copy: the call may write into it
 
 
+def library_operand(template: Mapping, tensor: Any) -> Any:
+    """The tensor a library call gets for the operand ``template`` names (``{"operand": k,
+    "strides": [...]}``): laid out with the strides it had when the program was traced. Library ops
+    may depend on layouts (cuDNN attention's backward assumed its output gradient laid out as its
+    output: compiled graphs hand it a contiguous one and got wrong gradients), so each gets the
+    layouts eager gives it."""
+    strides = template.get("strides")
+    if strides is None or tensor.dim() != len(strides) or all(
+            size <= 1 or have == want for size, have, want in zip(tensor.shape, tensor.stride(), strides)):
+        return tensor
+    if any(want == 0 for size, want in zip(tensor.shape, strides) if size > 1):  # a broadcast: keep the values
+        return tensor.contiguous()
+    import torch
+
+    strided = torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype, device=tensor.device)
+    strided.copy_(tensor)
+    return strided
+
+
 def _call_value(template: Any, args: list[np.ndarray]) -> Any:
     """Fill an argument template: ``{"operand": k}`` -> tensor, ``{"dtype": "f32"}`` -> torch dtype."""
     if isinstance(template, Mapping):
-        if set(template) == {"operand"}:
-            return _to_torch(args[template["operand"]])
+        if "operand" in template:
+            return library_operand(template, _to_torch(args[template["operand"]]))
         if set(template) == {"dtype"}:
             return _torch_dtypes()[DType(template["dtype"])]
         return {key: _call_value(value, args) for key, value in template.items()}
@@ -519,7 +538,14 @@ def _call_value(template: Any, args: list[np.ndarray]) -> Any:
     return template
 
 
-def _library(node: Node, args: list[np.ndarray]) -> np.ndarray:
+def evaluate_library(nodes: Sequence[Node], args: list[np.ndarray]) -> list[np.ndarray]:
+    """The values of the outputs ``nodes`` of one call of a multi-output library op (the same
+    target, call and operands): the op runs once."""
+    result = _library_call(nodes[0], args)
+    return [_library_result(node, result[node.attrs["out_index"]]) for node in nodes]
+
+
+def _library_call(node: Node, args: list[np.ndarray]) -> Any:
     import torch
 
     target = resolve_library_target(node.attrs["target"])
@@ -527,9 +553,19 @@ def _library(node: Node, args: list[np.ndarray]) -> np.ndarray:
     positional = _call_value(call.get("args", []), args)
     keywords = {key: _call_value(value, args) for key, value in call.get("kwargs", {}).items()}
     with torch.no_grad():
-        result = target(*positional, **keywords)
+        return target(*positional, **keywords)
+
+
+def _library(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    result = _library_call(node, args)
     if node.attrs["out_index"] >= 0:
         result = result[node.attrs["out_index"]]
+    return _library_result(node, result)
+
+
+def _library_result(node: Node, result: Any) -> np.ndarray:
+    import torch
+
     if not isinstance(result, torch.Tensor):
         raise EvaluationError(f"{node.attrs['target']} returned {type(result).__name__}, not a tensor")
     expected = _torch_dtypes()[node.dtype]

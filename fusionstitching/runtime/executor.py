@@ -24,6 +24,7 @@ path), or, with ``mode="reduce-overhead"``, replayed from a CUDA graph (``Graphe
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from fusionstitching.graph import reference
 from fusionstitching.graph.analysis import in_place_outputs, pattern_structure
 from fusionstitching.graph.graph import Graph, Node, contiguous_strides
 from fusionstitching.graph.ops import Category
+from fusionstitching.options import Options
 from fusionstitching.runtime.program import GpuProgram, GraphedProgram, dot_function, view_function
 from fusionstitching.schedule.template import KernelSchedule
 
@@ -64,10 +66,12 @@ class Step:
 class CompiledGraph:
     """The steps of a plan, runnable on NumPy arrays (``run_numpy``) or torch tensors (call)."""
 
-    def __init__(self, plan: FusionPlan, mode: str | None = None) -> None:
+    def __init__(self, plan: FusionPlan, mode: str | None = None, options: Options | None = None) -> None:
         if mode not in (None, "default", "reduce-overhead"):
             raise ValueError(f"CompiledGraph: unknown mode {mode!r}; known: None, 'reduce-overhead'")
         self.mode = mode
+        self.options = options or Options()
+        self._lock = threading.Lock()
         self.plan = plan
         self.graph: Graph = plan.graph
         self.steps = _order_steps(self.graph, _make_steps(plan))
@@ -109,6 +113,9 @@ class CompiledGraph:
             if step.kernel is not None:
                 results = step.kernel.simulate([values[x] for x in step.inputs])
                 values.update(zip(step.outputs, results))
+            elif len(step.nodes) > 1:  # the outputs of one library call
+                results = reference.evaluate_library(step.nodes, [values[x] for x in step.inputs])
+                values.update(zip(step.nodes, results))
             else:
                 node = step.nodes[0]
                 with np.errstate(all="ignore"):
@@ -122,7 +129,13 @@ class CompiledGraph:
     def run(self, tensors: Sequence[Any], trusted: bool = False) -> list[Any]:
         """Outputs for ``tensors`` (in ``graph.parameters`` order). On a GPU the prepared program
         runs; its inputs are checked against the parameters' shapes, strides and dtypes when they
-        differ from the last checked call, unless the caller vouches for them (``trusted``)."""
+        differ from the last checked call, unless the caller vouches for them (``trusted``).
+        Calls from several threads run one at a time: the program's kept buffers and each
+        kernel's prepacked arguments belong to one call at a time."""
+        with self._lock:
+            return self._run(tensors, trusted)
+
+    def _run(self, tensors: Sequence[Any], trusted: bool) -> list[Any]:
         import torch
 
         graph = self.graph
@@ -141,7 +154,8 @@ class CompiledGraph:
                 self._elsewhere = [k for k, t in enumerate(tensors) if t.device != device]
             program = self._programs.get(device)
             if program is None:
-                program = GpuProgram(graph, self.steps, device, self._constant, _library_function)
+                program = GpuProgram(graph, self.steps, device, self._constant, _library_function,
+                                     self.options)
                 if self.mode == "reduce-overhead":
                     program = GraphedProgram(program)
                 self._programs[device] = program
@@ -272,9 +286,24 @@ def _make_steps(plan: FusionPlan) -> list[Step]:
         else:
             kernel = made[key] = generate(graph, nodes, pattern.schedule)
         steps.append(Step("kernel", tuple(nodes), kernel))
-    steps += [Step("library", (graph.node(n),)) for n in plan.library]
+    steps += _library_steps([graph.node(n) for n in plan.library])
     steps += [Step("view", (graph.node(n),)) for n in plan.views]
     return steps
+
+
+def _library_steps(nodes: Sequence[Node]) -> list[Step]:
+    """A step per library call: the outputs of one call of a multi-output op (an attention
+    forward's output and log-sum-exp, its backward's three gradients) are one step, so the op runs
+    once per graph call, as in eager, not once per output read."""
+    calls: dict[tuple, list[Node]] = {}
+    for node in nodes:
+        if node.op == "library" and node.attrs["out_index"] >= 0:
+            key = (node.attrs["target"], repr(node.attrs["call"]), tuple(id(x) for x in node.operands))
+        else:
+            key = (id(node),)
+        calls.setdefault(key, []).append(node)
+    return [Step("library", tuple(sorted(group, key=lambda n: n.attrs.get("out_index", -1))))
+            for group in calls.values()]
 
 
 def _template_key(schedule: KernelSchedule, nodes: Sequence[Node]) -> tuple:
@@ -321,10 +350,13 @@ def _order_steps(graph: Graph, steps: list[Step]) -> list[Step]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _library_function(node: Node) -> Callable[..., Any]:
+def _library_function(node: Node, siblings: Sequence[int] = ()) -> Callable[..., Any]:
     """How a library step runs on a GPU: a GEMM through ``torch.matmul``, a library op through its
-    ``torch.ops`` callable, a node no kernel could be built for through the reference (NumPy)."""
+    ``torch.ops`` callable, a node no kernel could be built for through the reference (NumPy).
+    ``siblings``: the output indices of a multi-output op the step returns (a list of tensors)."""
     import torch
+
+    siblings = list(siblings) or [node.attrs.get("out_index", -1)]
 
     if node.op == "dot_general":
         return dot_function(node)
@@ -343,7 +375,9 @@ def _library_function(node: Node) -> Callable[..., Any]:
                 positional[0] = torch.full(dest.shape, fill, dtype=dest.dtype, device=dest.device)
             with torch.no_grad():
                 result = target(*positional, **keywords)
-            return result[index] if index >= 0 else result
+            if index < 0:
+                return result
+            return result[index] if len(siblings) == 1 else [result[k] for k in siblings]
 
         return library_op
 
@@ -364,7 +398,7 @@ def _filled_destination(node: Node) -> float | int | bool | None:
     if node.attrs.get("target") != "aten.index_put.default":
         return None
     args = node.attrs["call"].get("args", [])
-    if not args or args[0] != {"operand": 0} or node.attrs["out_index"] >= 0:
+    if not args or not isinstance(args[0], dict) or args[0].get("operand") != 0 or node.attrs["out_index"] >= 0:
         return None
     dest = node.operands[0]
     while dest.op in ("broadcast_in_dim", "reshape"):
@@ -382,8 +416,8 @@ def _fill(template: Any, args: list[Any]) -> Any:
     from fusionstitching.graph.ops import DType
 
     if isinstance(template, Mapping):
-        if set(template) == {"operand"}:
-            return args[template["operand"]]
+        if "operand" in template:
+            return reference.library_operand(template, args[template["operand"]])
         if set(template) == {"dtype"}:
             return DTYPE_TO_TORCH[DType(template["dtype"])]
         return {key: _fill(value, args) for key, value in template.items()}

@@ -30,6 +30,8 @@ import torch
 
 from fusionstitching.frontend.context import DTYPE_TO_TORCH
 from fusionstitching.graph.graph import Graph, Node, contiguous_strides
+from fusionstitching.options import Options
+from fusionstitching.runtime.kernel_call import call_generated
 from fusionstitching.runtime.launch import _current_stream as current_stream
 
 _ALIGNMENT_MASK = 15
@@ -49,8 +51,10 @@ class KernelOp:
 
     def __init__(self, kernel, in_slots: list[int], out_slots: list[int], contiguous: list[int],
                  device: torch.device, kept: set[int] = frozenset(),
-                 reshaped: dict[int, tuple[int, ...]] | None = None) -> None:
+                 reshaped: dict[int, tuple[int, ...]] | None = None, options: Options | None = None) -> None:
         self.kernel = kernel
+        options = options or Options()
+        self.cache = {"cache_dir": options.cache_dir, "cache_max_bytes": options.cache_max_bytes}
         self.in_slots = in_slots
         # Inputs read through a reshape view without a step of its own (``_kernel_reshapes``): the
         # slot holds the view's operand, made contiguous before the launch, so its pointer is the
@@ -77,16 +81,14 @@ class KernelOp:
                 inputs[k] = inputs[k].contiguous()
         launcher = self.launcher
         if launcher is None:
-            outputs = self.kernel(*self._viewed(inputs))
+            outputs = call_generated(self.kernel, self._viewed(inputs), **self.cache)
             self.launcher = self.kernel._launchers.get(self.device)
         else:
             outputs = self.fixed if self.fixed is not None else self._outputs(inputs, here)
             pointers = [t.data_ptr() for t in outputs] + [t.data_ptr() for t in inputs]
             # Pointers equal to the last launch's were aligned then (the usual case: kept buffers).
             if self.has_scalar_variant and pointers != launcher._last and any(p & _ALIGNMENT_MASK for p in pointers):
-                from fusionstitching.runtime.kernel_call import call_generated
-
-                outputs = call_generated(self.kernel, self._viewed(inputs), outputs)
+                outputs = call_generated(self.kernel, self._viewed(inputs), outputs, **self.cache)
             else:
                 launcher.launch(pointers, stream)
         for slot, tensor in zip(self.out_slots, outputs):
@@ -125,7 +127,7 @@ class CallOp:
     same tensor on every lean call, never resized or given new storage) its view is made once and
     reused while the buffer is the same object."""
 
-    def __init__(self, fn: Callable[..., Any], in_slots: list[int], out_slot: int,
+    def __init__(self, fn: Callable[..., Any], in_slots: list[int], out_slot: int | list[int],
                  views: list[Callable[[Any], Any] | None] | None = None, stable: list[bool] | None = None) -> None:
         self.fn = fn
         self.in_slots = in_slots
@@ -137,7 +139,7 @@ class CallOp:
 
     def __call__(self, slots: list[Any], stream: int, here: bool = False) -> None:
         if self.views is None:
-            slots[self.out_slot] = self.fn(*[slots[i] for i in self.in_slots])
+            self._store(slots, self.fn(*[slots[i] for i in self.in_slots]))
             return
         args = []
         for k, i in enumerate(self.in_slots):
@@ -151,16 +153,26 @@ class CallOp:
                     if self.stable[k]:
                         self.seen[k], self.viewed[k] = source, x
             args.append(x)
-        slots[self.out_slot] = self.fn(*args)
+        self._store(slots, self.fn(*args))
+
+    def _store(self, slots: list[Any], result: Any) -> None:
+        if isinstance(self.out_slot, int):
+            slots[self.out_slot] = result
+        else:  # the outputs of one call of a multi-output op
+            for k, value in zip(self.out_slot, result):
+                slots[k] = value
 
 
 class GpuProgram:
     """A CompiledGraph's steps for one CUDA device; ``run(tensors)`` returns the graph's outputs."""
 
     def __init__(self, graph: Graph, steps: Sequence[Any], device: torch.device,
-                 constant: Callable[[Node, Any], Any], library: Callable[[Node], Callable[..., Any]]) -> None:
+                 constant: Callable[[Node, Any], Any], library: Callable[[Node], Callable[..., Any]],
+                 options: Options | None = None) -> None:
+        options = options or Options()
         self.graph = graph
         self.device = device
+        self.stream: int | None = None  # the stream of the last run (kept buffers were last used there)
         self.device_index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
         slot: dict[Node, int] = {p: k for k, p in enumerate(graph.parameters)}
         self.constants: list[tuple[int, Any]] = []
@@ -189,10 +201,15 @@ class GpuProgram:
                 reshaped = {k: tuple(x.shape) for k, x in enumerate(step.inputs) if x in self.reshapes}
                 checked = [k for k, x in enumerate(sources) if x in produced_by_call or k in reshaped]
                 self.ops.append(KernelOp(step.kernel, [slot[x] for x in sources], [slot[o] for o in step.outputs],
-                                         checked, device, kept_slots, reshaped))
+                                         checked, device, kept_slots, reshaped, options))
             elif step.nodes[0] not in self.folded and step.nodes[0] not in self.reshapes:
                 node = step.nodes[0]
-                fn = view_function(node) if step.kind == "view" else library(node)
+                if step.kind == "view":
+                    fn = view_function(node)
+                elif len(step.nodes) > 1:  # one call of a multi-output op
+                    fn = library(node, [n.attrs["out_index"] for n in step.nodes])
+                else:
+                    fn = library(node)
                 sources, views = [], []
                 for x in node.operands:
                     chain = []
@@ -201,13 +218,14 @@ class GpuProgram:
                         x = x.operands[0]
                     sources.append(x)
                     views.append(_chained(chain[::-1]) if chain else None)
-                self.ops.append(CallOp(fn, [slot[x] for x in sources], slot[node], views,
-                                       [x in kept for x in sources]))
-                produced_by_call.add(node)
+                out = slot[node] if len(step.nodes) == 1 else [slot[n] for n in step.nodes]
+                self.ops.append(CallOp(fn, [slot[x] for x in sources], out, views, [x in kept for x in sources]))
+                produced_by_call.update(step.nodes)
         from fusionstitching.runtime.kernel_call import device_arch, precompile
 
         if device.type == "cuda":
-            precompile([op.kernel for op in self.ops if isinstance(op, KernelOp)], device_arch(device))
+            precompile([op.kernel for op in self.ops if isinstance(op, KernelOp)], device_arch(device),
+                       cache_dir=options.cache_dir, cache_max_bytes=options.cache_max_bytes)
         self.size = len(slot)
         self.output_slots = [None if out is None else slot[out] for out in graph.outputs]
         self.kinds = [step.kind for step in steps]
@@ -218,11 +236,22 @@ class GpuProgram:
         for k, value in self.constants:
             slots[k] = value
         stream = current_stream(self.device_index) if self.device.type == "cuda" else 0
+        if stream != self.stream:
+            self._follow(stream)
         here = _empty_strided_cuda is not None and _current_device is not None \
             and _current_device() == self.device_index
         for op in self.ops:
             op(slots, stream, here)
         return [None if k is None else slots[k] for k in self.output_slots]
+
+
+    def _follow(self, stream: int) -> None:
+        """A run on another stream than the last one waits for the last one's work: both reuse the
+        kept buffers (and a kernel's output may still be read there)."""
+        if self.stream is not None and self.device.type == "cuda":
+            torch.cuda.ExternalStream(stream, device=self.device).wait_stream(
+                torch.cuda.ExternalStream(self.stream, device=self.device))
+        self.stream = stream
 
 
 def _escaping(graph: Graph, steps: Sequence[Any]) -> set[Node]:
