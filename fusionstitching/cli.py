@@ -12,6 +12,8 @@ times the bench workloads (``bench/suite.py``) on every system in one process an
 and shared memory per kernel) and the CUDA C of its largest kernel, checks the plan with the
 simulator (no GPU) or on the GPU, and on a GPU prints the bench table against eager and Inductor;
 then it plans each small workload, compiles every kernel with NVRTC and checks the simulated plan.
+``fusionstitching fuzz --count N [--seed S] [--device cpu|cuda] [--out DIR] [--replay S:k] [--skip ...]``
+runs the differential fuzzer (``fuzz/``); its last line is ``fuzz: N graphs, M mismatches, K errors``.
 """
 
 from __future__ import annotations
@@ -181,6 +183,36 @@ def _demo_command(args: argparse.Namespace) -> int:
     return 0 if worst < 1e-5 else 1
 
 
+def _fuzz_command(args: argparse.Namespace) -> int:
+    """``fusionstitching fuzz``: the differential fuzzer (``fuzz/run.py``); exit status 1 on a failure."""
+    from fusionstitching.fuzz import run
+
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("fusionstitching fuzz: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+            return 2
+    try:
+        features = run.parse_features(args.skip)
+        jobs = run.parse_replay(args.replay) if args.replay else None
+    except ValueError as err:
+        print(f"fusionstitching fuzz: {err}", file=sys.stderr)
+        return 2
+    if jobs is None:
+        seed = args.seed
+        if seed is None:
+            seed = run.fresh_seed()
+            print(f"fuzz: seed {seed}", flush=True)
+        jobs = run.programs(seed, args.count)
+    settings = run.Settings(device=args.device, out=Path(args.out), features=features, plans=not args.no_plans,
+                            shrink=None if args.no_shrink else run.Budget(checks=args.shrink_checks),
+                            timeout_s=args.timeout or None)
+    summary = run.fuzz(jobs, settings, log=lambda line: print(line, flush=True), verbose=bool(args.replay))
+    run.report(summary)
+    return 1 if summary.mismatches + summary.errors else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fusionstitching", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -225,6 +257,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.set_defaults(run=_bench_command)
     demo = sub.add_parser("demo", help="plan a BERT layer, show its kernels, check them and (on a GPU) bench them")
     demo.set_defaults(run=_demo_command)
+    fuzz = sub.add_parser("fuzz", help="differential fuzzing: random programs compiled vs eager PyTorch")
+    fuzz.add_argument("--count", type=int, default=100, help="programs to run (default 100)")
+    fuzz.add_argument("--seed", type=int, default=None, help="run seed (default: a fresh one, printed first)")
+    fuzz.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where programs run (default cpu)")
+    fuzz.add_argument("--out", default="fuzz-failures", help="directory for shrunk reproducers")
+    fuzz.add_argument("--replay", metavar="S:k[,S:k]", help="run these programs only, printing their source")
+    fuzz.add_argument("--skip", metavar="FEATURES", help="comma-separated generator parts to leave out "
+                      "(fuzz/generate.py FEATURES, e.g. empty,scalar_after_row,expand_output,out_of_range)")
+    fuzz.add_argument("--no-plans", action="store_true", help="skip the plan check (capture, plan, simulate)")
+    fuzz.add_argument("--no-shrink", action="store_true", help="save failing programs unshrunk")
+    fuzz.add_argument("--shrink-checks", type=int, default=40, help="candidates the shrinker may try")
+    fuzz.add_argument("--timeout", type=float, default=60.0, help="seconds per program (0: none)")
+    fuzz.set_defaults(run=_fuzz_command)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

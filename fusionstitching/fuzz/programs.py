@@ -186,7 +186,8 @@ import torch.nn.functional as F
 
 def _generator(seed):
     return torch.Generator().manual_seed(seed)
-
+'''
+OUT_OF_RANGE = '''
 
 def _out_of_range(index, bound):
     index.view(-1)[0] = bound
@@ -200,7 +201,8 @@ def source(program: Program) -> str:
     names = ", ".join(i.name for i in program.inputs)
     make = ["def make_inputs(device='cpu'):", *body,
             f"    return [t.to(device) for t in ({names}{',' if len(program.inputs) == 1 else ''})]"]
-    return "\n".join([PRELUDE, f"DT = torch.{program.dtype}", "", "", function_source(program), "", "",
+    prelude = PRELUDE + (OUT_OF_RANGE if any(i.out_of_range for i in program.inputs) else "")
+    return "\n".join([prelude, f"DT = torch.{program.dtype}", "", "", function_source(program), "", "",
                       *make, ""])
 
 

@@ -15,30 +15,34 @@ converts and allocates every argument on every call: tens of µs in Python. Inst
                  ``void** kernelParams``).
 A launch compares the new pointers with the last ones (one list comparison in C when
 nothing changed), rewrites only the slots that differ, and calls ``cuLaunchKernel`` with
-the *integer address* of ``_params``; cuda-bindings passes an ``int`` kernelParams straight
-through as ``void**`` (its fastest path: no buffer-protocol acquire, no packing). The
-CUfunction and the CUstream objects are cached too, so the steady state allocates only the
-list of ``data_ptr()`` values. The driver copies parameter values at launch (and into the
+the *integer address* of ``_params`` through ``ctypes`` (``runtime/driver.py``: declared argument
+types, no packing). The CUfunction is cached too, so the steady state allocates only the list of
+``data_ptr()`` values. The driver copies parameter values at launch (and into the
 graph node under stream capture), so rewriting a slot afterwards never affects a launch
 already issued. A ``LoadedKernel`` is therefore not thread-safe: one buffer per kernel.
 
-[Note: context] torch uses each device's primary context. On first launch we retain the
-primary context of ``torch.cuda.current_device()`` and make it current if it is not
-already (``cuCtxGetCurrent``), then ``cuModuleLoadData``. A kernel is bound to the device it
-was first launched on; ``launch_tensors`` rejects tensors elsewhere.
+[Note: context] torch uses each device's primary context. The first load on a device retains
+its primary context once for the process (one retain per device, not per module) and every load
+makes it current if it is not already (``cuCtxGetCurrent``), then ``cuModuleLoadData``. A kernel
+is bound to the device it was first launched on; ``launch_tensors`` rejects tensors elsewhere.
+A module is unloaded when the kernel that loaded it (and every twin sharing it) is garbage: a
+process that compiles graph after graph keeps only the modules of graphs still alive.
 
-``cuda.bindings`` is imported inside functions only, so importing this module works
-without it.
+The driver library is opened on the first load, so importing this module works without it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import statistics
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
+
+from fusionstitching.runtime.driver import CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 _POINTER_SIZE = ctypes.sizeof(ctypes.c_void_p)
 _MAX_THREADS_PER_BLOCK = 1024
@@ -49,11 +53,9 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _driver():
-    try:
-        from cuda.bindings import driver
-    except ImportError as error:
-        raise ImportError("launching kernels needs the pip package `cuda-bindings`") from error
-    return driver
+    from fusionstitching.runtime.driver import driver
+
+    return driver()
 
 
 class CudaError(RuntimeError):
@@ -98,15 +100,33 @@ def _current_stream(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+_PRIMARY: dict[int, int] = {}  # device → its primary context, retained once for the process
+_PRIMARY_LOCK = threading.Lock()
+
+
 def _ensure_primary_context(driver, device: int):
     """Make ``device``'s primary context (the one torch uses) current on this thread."""
-    check(driver.cuInit(0), "cuInit")
-    handle = check(driver.cuDeviceGet(device), "cuDeviceGet")
-    primary = check(driver.cuDevicePrimaryCtxRetain(handle), "cuDevicePrimaryCtxRetain")
+    with _PRIMARY_LOCK:
+        primary = _PRIMARY.get(device)
+        if primary is None:
+            check(driver.cuInit(0), "cuInit")
+            handle = check(driver.cuDeviceGet(device), "cuDeviceGet")
+            primary = _PRIMARY[device] = check(driver.cuDevicePrimaryCtxRetain(handle), "cuDevicePrimaryCtxRetain")
     current = check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
     if int(current) != int(primary):
         check(driver.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
     return primary
+
+
+def _unload(driver, context: int, module: int) -> None:
+    """Unload a module of a kernel that is garbage (a ``weakref.finalize`` callback). The driver may
+    already be shut down at interpreter exit: then there is nothing left to free."""
+    try:
+        if check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent") != context:
+            check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+        check(driver.cuModuleUnload(module), "cuModuleUnload")
+    except (CudaError, OSError):
+        pass
 
 
 class LoadedKernel:
@@ -139,9 +159,6 @@ class LoadedKernel:
         self._module = None
         self._function = None
         self._launch = None
-        self._make_stream = None
-        self._stream_int = None
-        self._stream = None
         self._original: LoadedKernel | None = None
 
     def twin(self) -> LoadedKernel:
@@ -184,8 +201,7 @@ class LoadedKernel:
             original = self._original
             original.load()
             self._device, self._context, self._module = original._device, original._context, original._module
-            self._launch, self._make_stream = original._launch, original._make_stream
-            self._stream_int, self._stream = 0, original._make_stream(0)
+            self._launch = original._launch
             self._function = original._function
             return
         driver = _driver()
@@ -196,17 +212,14 @@ class LoadedKernel:
         function = check(
             driver.cuModuleGetFunction(module, self.name.encode()), f"cuModuleGetFunction({self.name})"
         )
+        weakref.finalize(self, _unload, driver, context, module)
         if self.dynamic_smem > 0:
-            attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(
-                driver.cuFuncSetAttribute(function, attribute, self.dynamic_smem),
+                driver.cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.dynamic_smem),
                 f"cuFuncSetAttribute({self.name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={self.dynamic_smem})",
             )
         self._device, self._context, self._module = device, context, module
-        self._launch = driver.cuLaunchKernel
-        self._make_stream = driver.CUstream
-        self._stream_int = 0
-        self._stream = driver.CUstream(0)
+        self._launch = driver.launch
         self._function = function
 
     def launch(self, pointers: Sequence[int], stream: int) -> None:
@@ -215,9 +228,6 @@ class LoadedKernel:
             self.load()
         if pointers != self._last:
             self._pack(pointers)
-        if stream != self._stream_int:
-            self._stream = self._make_stream(stream)
-            self._stream_int = stream
         err = self._launch(  # f, grid x/y/z, block x/y/z, dynamic smem, stream, kernelParams, extra
             self._function,
             self.blocks,
@@ -227,10 +237,10 @@ class LoadedKernel:
             1,
             1,
             self.dynamic_smem,
-            self._stream,
+            stream,
             self._params_addr,
-            0,
-        )[0]
+            None,
+        )
         if err:
             raise CudaError(f"cuLaunchKernel({self.name})", err)
 

@@ -248,7 +248,9 @@ class GpuProgram:
     def _follow(self, stream: int) -> None:
         """A run on another stream than the last one waits for the last one's work: both reuse the
         kept buffers (and a kernel's output may still be read there)."""
-        if self.stream is not None and self.device.type == "cuda":
+        # Under CUDA-graph capture the capturing stream may depend on captured work only; the
+        # capture itself is ordered after the warm-up run (``GraphedProgram._capture``).
+        if self.stream is not None and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             torch.cuda.ExternalStream(stream, device=self.device).wait_stream(
                 torch.cuda.ExternalStream(self.stream, device=self.device))
         self.stream = stream
