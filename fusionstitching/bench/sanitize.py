@@ -21,7 +21,9 @@ import time
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
 MODEL_STEP = "bert_layer"
-_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+# memcheck and synccheck end with "ERROR SUMMARY: N errors", racecheck with "RACECHECK SUMMARY: N hazards
+# displayed (E errors, W warnings)": the errors are counted (warnings are hazards racecheck cannot confirm).
+_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error")
 
 
 def _child(names: list[str]) -> None:
@@ -52,9 +54,10 @@ def _sanitize(tool: str, names: list[str], timeout: float) -> tuple[int | None, 
     output = done.stdout + done.stderr
     found = _SUMMARY.search(output)
     ran = all(f"sanitize: {name} ran" in output for name in names)
-    if found is None or not ran or (done.returncode and not int(found.group(1))):
+    errors = None if found is None else int(found.group(1) or found.group(2))
+    if errors is None or not ran or (done.returncode and not errors):
         return None, output
-    return int(found.group(1)), output
+    return errors, output
 
 
 def main(argv: list[str] | None = None) -> int:

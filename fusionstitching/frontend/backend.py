@@ -152,7 +152,14 @@ class _Runner:
         self.proven = False  # the static specialization has run once
         if not _symbolic(example_inputs):
             key = _signature(example_inputs)
-            self.static = self._compile(gm, example_inputs, key)
+            traced, numbers = gm, {}
+            if _symbolic_metadata(gm):  # concrete inputs, symbolic sizes in the graph's metadata
+                concrete = self._concrete(example_inputs)
+                if concrete is None:
+                    return
+                traced, numbers = concrete
+            self.numbers[key] = numbers
+            self.static = self._compile(traced, example_inputs, key)
             if all(isinstance(x, torch.Tensor) for x in example_inputs):
                 self.static_key = key
             else:
@@ -344,6 +351,11 @@ def _symbolic(inputs: list[Any]) -> bool:
     return False
 
 
+def _symbolic_metadata(gm: fx.GraphModule) -> bool:
+    """Whether a placeholder's traced value is a symbolic size or has symbolic sizes."""
+    return _symbolic([node.meta.get("val") for node in gm.graph.nodes if node.op == "placeholder"])
+
+
 def _signature(inputs: list[Any]) -> tuple:
     key = []
     for value in inputs:
@@ -365,8 +377,10 @@ def _concrete(gm: fx.GraphModule, args: list[Any]) -> tuple[fx.GraphModule, dict
 
     concrete = copy.deepcopy(gm)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-    FakeTensorProp(concrete, mode).propagate(*fakes)
+    with mode:  # fakes of the inputs' layouts, whether they are real or another mode's fakes
+        fakes = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                 if isinstance(a, torch.Tensor) else a for a in args]
+    FakeTensorProp(concrete, mode).propagate_dont_convert_inputs(*fakes)
     numbers = {}
     for k, out in enumerate(concrete.graph.output_node().args[0]):
         value = out.meta.get("val") if isinstance(out, fx.Node) else out

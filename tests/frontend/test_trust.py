@@ -215,3 +215,20 @@ def test_the_backend_keeps_its_public_names():
     assert fusionstitching.Options().strict is False
     assert issubclass(fusionstitching.FallbackWarning, UserWarning)
     assert "fallbacks" in backend.stats() or backend.stats().get("fallbacks", 0) == 0
+
+
+def test_concrete_example_inputs_of_a_graph_traced_with_symbolic_sizes():
+    """AOTAutograd may hand a graph whose metadata holds symbolic sizes (a sequence length marked
+    dynamic by an earlier compile) with concrete example inputs: the slice bounds were symbolic
+    and the conversion failed (BERT at a second sequence length on a GPU)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def fn(x, n):
+        return ((x[:, :n] * 2).sum(-1),)
+
+    traced = make_fx(fn, tracing_mode="symbolic")(torch.randn(4, 16), 8)
+    assert backend._symbolic_metadata(traced)
+    x = torch.randn(4, 16)
+    runner = backend._Runner(traced, [x, 8], "symbolic_metadata", fusionstitching.Options(strict=True))
+    torch.testing.assert_close(runner([x, 8])[0], fn(x, 8)[0])
+    torch.testing.assert_close(runner([x, 5])[0], fn(x, 5)[0])
