@@ -246,7 +246,11 @@ class Reductions:
         stmts = []
         offset = WARP // 2
         while offset:
-            partner = K.Shuffle("xor", acc, K.Const(offset, "i32"), WARP, rtype)
+            # The shuffle gets a statement of its own: inside the combine, a bool reduction's
+            # ``acc || shfl(...)`` would skip the shuffle in lanes whose acc is already true, and a
+            # full-mask shuffle that some lanes skip returns undefined values to the others.
+            partner = self.em.fresh("s", rtype)
+            stmts.append(K.Let(partner, K.Shuffle("xor", acc, K.Const(offset, "i32"), WARP, rtype)))
             stmts.append(K.Assign(acc, combine(kind, acc, partner, rtype)))
             offset //= 2
         return stmts

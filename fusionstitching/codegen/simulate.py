@@ -471,7 +471,12 @@ class _Machine:
         return _convert(_OPERATORS[e.op](x), e.dtype)
 
     def eval_binary(self, e: K.Binary, act: np.ndarray) -> np.ndarray:
-        a, b = self.eval(e.a, act), self.eval(e.b, act)
+        a = self.eval(e.a, act)
+        if e.op in ("and", "or") and e.dtype == "bool":  # C's && and ||: b only where it decides
+            decided = self.full(_convert(a, "bool"))
+            b = self.eval(e.b, act & (decided if e.op == "and" else ~decided))
+            return self.full(_convert(_OPERATORS[e.op](decided, self.full(_convert(b, "bool"))), "bool"))
+        b = self.eval(e.b, act)
         if e.op in _COMPARE:
             return _compare(e.op, a, b)
         compute = _COMPUTE.get(e.dtype, e.dtype)

@@ -231,7 +231,19 @@ def decompositions() -> dict:
     composites = [getattr(torch.ops.aten, name) for name in aten_table.COMPOSITE_DECOMPOSITIONS]
     table.update(get_decompositions(composites))
     table.update(foreach_decompositions())
+    for name in KEPT_WHOLE:
+        overload = getattr(torch.ops.aten, name, None)
+        for key in [key for key in table if key is overload or getattr(key, "overloadpacket", None) is overload]:
+            del table[key]
     return table
+
+
+# Ops whose core-ATen decomposition does not match the op they pair with. The CPU flash attention's
+# decomposition returns the attention probabilities where its log-sum-exp belongs, and its backward
+# (no decomposition) then reads them as the log-sum-exp: gradients through
+# ``scaled_dot_product_attention`` on a CPU were wrong. Kept as library calls, forward and backward
+# agree, as in eager.
+KEPT_WHOLE = ("_scaled_dot_product_flash_attention_for_cpu",)
 
 
 # Per-index tensors of scalars (one scalar per list element as a 1-D tensor): not expanded here.

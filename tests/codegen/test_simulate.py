@@ -307,6 +307,17 @@ def test_partial_warp_shuffle_caught():
         simulate(kernel(body, [buf("out", "i32", 32)]), {"out": np.zeros(32, np.int32)})
 
 
+def test_a_shuffle_on_the_short_circuited_side_of_or_is_caught():
+    """C's || skips its right side where the left is true: a full-mask shuffle there is reached by
+    part of the warp (a bool any-reduction's butterfly returned undefined values on a GPU)."""
+    flag = K.Var("flag", "bool")
+    body = [K.Let(flag, b("lt", LANE, c(4), "bool")),
+            K.Assign(flag, b("or", flag, K.Shuffle("xor", flag, c(1), 32, "bool"), "bool")),
+            K.Store("out", TID, flag)]
+    with pytest.raises(SimulationError, match="shuffle reached by part of the warp"):
+        simulate(kernel(body, [buf("out", "bool", 32)]), {"out": np.zeros(32, bool)})
+
+
 def test_misaligned_vector_load_caught():
     names = tuple(K.Var(f"v{i}", "f32") for i in range(4))
     index = b("add", b("mul", TID, c(4)), c(1))

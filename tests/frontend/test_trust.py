@@ -232,3 +232,34 @@ def test_concrete_example_inputs_of_a_graph_traced_with_symbolic_sizes():
     runner = backend._Runner(traced, [x, 8], "symbolic_metadata", fusionstitching.Options(strict=True))
     torch.testing.assert_close(runner([x, 8])[0], fn(x, 8)[0])
     torch.testing.assert_close(runner([x, 5])[0], fn(x, 5)[0])
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: (x > 0.5).any(-1, keepdim=True) * (x * 2),
+    lambda x: ((x > 0.5) | (x <= 0.5).all(-1, keepdim=True)).float(),
+])
+def test_bool_any_and_all_reductions(fn):
+    """The butterfly's ``acc || shfl(...)`` skipped the shuffle where acc was already true, which a
+    GPU answers with undefined values; the simulator now evaluates || and && as C does."""
+    x = torch.rand(2, 4, 17, 17)
+    before = _fallbacks()
+    torch.testing.assert_close(_compiled(fn)(x), fn(x))
+    assert _fallbacks() == before
+
+
+def test_gradients_through_scaled_dot_product_attention_on_the_cpu():
+    """The core-ATen decomposition of the CPU flash attention returned the probabilities where its
+    log-sum-exp belongs; its backward read them as the log-sum-exp (gradients off by 1 to 25)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+
+    def fn(q, k, v):
+        return (torch.nn.functional.scaled_dot_product_attention(q, k, v) * 2).sum()
+
+    fn(q, k, v).backward()
+    want = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    _compiled(fn)(q, k, v).backward()
+    for t, expected in zip((q, k, v), want):
+        torch.testing.assert_close(t.grad, expected, rtol=1e-4, atol=1e-5)
