@@ -478,8 +478,8 @@ class Composer(Reductions, RegisterComposition):
     def _same_element(self, kept_index, index, shape) -> bool:
         defs, forms = self.em.definitions, self.em.affine_forms
         for want, got, size in zip(kept_index, index, shape):
-            if size == 1 and affine(got, defs, forms) == ({}, 0):
-                continue  # the only element; the producer's tail guard keeps its index at 0
+            if size == 1 and affine(got, defs, forms) == ({}, 0) and affine(want, defs, forms) == ({}, 0):
+                continue  # the only element, and every thread reduced it
             form = affine(want, defs, forms)
             if form is None or form != affine(got, defs, forms):
                 return False

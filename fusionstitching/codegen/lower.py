@@ -243,16 +243,21 @@ def _check_in_place(kernel: K.Kernel, aliases: dict[int, int], in_names, out_nam
     loads: dict[str, set] = {name: set() for name in pairs}
     stores: dict[str, set] = {name: set() for name in pairs.values()}
     for nest, top in enumerate(_nests(kernel.body)):
-        for stmt in _walk([top]):
+        for stmt in _walk([top]):  # in program order: a statement's loads happen before its store
+            read = [(load.buffer, load.index, 1) for load in _loads(stmt) if load.buffer in loads]
+            if isinstance(stmt, K.VecLoad) and stmt.buffer in loads:
+                read.append((stmt.buffer, stmt.index, len(stmt.vars)))
+            for name, index, width in read:
+                if (nest, index, width) in stores[pairs[name]]:
+                    # The thread stored this element already: a later group of a composed kernel
+                    # would read the updated value (x.add_(1) read again by a reduction of x).
+                    raise _NotElementwise(f"in-place output {pairs[name]} overwrites {name}, which is read "
+                                          "again after its update")
+                loads[name].add((nest, index, width))
             if isinstance(stmt, K.Store) and stmt.buffer in stores:
                 stores[stmt.buffer].add((nest, stmt.index, 1))
             elif isinstance(stmt, K.VecStore) and stmt.buffer in stores:
                 stores[stmt.buffer].add((nest, stmt.index, len(stmt.values)))
-            elif isinstance(stmt, K.VecLoad) and stmt.buffer in loads:
-                loads[stmt.buffer].add((nest, stmt.index, len(stmt.vars)))
-            for load in _loads(stmt):
-                if load.buffer in loads:
-                    loads[load.buffer].add((nest, load.index, 1))
     for name, read in loads.items():
         if not read <= stores[pairs[name]]:
             raise _NotElementwise(f"in-place output {pairs[name]} overwrites {name}, which is also read at another "

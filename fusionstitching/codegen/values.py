@@ -379,17 +379,22 @@ class ValueEmitter:
     def _op_concatenate(self, node: Node, index):
         dim = node.attrs["dimension"]
         pieces = list(node.operands)
+        starts = [0]
+        for x in pieces:
+            starts.append(starts[-1] + x.shape[dim])
 
-        def piece(k: int, offset: int) -> K.Expr:
-            shifted = K.Binary("sub", index[dim], self.idx(offset), self.index_type) if offset else index[dim]
-            inner = index[:dim] + (shifted,) + index[dim + 1 :]
-            if k == len(pieces) - 1:
-                return self.value(pieces[k], inner)
-            end = offset + pieces[k].shape[dim]
-            return self._guarded(node, K.lt(index[dim], self.idx(end)),
-                                 lambda: self.value(pieces[k], inner), lambda: piece(k + 1, end))
+        def part(lo: int, hi: int) -> K.Expr:
+            """Pieces lo..hi-1, split in halves: nested guards log2(n) deep, so a concatenation of
+            hundreds of pieces (a stacked gradient) does not nest hundreds of scopes."""
+            if hi - lo == 1:
+                offset = starts[lo]
+                shifted = K.Binary("sub", index[dim], self.idx(offset), self.index_type) if offset else index[dim]
+                return self.value(pieces[lo], index[:dim] + (shifted,) + index[dim + 1 :])
+            mid = (lo + hi) // 2
+            return self._guarded(node, K.lt(index[dim], self.idx(starts[mid])),
+                                 lambda: part(lo, mid), lambda: part(mid, hi))
 
-        return piece(0, 0)
+        return part(0, len(pieces))
 
     def term(self, node: Node, point: Sequence[K.Expr]) -> K.Expr:
         """The element a reduction folds in at ``point`` of its iteration space (``reduction_space``)."""

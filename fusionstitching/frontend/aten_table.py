@@ -392,6 +392,8 @@ def _cat(cx: LoweringContext, tensors: Sequence[Node], dim: int = 0) -> Node:
     tensors = [t for t in tensors if not (t.shape == (0,) and len(cx.shape) != 1)]  # torch's legacy empties
     dim = cx.normalize_dim(dim, len(cx.shape))
     parts = [cx.lift(t, cx.dtype, t.shape) for t in tensors if t.shape[dim] > 0]
+    if not parts:  # every piece is empty along dim: so is the result
+        return cx.b.constant(0, cx.dtype, cx.shape)
     if len(parts) == 1:
         return parts[0]
     return cx.b.node("concatenate", parts, dimension=dim)

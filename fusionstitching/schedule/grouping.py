@@ -297,7 +297,8 @@ def batched_template(pattern, reductions: list[Node], cache_operands: bool = Tru
         across = max(reduced) if root.op == "reduce" else max([d for d in range(batch, len(space))
                                                                if d not in reduced] or [len(space) - 1])
         if root.op == "transpose":  # threads along the operand's contiguous dim: coalesced loads
-            across = max(batch, list(root.attrs["permutation"]).index(len(space) - 1))
+            # (every dim a batch dim, as in a transpose of [1, 1]: all GRID, none across)
+            across = min(max(batch, list(root.attrs["permutation"]).index(len(space) - 1)), len(space) - 1)
         dims = []
         for d in range(len(space)):
             level = Level.GRID if d < batch else Level.CTA if d == across else Level.THREAD

@@ -263,3 +263,36 @@ def test_gradients_through_scaled_dot_product_attention_on_the_cpu():
     _compiled(fn)(q, k, v).backward()
     for t, expected in zip((q, k, v), want):
         torch.testing.assert_close(t.grad, expected, rtol=1e-4, atol=1e-5)
+
+
+def _in_place_then_reduce(x):
+    x.add_(1.0)
+    return x + x, x.sum(-1, keepdim=True) * 3
+
+
+@pytest.mark.parametrize("fn, shapes", [
+    # a warp-composed reduction read through a broadcast, a concatenate, a gather: each warp read its
+    # own register, which reduced another row (the size-1 dim's only element was assumed shared)
+    (lambda x: x.sum(1, keepdim=True).expand(4, 1) + 1, [(1, 3)]),
+    (lambda x: torch.cat([x.mean(1, keepdim=True)] * 2, 0), [(1, 3)]),
+    (lambda x: torch.index_select(x.softmax(0), 1, torch.tensor([0, 0])), [(1, 1)]),
+    # an in-place update read again, updated, by a later group of the same kernel
+    (_in_place_then_reduce, [(1, 1)]),
+    (_in_place_then_reduce, [(8, 33)]),
+    # crashes: a cat of pieces all empty along the cat dim, a transpose whose every dim is a batch
+    # dim, a concatenation of 248 pieces (nested guards exhausted the recursion limit)
+    (lambda x: torch.cat([x, x], dim=0) + 1, [(0, 1)]),
+    (lambda a, b: torch.matmul(torch.expm1(a), b).t() * 2, [(1, 1), (1, 1)]),
+    (lambda x: torch.stack(list(x.unbind(1)), 0) * 2, [(4, 248)]),
+])
+def test_programs_the_fuzzer_found(fn, shapes):
+    args = [torch.randn(*s) for s in shapes]
+    want = fn(*[a.clone() for a in args])
+    got = _compiled(fn)(*[a.clone() for a in args])
+    torch.testing.assert_close(got, want)
+
+
+def test_the_gradient_of_a_one_by_one_matmul():
+    a, b = torch.randn(1, 1, requires_grad=True), torch.randn(1, 1, requires_grad=True)
+    _compiled(lambda a, b: torch.matmul(torch.expm1(a), b))(a, b).sum().backward()
+    torch.testing.assert_close(a.grad, (torch.exp(a) * b).detach())
