@@ -106,10 +106,14 @@ def fusionstitching_backend(gm: fx.GraphModule, example_inputs: list[Any], mode:
     )
 
 
-def compile(fn_or_module: Callable[..., Any], options: Options | None = None, **kwargs: Any) -> Callable[..., Any]:
-    """``torch.compile(fn_or_module, backend="fusionstitching", options=...)``, as one call."""
-    opts = dataclasses.asdict(options) if options is not None else None
-    return torch.compile(fn_or_module, backend="fusionstitching", options=opts, **kwargs)
+def compile(fn_or_module: Callable[..., Any], options: Options | None = None, mode: str | None = None,
+            **kwargs: Any) -> Callable[..., Any]:
+    """``torch.compile(fn_or_module, backend="fusionstitching", options=...)``, as one call; ``mode``
+    ("reduce-overhead") may come with ``options``, which ``torch.compile`` itself refuses."""
+    import functools
+
+    backend = functools.partial(fusionstitching_backend, mode=mode, options=options)
+    return torch.compile(fn_or_module, backend=backend, **kwargs)
 
 
 def _compiler(kind: str, options: Options, mode: str | None

@@ -376,8 +376,15 @@ def capture(fn_or_module: Callable[..., Any], *example_inputs: Any, train: bool 
     def clone(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-        copy.copy_(t.detach())
+        # A broadcast input (stride 0) keeps its layout: one copy of its distinct elements, expanded.
+        broadcast = [d for d, (size, stride) in enumerate(zip(t.shape, t.stride())) if stride == 0 and size > 1]
+        compact = t.detach()
+        for d in broadcast:
+            compact = compact.narrow(d, 0, 1)
+        copy = torch.empty_strided(compact.shape, t.stride(), dtype=t.dtype, device=t.device)
+        copy.copy_(compact)
+        if broadcast:
+            copy = copy.expand(t.shape)
         return copy.requires_grad_(train and t.requires_grad)
 
     state_clones = [clone(t) for _, t in state]

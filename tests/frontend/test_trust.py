@@ -296,3 +296,19 @@ def test_the_gradient_of_a_one_by_one_matmul():
     a, b = torch.randn(1, 1, requires_grad=True), torch.randn(1, 1, requires_grad=True)
     _compiled(lambda a, b: torch.matmul(torch.expm1(a), b))(a, b).sum().backward()
     torch.testing.assert_close(a.grad, (torch.exp(a) * b).detach())
+
+
+def test_capture_of_a_broadcast_input():
+    """capture cloned an expanded input into an overlapping tensor."""
+    x = torch.randn(3, 1).expand(3, 4)
+    captured = fusionstitching.capture(lambda x: x * 2, x)
+    assert captured.forward.parameters[0].layout.strides == (1, 0)
+
+
+def test_compile_takes_options_and_a_mode():
+    """torch.compile refuses options and mode together; fusionstitching.compile passes both."""
+    torch._dynamo.reset()
+    f = fusionstitching.compile(lambda x: x * 2 + 1, fusionstitching.Options(strict=True), mode="reduce-overhead")
+    x = torch.randn(5)
+    for _ in range(3):
+        torch.testing.assert_close(f(x), x * 2 + 1)
