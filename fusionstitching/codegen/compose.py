@@ -454,7 +454,7 @@ class Composer(Reductions, RegisterComposition):
         kind, root = entry[0], entry[1]
         if kind == "register":
             for kept_index, result in entry[2]:
-                if self._same_element(kept_index, index, root.shape):
+                if self._same_element(kept_index, index, root.shape, consumer):
                     return result
             raise FootprintError(f"block locality: {consumer} reads {root.name} at an element outside the "
                                "block's footprint (its kept index is not one this thread reduced)")
@@ -475,13 +475,34 @@ class Composer(Reductions, RegisterComposition):
             value = K.Cast(value, "bool")
         return em.let("s", value)
 
-    def _same_element(self, kept_index, index, shape) -> bool:
+    def _same_element(self, kept_index, index, shape, consumer: str) -> bool:
         defs, forms = self.em.definitions, self.em.affine_forms
         for want, got, size in zip(kept_index, index, shape):
-            if size == 1 and affine(got, defs, forms) == ({}, 0) and affine(want, defs, forms) == ({}, 0):
-                continue  # the only element, and every thread reduced it
+            if size == 1 and affine(got, defs, forms) == ({}, 0) and self._only_first(want, consumer):
+                continue  # the only element, which every consumer thread left running reduced
             form = affine(want, defs, forms)
             if form is None or form != affine(got, defs, forms):
+                return False
+        return True
+
+    def _only_first(self, want: K.Expr, consumer: str) -> bool:
+        """Whether the consumer threads that reach a read of a size-1 dim's element 0 are the ones
+        whose register holds it: the producer's kept index ``want`` is 0 for every thread, or each
+        tile register in it tiles a dim of size 1 in the consumer too, so the consumer's tail guard
+        stops the threads where it is not 0. A consumer that broadcasts the element along a longer
+        dim (``x.sum(1, keepdim=True).expand(4, 1)``) reads it in threads that reduced nothing."""
+        form = affine(want, self.em.definitions, self.em.affine_forms)
+        if form is None:
+            return False
+        terms, constant = form
+        if constant != 0:
+            return False
+        group = next((g for g in self.groups if g.root.name == consumer), None)
+        if group is None:
+            return not terms
+        for name in terms:
+            dims = [f.dim for f in group.factors if isinstance(f.var, K.Var) and f.var.name == name]
+            if not dims or any(group.space[d] != 1 for d in dims):
                 return False
         return True
 
