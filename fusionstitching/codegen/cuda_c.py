@@ -227,8 +227,7 @@ def _unary(e: K.Unary) -> str:
     if e.op == "isnan":
         return f"({x} != {x})"
     if e.op == "sign":
-        return f"(({C_TYPES[t]})(({x} > 0) - ({x} < 0)))" if t not in ("f32", "f64") else \
-            f"({x} != {x} ? {x} : ({C_TYPES[t]})(({x} > 0) - ({x} < 0)))"
+        return f"(({C_TYPES[t]})(({x} > 0) - ({x} < 0)))"  # torch's sign: 0 for NaN
     if e.op == "sigmoid":
         one = "1.0f" if t == "f32" else "1.0"
         return f"({one} / ({one} + {'expf' if t == 'f32' else 'exp'}(-{x})))"

@@ -230,12 +230,18 @@ def _pow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(negative, small, result)
 
 
+def _sign(x: np.ndarray) -> np.ndarray:
+    """torch's sign: (0 < x) - (x < 0), so sign(NaN) is 0 (NumPy's is NaN)."""
+    x = np.asarray(x)
+    return ((x > 0).astype(np.int8) - (x < 0).astype(np.int8)).astype(x.dtype)
+
+
 _ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
     "neg": np.negative,
     "abs": np.abs,
     "not": _not,
     "copy": np.copy,
-    "sign": np.sign,
+    "sign": _sign,
     "floor": _floor,
     "ceil": _ceil,
     "exp": np.exp,

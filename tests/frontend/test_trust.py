@@ -312,3 +312,12 @@ def test_compile_takes_options_and_a_mode():
     x = torch.randn(5)
     for _ in range(3):
         torch.testing.assert_close(f(x), x * 2 + 1)
+
+
+def test_sign_of_nan_is_zero_as_in_torch():
+    """torch's sign is (0 < x) - (x < 0): the std of one element (NaN) has sign 0, not NaN."""
+    x = torch.tensor([float("nan"), 1.5, -2.0, 0.0])
+    torch.testing.assert_close(_compiled(lambda x: torch.sign(x) * 2)(x), torch.sign(x) * 2)
+    y = torch.randn(1, 40).to(torch.bfloat16)
+    fn = lambda y: torch.sign(y.std(dim=0, correction=1, keepdim=True))  # noqa: E731
+    torch.testing.assert_close(_compiled(fn)(y), fn(y))
