@@ -50,7 +50,7 @@ def _child(names: list[str]) -> None:
 def _sanitize(tool: str, names: list[str], timeout: float) -> tuple[int | None, str]:
     command = ["compute-sanitizer", "--tool", tool, sys.executable, "-m", "fusionstitching.bench.sanitize",
                "--child", ",".join(names)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     output = done.stdout + done.stderr
     found = _SUMMARY.search(output)
     ran = all(f"sanitize: {name} ran" in output for name in names)

@@ -319,5 +319,5 @@ def test_sign_of_nan_is_zero_as_in_torch():
     x = torch.tensor([float("nan"), 1.5, -2.0, 0.0])
     torch.testing.assert_close(_compiled(lambda x: torch.sign(x) * 2)(x), torch.sign(x) * 2)
     y = torch.randn(1, 40).to(torch.bfloat16)
-    fn = lambda y: torch.sign(y.std(dim=0, correction=1, keepdim=True))  # noqa: E731
+    fn = lambda y: torch.sign(y.std(dim=0, correction=1, keepdim=True))
     torch.testing.assert_close(_compiled(fn)(y), fn(y))
