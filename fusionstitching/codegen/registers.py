@@ -159,10 +159,13 @@ class RegisterComposition:
                         accs[key] = em.accumulator("acc", rtype)
                         em.stmts.append(K.Let(accs[key], reduce_identity(kind, root.dtype)))
                     index, guard = self._register_index(group)
-                    value = em.term(root, index)
-                    if guard is not None:
-                        value = K.Select(guard, value, reduce_identity(kind, root.dtype), rtype)
-                    em.stmts.append(K.Assign(accs[key], combine(kind, accs[key], value, rtype)))
+                    if guard is None:
+                        value = em.term(root, index)
+                        em.stmts.append(K.Assign(accs[key], combine(kind, accs[key], value, rtype)))
+                    else:  # a tail: the element (and its loads) only where it exists
+                        inner, value = em.nested(lambda root=root, index=index: em.term(root, index))
+                        em.stmts.append(K.If(guard, tuple(inner) + (
+                            K.Assign(accs[key], combine(kind, accs[key], value, rtype)),)))
                 for key, acc in accs.items():
                     for f, value in zip(kept_thread, key):
                         f.var = value
@@ -180,10 +183,17 @@ class RegisterComposition:
                     for f, value in zip(rows, combo):
                         f.var = value
                     index, guard = self._index(group)
-                    value = em.value(group.root, tuple(index))
                     name, layout = group.output
-                    stmt = K.Store(name, em.linear(index, layout.strides), em.stored(value, group.root.dtype))
-                    em.stmts.append(K.If(guard, (stmt,)) if guard is not None else stmt)
+
+                    def store(group=group, index=index, name=name, layout=layout) -> K.Stmt:
+                        value = em.value(group.root, tuple(index))
+                        return K.Store(name, em.linear(index, layout.strides), em.stored(value, group.root.dtype))
+
+                    if guard is None:
+                        em.stmts.append(store())
+                    else:  # a tail: the element's loads only where it exists
+                        inner, stmt = em.nested(store)
+                        em.stmts.append(K.If(guard, tuple(inner) + (stmt,)))
                 continue
             buffer = self._shared_buffer(group) if group.shared else None
             for combo in combos:

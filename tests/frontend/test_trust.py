@@ -321,3 +321,15 @@ def test_sign_of_nan_is_zero_as_in_torch():
     y = torch.randn(1, 40).to(torch.bfloat16)
     fn = lambda y: torch.sign(y.std(dim=0, correction=1, keepdim=True))
     torch.testing.assert_close(_compiled(fn)(y), fn(y))
+
+
+def test_a_tail_group_of_a_register_body_loads_only_where_its_elements_exist():
+    """The gradient of x2 in ``x1 / (x2.abs() + 1)`` with rows of exactly one warp: the [4, 1] group
+    was tiled CTA_32 and loaded x2 at warp + lane before its tail guard (out of bounds on a GPU)."""
+    x1, x2 = torch.randn(4, 32, requires_grad=True), torch.randn(4, 1, requires_grad=True)
+    _compiled(lambda a, b: a / (b.abs() + 1))(x1, x2).sum().backward()
+    g1, g2 = x1.grad, x2.grad
+    x1.grad = x2.grad = None
+    (x1 / (x2.abs() + 1)).sum().backward()
+    torch.testing.assert_close(g1, x1.grad)
+    torch.testing.assert_close(g2, x2.grad)
