@@ -185,32 +185,9 @@ def _demo_command(args: argparse.Namespace) -> int:
 
 def _fuzz_command(args: argparse.Namespace) -> int:
     """``fusionstitching fuzz``: the differential fuzzer (``fuzz/run.py``); exit status 1 on a failure."""
-    from fusionstitching.fuzz import run
+    from fusionstitching.fuzz.run import command
 
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            print("fusionstitching fuzz: --device cuda, but torch sees no CUDA device", file=sys.stderr)
-            return 2
-    try:
-        features = run.parse_features(args.skip)
-        jobs = run.parse_replay(args.replay) if args.replay else None
-    except ValueError as err:
-        print(f"fusionstitching fuzz: {err}", file=sys.stderr)
-        return 2
-    if jobs is None:
-        seed = args.seed
-        if seed is None:
-            seed = run.fresh_seed()
-            print(f"fuzz: seed {seed}", flush=True)
-        jobs = run.programs(seed, args.count)
-    settings = run.Settings(device=args.device, out=Path(args.out), features=features, plans=not args.no_plans,
-                            shrink=None if args.no_shrink else run.Budget(checks=args.shrink_checks),
-                            timeout_s=args.timeout or None)
-    summary = run.fuzz(jobs, settings, log=lambda line: print(line, flush=True), verbose=bool(args.replay))
-    run.report(summary)
-    return 1 if summary.mismatches + summary.errors else 0
+    return command(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -265,10 +242,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     fuzz.add_argument("--replay", metavar="S:k[,S:k]", help="run these programs only, printing their source")
     fuzz.add_argument("--skip", metavar="FEATURES", help="comma-separated generator parts to leave out "
                       "(fuzz/generate.py FEATURES, e.g. empty,scalar_after_row,expand_output,out_of_range)")
-    fuzz.add_argument("--no-plans", action="store_true", help="skip the plan check (capture, plan, simulate)")
+    fuzz.add_argument("--plans", default="auto", choices=["auto", "off", "compile", "simulate"],
+                      help="the plan check: capture and plan each program (compile), and simulate every kernel "
+                      "against the reference (simulate); auto: simulate on cuda, compile on cpu")
     fuzz.add_argument("--no-shrink", action="store_true", help="save failing programs unshrunk")
     fuzz.add_argument("--shrink-checks", type=int, default=40, help="candidates the shrinker may try")
-    fuzz.add_argument("--timeout", type=float, default=60.0, help="seconds per program (0: none)")
+    fuzz.add_argument("--jobs", type=int, default=1, help="worker processes (programs run in parallel)")
+    fuzz.add_argument("--timeout", type=float, default=30.0,
+                      help="seconds per program (0: none); one still running is reported, not failed")
     fuzz.set_defaults(run=_fuzz_command)
     args = parser.parse_args(argv)
     try:

@@ -106,34 +106,37 @@ class Coverage:
         if outcome.status == "timeout":
             self.timeouts.append(program.ident)
         self.fallbacks += outcome.fallbacks
+        if not outcome.planned:
+            return
+        self.planned += 1
         self.library_calls += outcome.library_calls
-        if outcome.kernels or outcome.status == "ok":
-            self.planned += 1
         self.kernels += len(outcome.kernels)
         self.schemes.update({s for k in outcome.kernels for s in k.schemes})
         self.kernel_ops.update({op for k in outcome.kernels for op in k.ir_ops})
-        if any(k.ops >= BIG_KERNEL_OPS for k in outcome.kernels):
-            self.big_kernel += 1
+        self.big_kernel += any(k.ops >= BIG_KERNEL_OPS for k in outcome.kernels)
 
     def lines(self) -> list[str]:
         n = max(self.graphs, 1)
         share = self.big_kernel / max(self.planned, 1)
         verdict = "met" if share >= BIG_KERNEL_TARGET else "NOT met"
+        plans = [
+            (f"  plans of {self.planned} graphs: {self.kernels} kernels, {self.library_calls} library calls, "
+             f"{self.fallbacks} fallbacks"),
+            "  composition schemes and tiling attributes: " + _counts(self.schemes),
+            "  IR ops inside kernels: " + _counts(self.kernel_ops),
+            (f"  graphs with a kernel of >= {BIG_KERNEL_OPS} ops: {self.big_kernel}/{self.planned} "
+             f"({100 * share:.0f}%; target >= {100 * BIG_KERNEL_TARGET:.0f}%: {verdict})"),
+        ] if self.planned else ["  plans: none built (the plan check was off)"]
         lines = [
-            f"coverage over {self.graphs} graphs ({self.seconds:.0f} s, {self.seconds / n:.2f} s per graph); "
-            "counts are graphs with the item:",
-            "  dtypes: " + _counts(self.dtypes),
+            (f"coverage over {self.graphs} graphs ({self.seconds:.0f} s, {self.seconds / n:.2f} s per graph); "
+             "counts are graphs with the item:"),
+            "  dtypes (of any value): " + _counts(self.dtypes),
             "  op categories: " + _counts(self.categories),
             "  ops: " + _counts(self.ops),
             "  shapes: " + _counts(self.shapes),
             "  special cases: " + _counts(self.special),
             "  options: " + _counts(self.configs),
-            f"  plans of {self.planned} graphs: {self.kernels} kernels, {self.library_calls} library calls, "
-            f"{self.fallbacks} fallbacks",
-            "  composition schemes and tiling attributes: " + _counts(self.schemes),
-            "  IR ops inside kernels: " + _counts(self.kernel_ops),
-            f"  graphs with a kernel of >= {BIG_KERNEL_OPS} ops: {self.big_kernel}/{self.planned} "
-            f"({100 * share:.0f}%; target >= {100 * BIG_KERNEL_TARGET:.0f}%: {verdict})",
+            *plans,
         ]
         if self.timeouts:
             lines.append(f"  timed out (not failures; replay with --replay): {', '.join(self.timeouts)}")

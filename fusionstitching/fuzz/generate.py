@@ -6,8 +6,11 @@ dtype (f32, bf16, f16) or an integer/bool program, a base shape from the sizes t
 from an op family picked by weight (``FAMILIES``): light and expensive elementwise ops, comparisons,
 ``where``, conversions, broadcasts, reductions over any dims (keepdim or not, to a scalar),
 softmax, layer and RMS norms, reshapes, transposes, slices, cat/stack, pads, gathers
-(``index_select``, ``gather``, ``embedding``, ``x[idx]``), small matmuls and ``arange``/``full_like``.
-The values no step uses are the outputs; a float program usually also gets a backward.
+(``index_select``, ``gather``, ``embedding``, ``x[idx]``), small matmuls, ``arange``/``full_like`` and
+in-place ops on inputs (``mul_``, ``copy_``, a slice's ``fill_``). Inputs come contiguous or, a
+quarter of them, transposed, at a storage offset, strided or expanded (``programs.LAYOUTS``).
+The values no step uses are the outputs; a float program usually also gets a backward, and 30 %
+of the programs call the compiled function twice (a later call takes a specialization's lean path).
 
 Numerics. Each value carries a bound on its magnitude; an op that would overflow it is drawn in
 a squashed form (``exp(tanh(x))``) or not at all, and log/sqrt/rsqrt/div/pow get a domain that
@@ -20,7 +23,10 @@ value could flip on a rounding difference that is no bug.
 the special cases ``empty`` (size-0 dims), ``scalar_after_row`` (a reduction to a scalar of a
 value computed from a reduction), ``expand_output`` (returning an ``expand``ed tensor),
 ``out_of_range`` (an index out of range: eager raises, the compiled program must too),
-``long_rows`` (a dim of 1025–3001) and ``backward``.
+``long_rows`` (a dim of 1025–3001), ``backward`` and ``layouts`` (inputs that are not contiguous).
+A special case switched off leaves the rest of the program as it was (``_Builder.chance``), so
+``--skip empty`` runs program k of seed S without its size-0 dims, and a GPU run (which leaves out
+``out_of_range``) runs the CPU's programs.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from dataclasses import dataclass, replace
 
 from fusionstitching.fuzz.programs import (
     FLOAT_DTYPES,
+    LAYOUTS,
     Dim,
     Input,
     Program,
@@ -39,6 +46,7 @@ from fusionstitching.fuzz.programs import (
     Step,
     concrete,
     live,
+    used_symbols,
 )
 
 ONE = Dim.const(1)
@@ -48,13 +56,14 @@ PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 61, 97, 127, 251, 509)
 POW2_PM1 = (3, 5, 7, 9, 15, 17, 31, 33, 63, 65, 127, 129, 255, 257, 511, 513)
 POW2 = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 LONG_ROWS = (1025, 1031, 1500, 2047, 2049, 3001)
-SPECIAL = ("empty", "scalar_after_row", "expand_output", "out_of_range", "long_rows", "backward")
+SPECIAL = ("empty", "scalar_after_row", "expand_output", "out_of_range", "long_rows", "backward", "layouts")
 FAMILY_WEIGHTS = {
     "elementwise": 20, "expensive": 18, "compare": 5, "where": 5, "convert": 4, "broadcast": 3,
     "reduce": 13, "reduce_all": 4, "softmax": 4, "norm": 4, "reshape": 5, "transpose": 5, "slice": 5,
-    "cat": 3, "pad": 3, "gather": 6, "matmul": 3, "creation": 2,
+    "cat": 3, "pad": 3, "gather": 6, "matmul": 3, "creation": 2, "inplace": 3,
 }
 FAMILIES = tuple(FAMILY_WEIGHTS)
+VIEWS = ("reshape", "transpose", "slice", "broadcast", "inplace")  # categories whose ops may return a view
 FEATURES = FAMILIES + SPECIAL
 # Magnitude past which a value is squashed before an op that grows it; half types overflow sooner.
 BOUND_LIMIT = {"float32": 1e5, "bfloat16": 1e3, "float16": 1e3}
@@ -146,15 +155,21 @@ class _Builder:
         self.dtype = "float32"
         self.cap = ELEMENT_CAP
         self.expect_error = False
+        self.backward = False
+
+    def chance(self, p: float, feature: str) -> bool:
+        """True with probability ``p`` when ``feature`` is on. The draw is made either way, so that
+        switching a special case off leaves the rest of the program as it was."""
+        return self.rng.random() < p and feature in self.features
 
     # -- sizes -----------------------------------------------------------------------------------
     def draw_size(self, limit: int) -> int:
         rng = self.rng
-        if "empty" in self.features and rng.random() < 0.03:
-            return 0
+        empty = self.chance(0.03, "empty")
         pool = rng.choices([(1,), (2, 3, 4, 5, 6, 7), PRIMES, POW2_PM1, POW2], [1, 2, 2, 2.5, 1.5])[0]
         fitting = [n for n in pool if n <= limit]
-        return rng.choice(fitting) if fitting else 1
+        size = rng.choice(fitting) if fitting else 1
+        return 0 if empty else size
 
     def new_symbol(self, limit: int) -> Dim:
         name = _symbol_name(len(self.sizes))
@@ -178,7 +193,17 @@ class _Builder:
     def add_input(self, shape: Shape, dtype: str, bound: float | None = None, index_bound: Dim | None = None,
                   out_of_range: bool = False) -> _Value:
         name = f"x{len(self.inputs)}"
-        self.inputs.append(Input(name, tuple(shape), dtype, index_bound, out_of_range))
+        strided = self.chance(0.25, "layouts") and index_bound is None
+        layout = self.rng.choice([lay for lay in LAYOUTS[1:] if lay != "transposed" or len(shape) >= 2])
+        wide = [d for d, dim in enumerate(shape) if dim.symbols]
+        expanded_dim = self.rng.choice(wide) if wide else 0
+        if (layout == "expanded" and not wide) or (layout == "strided" and not shape):
+            layout = "offset"
+        if not strided:
+            layout, expanded_dim = "contiguous", 0
+        elif layout != "expanded":
+            expanded_dim = 0
+        self.inputs.append(Input(name, tuple(shape), dtype, index_bound, out_of_range, layout, expanded_dim))
         if bound is None:
             bound = 4.5 if dtype == "float" else 8.0
         value = _Value(name, tuple(shape), dtype, bound, exact=True)
@@ -244,10 +269,11 @@ class _Builder:
         rng = self.rng
         kind = rng.choices(["float32", "bfloat16", "float16", "int32", "int64", "bool"], [45, 18, 12, 9, 8, 8])[0]
         self.dtype = kind if kind in FLOAT_DTYPES else rng.choice(FLOAT_DTYPES)
+        self.backward = self.chance(0.65, "backward")
         dtype = "float" if kind in FLOAT_DTYPES else kind
         rank = rng.choices([0, 1, 2, 3, 4], [2, 15, 43, 30, 10])[0]
         long_at = None
-        if "long_rows" in self.features and rank >= 1 and rng.random() < 0.1:
+        if self.chance(0.1, "long_rows") and rank >= 1:
             self.cap = LONG_ELEMENT_CAP
             long_at = rank - 1 - int(rank >= 2 and rng.random() < 0.25)
         shape: list[Dim | None] = [None] * rank
@@ -273,14 +299,13 @@ class _Builder:
                 return
 
     def finish(self) -> Program:
-        rng = self.rng
         if not self.steps:
             self._elementwise()
         used = {o for s in self.steps for o in s.operands}
-        leaves = [v for v in self.values[len(self.inputs):] if v.name not in used]
-        by_name = {v.name: v for v in self.values}
+        computed = {s.name for s in self.steps if not s.mutates}
+        leaves = [v for v in self.values if v.name in computed and v.name not in used]
         if not leaves:
-            leaves = [by_name[self.steps[-1].name]]
+            leaves = [v for v in self.values if v.name in computed][-1:]
         leaves = leaves[-4:]
         outputs = []
         for leaf in leaves:
@@ -288,14 +313,15 @@ class _Builder:
                 leaf = self._materialize(leaf)
             outputs.append(leaf.name)
         float_inputs = any(i.dtype == "float" and i.index_bound is None for i in self.inputs)
-        backward = "backward" in self.features and float_inputs and rng.random() < 0.65 and not self.expect_error
+        backward = self.backward and float_inputs and not self.expect_error
         program = Program(self.ident, self.dtype, tuple(sorted(self.sizes.items())), tuple(self.inputs),
                           tuple(self.steps), tuple(outputs), backward, program_seed(*map(int, self.ident.split(":"))),
                           self.expect_error)
         program = live(program)
-        program = replace(program, expect_error=any(i.out_of_range for i in program.inputs))
-        used_symbols = {s for d in program.dims() for s in d.symbols}
-        return replace(program, sizes=tuple((k, v) for k, v in program.sizes if k in used_symbols))
+        program = replace(program, expect_error=any(i.out_of_range for i in program.inputs),
+                          calls=2 if self.rng.random() < 0.3 else 1)
+        kept = used_symbols(program)
+        return replace(program, sizes=tuple((k, v) for k, v in program.sizes if k in kept))
 
     def _materialize(self, value: _Value) -> _Value:
         """An op on an expanded value, so that what is returned is not a stride-0 view."""
@@ -507,7 +533,12 @@ class _Builder:
         extent = math.prod(self.size(value.shape[d]) for d in dims)
         empty = extent == 0
         if value.dtype == "float":
-            names = ["sum", "sum", "mean", "amax", "amin", "var", "std"]
+            # std's gradient divides by std: at a constant row (an expanded input) it is 0/0 in eager
+            # and rounding noise over a rounding-noise std in a compiled sum; only without a backward
+            # amax/amin: their gradient compares a recomputed value with the saved extreme for
+            # equality, and the recomputation may round differently (CHANGELOG: open); for now
+            # drawn only without a backward, as std
+            names = ["sum", "sum", "mean", "var"] + ["amax", "amin", "std"] * (not self.backward)
             if extent <= 32 and (len(dims) == 1 or to_scalar):
                 names.append("prod")
         elif value.dtype == "bool":
@@ -551,9 +582,9 @@ class _Builder:
                         reduced=True)
 
     def _reduce_all(self) -> _Value | None:
-        rng = self.rng
-        after_row = "scalar_after_row" in self.features and rng.random() < 0.5
-        value = self.pick(lambda v: v.reduced and len(v.shape) >= 1) if after_row else None
+        after_row = self.chance(0.5, "scalar_after_row")
+        reduced = self.pick(lambda v: v.reduced and len(v.shape) >= 1)  # drawn either way (see chance)
+        value = reduced if after_row else None
         value = value or self.pick(lambda v: self.may_reduce_all(v) and len(v.shape) >= 1)
         if value is None:
             return None
@@ -697,7 +728,7 @@ class _Builder:
                 code = f"{{0}}[{_index_prefix(at)}{index}]"
             return self.add("select", "slice", code, [value], shape, value.dtype, value.bound, value.exact,
                             expanded=value.expanded)
-        least = 0 if "empty" in self.features and rng.random() < 0.2 else 1
+        least = 0 if self.chance(0.2, "empty") else 1
         start, trim = rng.randint(0, 3), rng.randint(0, 3)
         while start + trim > size - least and (start or trim):
             start, trim = max(0, start - 1), max(0, trim - 1)
@@ -758,9 +789,10 @@ class _Builder:
         return self.add("pad", "pad", f"F.pad({{0}}, {tuple(pads)}{fill})", [value], tuple(shape), value.dtype,
                         max(value.bound, 3), value.exact)
 
-    def index_input(self, shape: Shape, bound: Dim, dtype: str = "int64") -> _Value:
-        out_of_range = ("out_of_range" in self.features and not self.expect_error and self.rng.random() < 0.08
-                        and self.numel(shape) > 0)
+    def index_input(self, shape: Shape, bound: Dim, result: Shape, dtype: str = "int64") -> _Value:
+        """An index input for a gather whose result has shape ``result``; eager checks the indices
+        only when that result has elements, so only then may one be out of range."""
+        out_of_range = self.chance(0.08, "out_of_range") and not self.expect_error and self.numel(result) > 0
         self.expect_error = self.expect_error or out_of_range
         index = self.add_input(shape, dtype, index_bound=bound, out_of_range=out_of_range)
         if out_of_range:  # used by its gather only, so that the program must fail
@@ -781,8 +813,8 @@ class _Builder:
             if self.size(value.shape[at]) == 0:
                 return None
             rows = self.new_symbol(self.room(value.shape[:at] + value.shape[at + 1:]))
-            index = self.index_input((rows,), value.shape[at], rng.choice(["int64", "int32"]))
             shape = value.shape[:at] + (rows,) + value.shape[at + 1:]
+            index = self.index_input((rows,), value.shape[at], shape, rng.choice(["int64", "int32"]))
             return self.add("index_select", "gather", f"torch.index_select({{0}}, {at}, {{1}})", [value, index],
                             shape, value.dtype, value.bound, value.exact)
         if move == "gather":
@@ -791,7 +823,7 @@ class _Builder:
                 return None
             rows = self.new_symbol(self.room(value.shape[:at] + value.shape[at + 1:]))
             shape = value.shape[:at] + (rows,) + value.shape[at + 1:]
-            index = self.index_input(shape, value.shape[at])
+            index = self.index_input(shape, value.shape[at], shape)
             return self.add("gather", "gather", f"torch.gather({{0}}, {at}, {{1}})", [value, index], shape,
                             value.dtype, value.bound, value.exact)
         at = 1 if move == "index" and rank >= 2 and rng.random() < 0.3 else 0
@@ -801,12 +833,12 @@ class _Builder:
         index_shape: tuple[Dim, ...] = (self.new_symbol(self.room(rest)),)
         if rng.random() < 0.3:
             index_shape += (self.new_symbol(self.room(rest + index_shape)),)
-        index = self.index_input(index_shape, value.shape[at], rng.choice(["int64", "int32"]))
+        shape = value.shape[:at] + index_shape + value.shape[at + 1:]  # embedding too (at is 0)
+        index = self.index_input(index_shape, value.shape[at], shape, rng.choice(["int64", "int32"]))
         if move == "embedding":
-            return self.add("embedding", "gather", "F.embedding({1}, {0})", [value, index],
-                            index_shape + value.shape[1:], "float", value.bound, value.exact)
+            return self.add("embedding", "gather", "F.embedding({1}, {0})", [value, index], shape, "float",
+                            value.bound, value.exact)
         code = "{0}[{1}]" if at == 0 else "{0}[:, {1}]"
-        shape = value.shape[:at] + index_shape + value.shape[at + 1:]
         return self.add("index", "gather", code, [value, index], shape, value.dtype, value.bound, value.exact)
 
     def _matmul(self) -> _Value | None:
@@ -833,6 +865,47 @@ class _Builder:
         else:
             code = "torch.bmm({0}, {1})" if len(other.shape) == 3 else "{0} @ {1}"
         return self.add("matmul", "matmul", code, [value, other], shape, "float", bound, False)
+
+    def _inplace(self) -> _Value | None:
+        """An in-place op on an input (one that needs no gradient): the new value is compared after the call."""
+        rng = self.rng
+        inputs = {i.name: i for i in self.inputs}
+        target = self.pick(lambda v: v.name in inputs and inputs[v.name].index_bound is None
+                           and inputs[v.name].layout != "expanded" and not (self.backward and v.dtype == "float"))
+        if target is None:
+            return None
+        if target.dtype == "bool":
+            choices = [("logical_not_", "{0}.logical_not_()", 1.0, True)]
+        elif target.dtype == "float":
+            choices = [("mul_", "{0}.mul_(0.5)", target.bound, target.exact),
+                       ("add_", "{0}.add_(1.0)", target.bound + 1, False),
+                       ("clamp_", "{0}.clamp_(-1.0, 1.0)", 1.0, target.exact)]
+        else:
+            choices = [("add_", "{0}.add_(1)", target.bound + 1, True), ("mul_", "{0}.mul_(2)", target.bound * 2, True)]
+        if len(target.shape) >= 1 and self.size(target.shape[-1]) >= 2:
+            fill = {"float": "0.5", "bool": "True"}.get(target.dtype, "3")
+            choices.append(("fill_", f"{{0}}[..., 1:].fill_({fill})", max(target.bound, 3), target.exact))
+        op, code, bound, exact = rng.choice(choices)
+        operands = [target]
+        views = {s.name for s in self.steps if s.category in VIEWS}  # may alias the target: no copy_ from them
+        source = self.pick(lambda v: v.dtype == target.dtype and v.name != target.name and v.name not in views
+                           and broadcast_shapes(target.shape, v.shape) == target.shape)
+        if source is not None and rng.random() < 0.4:
+            op, code, bound, exact = "copy_", "{0}.copy_({1})", source.bound, source.exact
+            operands.append(source)
+        if bound > (self.limit() if target.dtype == "float" else INT_BOUND_LIMIT):
+            return None
+        shape = target.shape  # what the op returns: the target, or for fill_ the slice it filled
+        if op == "fill_":
+            shape = target.shape[:-1] + (target.shape[-1].plus(-1),)
+        name = f"v{len(self.steps)}"
+        self.steps.append(Step(name, op, "inplace", code, tuple(o.name for o in operands), shape,
+                               target.dtype, mutates=True))
+        changed = replace(target, bound=bound, exact=exact)
+        self.values[self.values.index(target)] = changed
+        value = replace(changed, name=name, shape=shape)
+        self.values.append(value)
+        return value
 
     def _creation(self) -> _Value | None:
         rng = self.rng

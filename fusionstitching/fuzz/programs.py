@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-VALUE_DTYPES = ("float", "int32", "int64", "bool")
 
 
 @dataclass(frozen=True)
@@ -51,11 +50,6 @@ class Dim:
             return self.offset
         return self.scale * math.prod(sizes[s] for s in self.symbols) + self.offset
 
-    @property
-    def pure(self) -> bool:
-        """A product of symbols (times a scale), with no offset: it can be flattened with another."""
-        return bool(self.symbols) and self.offset == 0
-
     def plus(self, n: int) -> Dim:
         return Dim(self.symbols, self.scale, self.offset + n)
 
@@ -73,16 +67,25 @@ def concrete(shape: Sequence[Dim], sizes: Mapping[str, int]) -> tuple[int, ...]:
     return tuple(d.size(sizes) for d in shape)
 
 
+LAYOUTS = ("contiguous", "transposed", "offset", "strided", "expanded")
+
+
 @dataclass(frozen=True)
 class Input:
     """An argument of the program. ``index`` inputs hold integers in ``[0, bound)``, or, with
-    ``out_of_range``, one element equal to ``bound`` (eager must reject it, so must the compiler)."""
+    ``out_of_range``, one element equal to ``bound`` (eager must reject it, so must the compiler).
+
+    ``layout`` (``LAYOUTS``) is how the tensor lies in memory: contiguous; the last two dims
+    transposed; at a storage offset; every other element of its last dim; or dim
+    ``expanded_dim`` broadcast from size 1 (stride 0)."""
 
     name: str
     shape: Shape
     dtype: str
     index_bound: Dim | None = None
     out_of_range: bool = False
+    layout: str = "contiguous"
+    expanded_dim: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class Step:
     shape: Shape
     dtype: str
     dims: tuple[Dim, ...] = ()
+    mutates: bool = False  # an in-place op on an input: kept though no output reads it
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,7 @@ class Program:
     backward: bool  # float inputs require grad and gradients are compared
     data_seed: int
     expect_error: bool = False  # an out-of-range index: eager raises, the compiled program must too
+    calls: int = 1  # calls of the compiled function (a later call takes the lean path of a specialization)
 
     @property
     def size_map(self) -> dict[str, int]:
@@ -154,19 +159,38 @@ def input_seed(program: Program, name: str) -> int:
 
 
 def _input_expression(program: Program, item: Input) -> str:
+    """The tensor's data, drawn on the CPU and moved to ``device`` before it is given its layout
+    (``Tensor.to`` would make a strided tensor contiguous)."""
     sizes = program.size_map
     shape = concrete(item.shape, sizes)
+    storage, view = _layout(item, shape)
     gen = f"_generator({input_seed(program, item.name)})"
     if item.index_bound is not None:
         bound = item.index_bound.size(sizes)
         dtype = "torch.int64" if item.dtype == "int64" else "torch.int32"
-        text = f"torch.randint(0, {max(bound, 1)}, {shape}, generator={gen}, dtype={dtype})"
-        return f"_out_of_range({text}, {bound})" if item.out_of_range else text
-    if item.dtype == "float":
-        return f"torch.randn({shape}, generator={gen}).to(DT)"
-    if item.dtype == "bool":
-        return f"torch.randint(0, 2, {shape}, generator={gen}).bool()"
-    return f"torch.randint(-8, 9, {shape}, generator={gen}, dtype=torch.{item.dtype})"
+        text = f"torch.randint(0, {max(bound, 1)}, {storage}, generator={gen}, dtype={dtype})"
+        text = f"_out_of_range({text}, {bound})" if item.out_of_range else text
+    elif item.dtype == "float":
+        text = f"torch.randn({storage}, generator={gen}).to(DT)"
+    elif item.dtype == "bool":
+        text = f"torch.randint(0, 2, {storage}, generator={gen}).bool()"
+    else:
+        text = f"torch.randint(-8, 9, {storage}, generator={gen}, dtype=torch.{item.dtype})"
+    return f"{text}.to(device){view}"
+
+
+def _layout(item: Input, shape: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
+    """The shape of the tensor drawn, and the view of it that the program gets."""
+    if item.layout == "transposed" and len(shape) >= 2:
+        return shape[:-2] + (shape[-1], shape[-2]), ".transpose(-1, -2)"
+    if item.layout == "offset":
+        return (math.prod(shape) + 3,), f"[3:].view({shape})"
+    if item.layout == "strided" and shape:
+        return shape[:-1] + (2 * shape[-1],), "[..., ::2]"
+    if item.layout == "expanded" and item.expanded_dim < len(shape):
+        narrow = shape[:item.expanded_dim] + (1,) + shape[item.expanded_dim + 1:]
+        return narrow, f".expand({shape})"
+    return shape, ""
 
 
 def function_source(program: Program) -> str:
@@ -196,11 +220,10 @@ def _out_of_range(index, bound):
 
 
 def source(program: Program) -> str:
-    """The module text: ``DT``, ``fn`` and ``make_inputs(device)`` (inputs drawn on the CPU, then moved)."""
+    """The module text: ``DT``, ``fn`` and ``make_inputs(device)`` (fresh tensors on every call)."""
     body = [f"    {i.name} = {_input_expression(program, i)}" for i in program.inputs]
     names = ", ".join(i.name for i in program.inputs)
-    make = ["def make_inputs(device='cpu'):", *body,
-            f"    return [t.to(device) for t in ({names}{',' if len(program.inputs) == 1 else ''})]"]
+    make = ["def make_inputs(device='cpu'):", *body, f"    return [{names}]"]
     prelude = PRELUDE + (OUT_OF_RANGE if any(i.out_of_range for i in program.inputs) else "")
     return "\n".join([prelude, f"DT = torch.{program.dtype}", "", "", function_source(program), "", "",
                       *make, ""])
@@ -231,7 +254,7 @@ def build(program: Program) -> Built:
 
 def _module(name: str, text: str, filename: str) -> types.ModuleType:
     module = types.ModuleType(name)
-    exec(compile(text, filename, "exec"), module.__dict__)
+    exec(compile(text, filename, "exec"), module.__dict__)  # noqa: S102 -- the source the generator wrote
     sys.modules[name] = module
     return module
 
@@ -241,7 +264,7 @@ def live(program: Program) -> Program:
     needed = set(program.outputs)
     steps = []
     for step in reversed(program.steps):
-        if step.name in needed:
+        if step.name in needed or step.mutates:
             steps.append(step)
             needed.update(step.operands)
     return dataclasses.replace(program, steps=tuple(reversed(steps)),
@@ -257,7 +280,3 @@ def describe(program: Program) -> str:
     sizes = ", ".join(f"{k}={v}" for k, v in program.sizes if k in used_symbols(program))
     return (f"{program.dtype}, {len(program.inputs)} inputs, {len(program.steps)} ops, sizes {sizes or 'none'}"
             f"{', backward' if program.backward else ''}{', expects an error' if program.expect_error else ''}")
-
-
-def input_names(program: Program) -> Sequence[str]:
-    return [i.name for i in program.inputs]

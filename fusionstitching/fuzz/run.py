@@ -1,17 +1,25 @@
 """The fuzz run: programs 0..N-1 of a seed, each generated, checked, and shrunk when it fails.
 
 Program k runs with the options ``config_for(k)``: the selectors (ILP, beam) and the generator sets
-of ``GENERATOR_SETS`` take turns, so every combination runs every ``len(CONFIGS)`` programs. A
-failing program is shrunk (``shrink.py``) and saved as ``DIR/fuzz_S_k.py``; its line names ``S:k``
-for ``fusionstitching fuzz --replay S:k``. The last line of a run is
-``fuzz: N graphs, M mismatches, K errors``.
+of ``GENERATOR_SETS`` take turns, so every combination runs every ``len(CONFIGS)`` programs (on a GPU
+also with and without CUDA-graph replay). A failing program is shrunk (``shrink.py``) and saved as
+``DIR/fuzz_S_k.py``; its line names ``S:k`` and the command that replays it
+(``fusionstitching fuzz --replay S:k``, with the run's ``--skip`` and ``--device``). Programs may run
+in worker processes (``workers``, ``--jobs``); what is reported does not depend on how many. The
+last line of a run is ``fuzz: N graphs, M mismatches, K errors``.
 """
 
 from __future__ import annotations
 
+import argparse
+import concurrent.futures
+import dataclasses
+import itertools
+import multiprocessing
 import random
+import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,11 +40,14 @@ GENERATOR_SETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("all", GENERATORS),
 )
 CONFIGS = tuple(Config(solver, generators, label) for label, generators in GENERATOR_SETS for solver in SOLVERS)
+# On a GPU every other round of the configurations runs with CUDA-graph replay (mode="reduce-overhead").
+GPU_CONFIGS = CONFIGS + tuple(dataclasses.replace(c, mode="reduce-overhead") for c in CONFIGS)
 DEFAULT_OUT = "fuzz-failures"
 
 
-def config_for(k: int) -> Config:
-    return CONFIGS[k % len(CONFIGS)]
+def config_for(k: int, device: str = "cpu") -> Config:
+    configs = GPU_CONFIGS if device == "cuda" else CONFIGS
+    return configs[k % len(configs)]
 
 
 def fresh_seed() -> int:
@@ -80,55 +91,99 @@ class Settings:
     device: str = "cpu"
     out: Path | None = Path(DEFAULT_OUT)  # None: failures are not saved
     features: frozenset[str] = frozenset(FEATURES)
-    plans: bool = True  # the plan check (capture + compile_graph, every kernel simulated)
-    shrink: Budget | None = Budget()  # None: failures are saved as they are
-    timeout_s: float | None = 60.0
+    plans: str = "auto"  # the plan check (check.PLAN_CHECKS): auto, off, compile or simulate
+    shrink: Budget | None = field(default_factory=Budget)  # None: failures are saved as they are
+    timeout_s: float | None = 30.0
 
 
 def fuzz(jobs: Iterable[tuple[int, int]], settings: Settings = Settings(), log: Callable[[str], None] = print,
-         verbose: bool = False, progress_every: int = 25) -> Summary:
-    """Check program k of seed S for each ``(S, k)`` of ``jobs``; log failures and progress."""
+         verbose: bool = False, progress_every: int = 25, workers: int = 1) -> Summary:
+    """Check program k of seed S for each ``(S, k)`` of ``jobs`` (in ``workers`` processes); log
+    failures and progress in the order of ``jobs``."""
     summary = Summary()
     start = time.perf_counter()
-    for seed, k in jobs:
-        program = generate(seed, k, settings.features)
-        config = config_for(k)
+    for result in _results(list(jobs), settings, workers):
+        program, config, outcome = result.program, result.config, result.outcome
         if verbose:
             log(f"fuzz: program {program.ident} ({config}; {describe(program)}):\n{source(program)}")
-        outcome = check(program, config, settings.device, settings.plans, settings.timeout_s)
-        summary.graphs += 1
-        summary.coverage.add(program, config, outcome)
-        if verbose:
             log(f"fuzz: program {program.ident}: {outcome.line() if outcome.status != 'ok' else 'ok'} "
                 f"({outcome.seconds:.1f} s, {len(outcome.kernels)} kernels)")
-        if outcome.failed:
+        summary.graphs += 1
+        summary.coverage.add(program, config, outcome)
+        if result.failure is not None:
             summary.mismatches += outcome.status == "mismatch"
             summary.errors += outcome.status == "error"
-            failure = _save(program, config, outcome, settings)
-            summary.failures.append(failure)
-            saved = f"; reproducer {failure.path}" if failure.path else ""
+            summary.failures.append(result.failure)
+            saved = f"; reproducer {result.failure.path}" if result.failure.path else ""
             log(f"fuzz: FAIL {program.ident} ({config}): {outcome.line()}{saved}; "
-                f"replay: fusionstitching fuzz --replay {program.ident}")
+                f"replay: {replay_command(program.ident, settings)}"
+                + (f"\n    plan check: {outcome.diagnosis}" if outcome.diagnosis else ""))
         if progress_every and summary.graphs % progress_every == 0:
             log(f"fuzz: {summary.graphs} graphs, {len(summary.failures)} failures, "
                 f"{time.perf_counter() - start:.0f} s")
     return summary
 
 
+@dataclass
+class _Result:
+    program: Program
+    config: Config
+    outcome: Outcome
+    failure: Failure | None
+
+
+def _results(jobs: Sequence[tuple[int, int]], settings: Settings, workers: int) -> Iterator[_Result]:
+    if workers <= 1 or len(jobs) <= 1:
+        yield from (_one(job, settings) for job in jobs)
+        return
+    # spawn, not fork: a forked copy of a process that has run TorchDynamo and torch's thread pools is unsafe
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        yield from pool.map(_one, jobs, itertools.repeat(settings), chunksize=1)
+
+
+def _one(job: tuple[int, int], settings: Settings) -> _Result:
+    """Program k of seed S generated, checked and, when it fails, shrunk and saved."""
+    seed, k = job
+    program = generate(seed, k, features_for(settings))
+    config = config_for(k, settings.device)
+    outcome = check(program, config, settings.device, settings.plans, settings.timeout_s)
+    failure = _save(program, config, outcome, settings) if outcome.failed else None
+    return _Result(program, config, outcome, failure)
+
+
 def _save(program: Program, config: Config, outcome: Outcome, settings: Settings) -> Failure:
-    shrunk = program
+    shrunk, shown = program, outcome
     if settings.shrink is not None:
         def still_fails(candidate: Program) -> bool:
-            found = check(candidate, config, settings.device, settings.plans, settings.timeout_s)
+            found = check(candidate, config, settings.device, settings.plans, settings.timeout_s, diagnose=False)
             return found.failed and found.kind == outcome.kind
 
         shrunk = shrink(program, still_fails, settings.shrink)
+        if shrunk != program:
+            shown = check(shrunk, config, settings.device, settings.plans, settings.timeout_s)
     path = None
     if settings.out is not None:
         settings.out.mkdir(parents=True, exist_ok=True)
         path = settings.out / f"fuzz_{program.ident.replace(':', '_')}.py"
-        path.write_text(reproducer(shrunk, config, outcome, program.ident))
+        path.write_text(reproducer(shrunk, config, shown, program.ident, replay_command(program.ident, settings)))
     return Failure(program.ident, config, outcome, shrunk, path)
+
+
+def features_for(settings: Settings) -> frozenset[str]:
+    """The generator parts a run uses. An out-of-range index traps a CUDA kernel, eager's as well as a
+    compiled one, and a trap leaves the process's CUDA context unusable: on a GPU that case is left
+    out (the other programs stay the same, ``generate.chance``)."""
+    if settings.device == "cuda":
+        return settings.features - {"out_of_range"}
+    return settings.features
+
+
+def replay_command(ident: str, settings: Settings) -> str:
+    """The command that runs program ``ident`` again as this run did (same generator parts and device)."""
+    skipped = sorted(set(FEATURES) - features_for(settings))
+    return (f"fusionstitching fuzz --replay {ident}" + (f" --skip {','.join(skipped)}" if skipped else "")
+            + (f" --device {settings.device}" if settings.device != "cpu" else ""))
 
 
 def parse_replay(text: str) -> list[tuple[int, int]]:
@@ -163,3 +218,33 @@ def report(summary: Summary, log: Callable[[str], None] = print) -> None:
 
 def programs(seed: int, count: int) -> Sequence[tuple[int, int]]:
     return [(seed, k) for k in range(count)]
+
+
+def command(args: argparse.Namespace) -> int:
+    """``fusionstitching fuzz`` (arguments in ``cli.py``): the seed first when it is fresh, the failures
+    as they come, then the report; 1 when a program failed, 2 for arguments it cannot use."""
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("fusionstitching fuzz: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+            return 2
+    try:
+        features = parse_features(args.skip)
+        jobs = parse_replay(args.replay) if args.replay else None
+    except ValueError as err:
+        print(f"fusionstitching fuzz: {err}", file=sys.stderr)
+        return 2
+    if jobs is None:
+        seed = args.seed
+        if seed is None:
+            seed = fresh_seed()
+            print(f"fuzz: seed {seed}", flush=True)
+        jobs = programs(seed, args.count)
+    settings = Settings(device=args.device, out=Path(args.out), features=features, plans=args.plans,
+                        shrink=None if args.no_shrink else Budget(checks=args.shrink_checks),
+                        timeout_s=args.timeout or None)
+    summary = fuzz(jobs, settings, log=lambda line: print(line, flush=True), verbose=bool(args.replay),
+                   workers=args.jobs)
+    report(summary)
+    return 1 if summary.mismatches + summary.errors else 0

@@ -5,8 +5,9 @@ repeated while one of them makes progress and the budget lasts (each try compile
 
 1. drop an output (the steps only it needed go with it);
 2. cut a step: give its users one of its operands of the same shape and dtype, or else a fresh input
-   of its shape and dtype (what fed only that step goes);
-3. drop the backward, then make a half-type program float32;
+   of its shape and dtype (what fed only that step goes); return an output's operand instead of it;
+3. make an input contiguous, call the compiled function once, drop the backward, make a half-type
+   program float32;
 4. make each size symbol smaller (1, 2, half, one less): every shape, slice bound and index range
    follows, since shapes are symbolic (``programs.Dim``).
 
@@ -68,8 +69,20 @@ def _candidates(program: Program) -> Iterator[Program]:
                 if program.value(o).shape == step.shape and program.value(o).dtype == step.dtype]
         for operand in same:
             yield _tidy(_renamed(program, step.name, operand))
+        used = any(step.name in s.operands for s in program.steps)
+        if step.name in program.outputs and not used:  # return an operand instead, whatever its shape
+            computed = {s.name for s in program.steps}
+            for operand in dict.fromkeys(step.operands):
+                if operand in computed and operand not in same:
+                    yield _tidy(_renamed(program, step.name, operand))
         if step.name not in program.outputs and step.operands:
             yield _tidy(_as_input(program, step.name))
+    for item in program.inputs:
+        if item.layout != "contiguous":
+            changed = dataclasses.replace(item, layout="contiguous")
+            yield dataclasses.replace(program, inputs=tuple(changed if i is item else i for i in program.inputs))
+    if program.calls > 1:
+        yield dataclasses.replace(program, calls=1)
     if program.backward:
         yield dataclasses.replace(program, backward=False)
     if program.dtype != "float32":
@@ -84,9 +97,9 @@ def _candidates(program: Program) -> Iterator[Program]:
 
 
 def _renamed(program: Program, name: str, replacement: str) -> Program:
-    """Uses of ``name`` read ``replacement`` instead."""
+    """The step ``name`` gone, its uses reading ``replacement`` instead."""
     steps = tuple(dataclasses.replace(s, operands=tuple(replacement if o == name else o for o in s.operands))
-                  for s in program.steps)
+                  for s in program.steps if s.name != name)
     outputs = tuple(dict.fromkeys(replacement if o == name else o for o in program.outputs))
     return dataclasses.replace(program, steps=steps, outputs=outputs)
 
@@ -109,16 +122,20 @@ def _tidy(program: Program) -> Program:
     return program
 
 
-def reproducer(program: Program, config: Config, outcome: Outcome, found_as: str) -> str:
+def reproducer(program: Program, config: Config, outcome: Outcome, found_as: str, replay: str = "") -> str:
     """A standalone Python file that shows the failure."""
     options = config.options()
+    compile_line = f"    compiled = torch.compile(fn, backend='fusionstitching', dynamic=False, options={options!r})"
+    if config.mode is not None:  # torch.compile takes a mode or options, not both
+        compile_line = (f"    compiled = fusionstitching.compile(fn, fusionstitching.Options(**{options!r}), "
+                        f"mode={config.mode!r}, dynamic=False)")
     header = (f'"""fusionstitching fuzz reproducer: program {found_as} ({config}), shrunk to '
-              f'{len(program.steps)} ops.\n\n{outcome.line()}\n\nReplay the unshrunk program: '
-              f'fusionstitching fuzz --replay {found_as}\n"""\n')
+              f'{len(program.steps)} ops.\n\n{outcome.report()}\n\nReplay the unshrunk program: '
+              f'{replay or "fusionstitching fuzz --replay " + found_as}\n"""\n')
     main = f'''
 
 def _run(f):
-    args = [t.detach().clone().requires_grad_({program.backward} and t.is_floating_point()) for t in make_inputs()]
+    args = [t.detach().requires_grad_({program.backward} and t.is_floating_point()) for t in make_inputs()]
     outputs = f(*args)
     differentiable = [o for o in outputs if o.requires_grad]
     if not differentiable:
@@ -132,15 +149,17 @@ def _run(f):
 if __name__ == "__main__":
     import fusionstitching  # noqa: F401  (registers the backend)
 
-    compiled = torch.compile(fn, backend="fusionstitching", dynamic=False, options={options!r})
+{compile_line}
     want_outputs, want_grads = _run(fn)
-    got_outputs, got_grads = _run(compiled)
-    for label, got, want in [("output", g, w) for g, w in zip(got_outputs, want_outputs)] + \\
-            [("gradient", g, w) for g, w in zip(got_grads, want_grads)]:
-        if got is None or want is None:
-            print(label, "none" if got is None else "", "/", "none" if want is None else "")
-            continue
-        difference = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
-        print(label, tuple(want.shape), want.dtype, "largest difference from eager:", difference)
+    for call in range({program.calls if config.mode is None else max(program.calls, 3)}):
+        got_outputs, got_grads = _run(compiled)
+        for label, got, want in [("output", g, w) for g, w in zip(got_outputs, want_outputs)] + \\
+                [("gradient", g, w) for g, w in zip(got_grads, want_grads)]:
+            if got is None or want is None:
+                print(label, "none" if got is None else "", "/", "none" if want is None else "")
+                continue
+            difference = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
+            print(f"call {{call + 1}}:", label, tuple(want.shape), want.dtype, "largest difference from eager:",
+                  difference)
 '''
     return header + source(program) + main
