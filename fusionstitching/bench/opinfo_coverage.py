@@ -29,10 +29,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import logging
 import multiprocessing
 import operator
 import re
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -80,7 +82,9 @@ def make_samples(op: Any, device: str = "cpu", dtype: torch.dtype = torch.float3
 @dataclass(frozen=True)
 class SampleCall:
     """One sample as ``fn(*tensors)``: the tensors of the sample are the arguments, the rest of it
-    (numbers, dtypes, lists) is closed over and becomes constants of the compiled graph."""
+    (numbers, dtypes, lists) is closed over and becomes constants of the compiled graph. ``fn``
+    holds no tensor, so TorchDynamo guards on no tensor of the sample: a compiled ``fn`` serves
+    every sample of the same description."""
 
     fn: Callable[..., Any]
     tensors: tuple[torch.Tensor, ...]
@@ -89,16 +93,33 @@ class SampleCall:
 def as_call(op: Any, sample: Any) -> SampleCall:
     leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    function = op.op
+    tensors = tuple(leaves[i] for i in positions)
+    constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    function = _traceable(op.op)
 
     def fn(*tensors: torch.Tensor) -> Any:
-        filled = list(leaves)
+        filled = list(constants)
         for position, tensor in zip(positions, tensors):
             filled[position] = tensor
         inp, args, kwargs = pytree.tree_unflatten(filled, spec)
         return function(inp, *args, **kwargs)
 
-    return SampleCall(fn, tuple(leaves[i] for i in positions))
+    return SampleCall(fn, tensors)
+
+
+def _call(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return op(*args, **kwargs)
+
+
+def _traceable(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` without OpInfo's ``wrapper_set_seed`` (random ops reseed torch's generator
+    inside ``freeze_rng_state``, which TorchDynamo cannot trace): the op is called as it is. Their
+    values are random either way; the test compares only their shapes and dtypes."""
+    code = getattr(function, "__code__", None)
+    if code is None or "wrapper_set_seed" not in code.co_names:
+        return function
+    scope = dict(function.__globals__, wrapper_set_seed=_call)
+    return types.FunctionType(code, scope, function.__name__, function.__defaults__, function.__closure__)
 
 
 def describe(sample: Any) -> str:
@@ -107,7 +128,10 @@ def describe(sample: Any) -> str:
     def one(value: Any) -> str:
         if isinstance(value, torch.Tensor):
             dims = ",".join(str(s) for s in value.shape)
-            flags = "" if value.is_contiguous() else " noncontig"
+            if value.layout != torch.strided:
+                flags = f" {str(value.layout).removeprefix('torch.')}"
+            else:
+                flags = "" if value.is_contiguous() else " noncontig"
             flags += " grad" if value.requires_grad else ""
             return f"{str(value.dtype).removeprefix('torch.')}[{dims}]{flags}"
         if isinstance(value, (list, tuple)):
@@ -200,6 +224,26 @@ def first_unlowered(graphs: Sequence[fx.GraphModule]) -> str | None:
     return None
 
 
+def dynamo_problem(call: SampleCall) -> str | None:
+    """Why TorchDynamo would not capture ``call`` as one graph (None: it does)."""
+
+    def backend(gm: fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(suppress_errors=False), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.compile(call.fn, backend=backend, fullgraph=True, dynamic=False)(*call.tensors)
+    except Exception as err:  # noqa: BLE001 - whatever stops TorchDynamo excludes the sample
+        lines = str(err).strip().splitlines() or [""]
+        explanation = next((line.strip().removeprefix("Explanation: ") for line in lines
+                            if line.strip().startswith("Explanation:")), "")
+        detail = f" ({explanation.split('. ')[0][:100]})" if explanation else ""
+        return f"TorchDynamo: {lines[0][:80]}{detail}"
+    return None
+
+
 def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
@@ -221,6 +265,7 @@ class OpCoverage:
     reason: str  # the first sample's reason among the uncovered ones; "" when all are covered
     reached: frozenset[str]  # TABLE overloads that the covered samples' graphs use
     digest: str  # of the samples' descriptions: the test checks that they did not change
+    errors: tuple[int, ...] = ()  # error inputs (CPU) rejected by eager and aot_eager; tested when covered
 
     @property
     def label(self) -> str:
@@ -250,16 +295,58 @@ def classify(op: Any, decompositions: dict) -> OpCoverage:
         if not ops:
             reasons.append("no ATen op to compile")
             continue
-        why = first_unlowered(graphs)
+        why = first_unlowered(graphs) or dynamo_problem(as_call(op, sample))
         if why is not None:
             reasons.append(why)
             continue
         covered.append(index)
         reached.update(ops)
-    descriptions = [describe(s) for s in samples]
+    error_inputs = make_error_inputs(op) if covered else []
+    errors = tuple(i for i, e in enumerate(error_inputs) if rejected(op, e))
     reason = reasons[0] if reasons else ""
     return OpCoverage(name, variant, len(samples), tuple(covered), reason, frozenset(reached) - CONVERTER_OPS,
-                      digest(descriptions))
+                      samples_digest(samples, error_inputs), errors)
+
+
+def samples_digest(samples: Sequence[Any], error_inputs: Sequence[Any]) -> str:
+    """Of the samples' and error inputs' descriptions: the test checks that they did not change."""
+    descriptions = [describe(s) for s in samples]
+    descriptions += [f"error: {describe(e.sample_input)}" for e in error_inputs]
+    return digest(descriptions)
+
+
+def make_error_inputs(op: Any, device: str = "cpu") -> list[Any]:
+    """The OpInfo's error inputs (calls that eager PyTorch rejects, some only on other devices)."""
+    torch.manual_seed(SEED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return list(op.error_inputs(torch.device(device)))
+        except Exception:  # noqa: BLE001 - a broken error-input generator: no error inputs
+            return []
+
+
+def eager_rejects(op: Any, error_input: Any, backend: str | None = None) -> bool:
+    """Whether eager PyTorch (or ``torch.compile`` with ``backend``) raises on the error input."""
+    call = as_call(op, error_input.sample_input)
+    fn = call.fn
+    if backend is not None:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    try:
+        with warnings.catch_warnings(), torch._dynamo.config.patch(suppress_errors=False):
+            warnings.simplefilter("ignore")
+            fn(*call.tensors)
+    except Exception:  # noqa: BLE001 - any error is the rejection the error input asks for
+        return True
+    return False
+
+
+def rejected(op: Any, error_input: Any) -> bool:
+    """Eager PyTorch rejects the error input, and so does TorchDynamo with AOTAutograd and no
+    decompositions (``aot_eager``): where that accepts it, the compiled call cannot reject it
+    whatever the backend does (``out=`` of a wrong dtype, Python-level type errors)."""
+    return eager_rejects(op, error_input) and eager_rejects(op, error_input, backend="aot_eager")
 
 
 def _short(err: BaseException) -> str:
@@ -324,34 +411,38 @@ def render(coverage: Sequence[OpCoverage], stamp: str) -> str:
         f"<!-- fingerprint: {stamp} -->",
         "# OpInfo coverage",
         "",
-        f"Generated by `{REGENERATE}`; do not edit. tests/frontend/test_opinfo.py compiles every covered",
-        "sample with `torch.compile(backend=\"fusionstitching\")` in strict mode and compares it with eager",
+        f"Generated by `{REGENERATE}`; do not edit.",
+        "tests/frontend/test_opinfo.py compiles every covered sample with",
+        "`torch.compile(backend=\"fusionstitching\")` in strict mode and compares it with eager",
         "PyTorch (outputs, and gradients where the OpInfo supports autograd); it fails when this page is",
         "stale. A sample is covered when every ATen op of its AOTAutograd graphs (f32 on the CPU, forward",
-        "and backward) is lowered by an entry of docs/ops.md, with no library call.",
+        "and backward) is lowered by an entry of docs/ops.md, with no library call, and TorchDynamo",
+        "captures it as one graph. The error inputs listed (those that eager PyTorch and TorchDynamo with",
+        "AOTAutograd, `aot_eager`, reject on the CPU) must be rejected by the compiled call too, not by an",
+        "internal compiler error.",
         "",
-        f"{len(full) + len(partial)} of {len(coverage)} OpInfos, {tested} samples: {len(full)} with every "
-        f"sample, {len(partial)} with some; {len(excluded)} excluded.",
+        (f"{len(full) + len(partial)} of {len(coverage)} OpInfos, {tested} samples: {len(full)} with every "
+         f"sample, {len(partial)} with some; {len(excluded)} excluded."),
         "",
         f"## Covered: every sample ({len(full)})",
         "",
-        "| OpInfo | variant | samples | tested | sample digest | reason |",
-        "|---|---|---|---|---|---|",
+        "| OpInfo | variant | samples | tested | error inputs | sample digest | reason |",
+        "|---|---|---|---|---|---|---|",
     ]
     for c in full:
-        lines.append(f"| {c.name} | {c.variant} | {c.samples} | all | {c.digest} | |")
+        lines.append(f"| {c.name} | {c.variant} | {c.samples} | all | {ranges(c.errors)} | {c.digest} | |")
     lines += [
         "",
         f"## Covered: some samples ({len(partial)})",
         "",
         "The others' first op that is not lowered is in the last column.",
         "",
-        "| OpInfo | variant | samples | tested | sample digest | reason |",
-        "|---|---|---|---|---|---|",
+        "| OpInfo | variant | samples | tested | error inputs | sample digest | reason |",
+        "|---|---|---|---|---|---|---|",
     ]
     for c in partial:
-        lines.append(f"| {c.name} | {c.variant} | {c.samples} | {ranges(c.covered)} | {c.digest} | "
-                     f"{_cell(c.reason)} |")
+        lines.append(f"| {c.name} | {c.variant} | {c.samples} | {ranges(c.covered)} | {ranges(c.errors)} | "
+                     f"{c.digest} | {_cell(c.reason)} |")
     lines += [
         "",
         f"## Excluded ({len(excluded)})",
@@ -380,6 +471,7 @@ class Listed:
     variant: str
     samples: int
     covered: tuple[int, ...]
+    errors: tuple[int, ...]
     digest: str
 
 
@@ -396,10 +488,10 @@ def parse(text: str) -> tuple[str, list[Listed]]:
         if not section.startswith("## Covered") or not line.startswith("| ") or line.startswith("| OpInfo"):
             continue
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
-        name, variant, samples, tested, sample_digest = cells[:5]
+        name, variant, samples, tested, errors, sample_digest = cells[:6]
         count = int(samples)
         covered = tuple(range(count)) if tested == "all" else parse_ranges(tested)
-        listed.append(Listed(name, variant, count, covered, sample_digest))
+        listed.append(Listed(name, variant, count, covered, parse_ranges(errors), sample_digest))
     return stamp.group(1), listed
 
 
@@ -443,6 +535,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ops", default="", help="comma-separated OpInfo names: print their classification")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
+    # Fake tensors log every error input that their meta function rejects, at ERROR level.
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     if args.check:
         stamp, _ = parse(args.out.read_text())
         current = fingerprint()
@@ -450,7 +544,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if stamp == current else 1
     if args.ops:
         for c in generate(1, args.ops.split(",")):
-            print(f"{c.label}: {ranges(c.covered) or '-'} of {c.samples} {c.reason} {sorted(c.reached)}")
+            print(f"{c.label}: samples {ranges(c.covered) or '-'} of {c.samples}, error inputs "
+                  f"{ranges(c.errors) or '-'}; {c.reason or 'all covered'}; reaches {sorted(c.reached)}")
         return 0
     coverage = generate(args.jobs, progress=not args.quiet)
     args.out.write_text(render(coverage, fingerprint()))
