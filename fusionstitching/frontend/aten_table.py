@@ -297,15 +297,32 @@ def _mean_op(cx: LoweringContext, x: Node, dims: Any = None, keepdim: bool = Fal
     return cx.lift(_mean(cx, x, cx.normalize_dims(dims, len(x.shape)), keepdim, compute), cx.dtype)
 
 
+def _shifted_mean(cx: LoweringContext, x: Node, dims: tuple[int, ...], compute: DType) -> Node:
+    """The mean over ``dims`` (kept) as ``s + mean(x - s)``, ``s`` the first element of each row."""
+    if any(x.shape[d] == 0 for d in dims) or math.prod(x.shape[d] for d in dims) == 1:
+        return _mean(cx, x, dims, True, compute)
+    shift = x
+    for d in dims:
+        shift = _slice_dim(cx, shift, d, 0, 1, 1)
+    shift = cx.lift(shift, compute, shift.shape)
+    centered = cx.b.binary("sub", cx.lift(x, compute, x.shape), cx.broadcast_to(shift, x.shape))
+    return cx.b.binary("add", _mean(cx, centered, dims, True, compute), shift)
+
+
 @lowers("aten.var_mean.correction", "aten.var.correction")
 def _var_mean(cx: LoweringContext, x: Node, dims: Any = None, *, correction: Any = None,
               keepdim: bool = False) -> Any:
-    """Two-pass variance in the compute type: mean, then the mean of squared deviations."""
+    """Two-pass variance in the compute type: the mean, then the mean of squared deviations.
+
+    The mean is taken of the data shifted by its first element (``s + mean(x - s)``): a row of
+    equal values then has exactly its value as mean and a variance of 0, as eager's Welford
+    reduction gives (an unshifted sum rounds, and layer_norm divides the rounding by sqrt(eps)),
+    and a row whose mean is large against its spread loses less to cancellation."""
     dims = cx.normalize_dims(dims, len(x.shape))
     correction = 1 if correction is None else correction
     out_dtype = to_dtype((cx.meta_of(0) if isinstance(cx.meta, (tuple, list)) else cx.meta).dtype)
     compute = out_dtype.compute
-    mean_kept = _mean(cx, x, dims, True, compute)
+    mean_kept = _shifted_mean(cx, x, dims, compute)
     deviation = cx.b.binary("sub", cx.lift(x, compute, x.shape), cx.broadcast_to(mean_kept, x.shape))
     squares = _reduce(cx, cx.b.binary("mul", deviation, deviation), dims, keepdim, "sum", compute)
     count = max(math.prod(x.shape[d] for d in dims) - correction, 0)
@@ -523,9 +540,44 @@ def _index_put(cx: LoweringContext, x: Node, indices: Sequence[Node | None], val
     flat_values = cx.reshape(cx.lift(values, cx.dtype, index.shape + rest), (n, math.prod(rest)))
     hit = cx.b.compare("EQ", cx.b.broadcast(flat_index, (n, rows), (0,)), cx.b.iota((n, rows), 1, DType.I64))
     onehot = cx.b.convert(hit, cx.dtype)
-    summed = cx.node("dot_general", onehot, flat_values, lhs_batch=(), rhs_batch=(), lhs_contract=(0,),
-                     rhs_contract=(0,))
+    summed = _one_hot_sum(cx, onehot, flat_values) if cx.dtype.is_float else _one_hot_product(cx, onehot, flat_values)
     return cx.b.binary("add", cx.lift(x, cx.dtype), cx.reshape(summed, x.shape))
+
+
+def _one_hot_product(cx: LoweringContext, onehot: Node, values: Node) -> Node:
+    return cx.node("dot_general", onehot, values, lhs_batch=(), rhs_batch=(), lhs_contract=(0,), rhs_contract=(0,))
+
+
+def _one_hot_sum(cx: LoweringContext, onehot: Node, values: Node) -> Node:
+    """``onehot^T @ values`` with eager's scatter-add semantics for non-finite values.
+
+    In a plain product a NaN or an infinity of one value row meets the zeros of every other target
+    row (0 * inf is NaN) and spreads to all of them, where eager touches only the rows it indexes.
+    So the finite values are summed by the product, and two more column blocks of the same product
+    count, per target cell, the values that are +inf or NaN and those that are -inf or NaN: a cell
+    with both is NaN, with one of them that infinity, with neither the finite sum."""
+    width = values.shape[1]
+    nan = cx.b.compare("NE", values, values)
+    up = cx.b.binary("or", nan, cx.b.compare("EQ", values, cx.lift(math.inf, values.dtype, values.shape)))
+    down = cx.b.binary("or", nan, cx.b.compare("EQ", values, cx.lift(-math.inf, values.dtype, values.shape)))
+    finite = cx.b.select(cx.b.binary("or", up, down), cx.lift(0, values.dtype, values.shape), values)
+    blocks = cx.b.node("concatenate", [finite, cx.b.convert(up, values.dtype), cx.b.convert(down, values.dtype)],
+                       dimension=1)
+    product = _one_hot_product(cx, onehot, blocks)
+    rows = product.shape[0]
+
+    def block(k: int) -> Node:
+        return cx.node("slice", product, start=(0, k * width), limit=(rows, (k + 1) * width), stride=(1, 1))
+
+    zero = cx.lift(0, values.dtype, (rows, width))
+    ups, downs = cx.b.compare("GT", block(1), zero), cx.b.compare("GT", block(2), zero)
+
+    def constant(value: float) -> Node:
+        return cx.lift(value, values.dtype, (rows, width))
+
+    infinite = cx.b.select(ups, constant(math.inf), constant(-math.inf))
+    return cx.b.select(cx.b.binary("and", ups, downs), constant(math.nan),
+                       cx.b.select(cx.b.binary("or", ups, downs), infinite, block(0)))
 
 
 # ----------------------------------------------------------------------------------------------

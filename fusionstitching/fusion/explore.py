@@ -1,6 +1,8 @@
 """``explore``: Graph → FusionPlan, the fusion stage's pipeline (DESIGN.md "Fusion exploration").
 
-1. replace computations on empty tensors by constants (``graph.transforms.fold_empty``), fold
+1. replace computations on empty tensors by constants (``graph.transforms.fold_empty``), add a check
+   output for each gather that no kernel reads in full, so that every index is range-checked
+   (``check_indices``), fold
    chains of views and views that change nothing (``fold_views``), merge nodes that compute
    the same value (``merge_duplicates``), give every user of a broadcast its own copy
    (``duplicate_broadcasts``), let half GEMMs whose f32 conversion is a
@@ -64,6 +66,7 @@ from fusionstitching.fusion.select import Selection, select_ilp
 from fusionstitching.fusion.split import split_underfilled_reductions
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.transforms import (
+    check_indices,
     duplicate_broadcasts,
     fold_empty,
     fold_views,
@@ -131,7 +134,7 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
                          f"names of {GENERATORS}")
     start = time.perf_counter()
     notes = []
-    graph = duplicate_broadcasts(merge_duplicates(fold_views(fold_empty(graph))))
+    graph = duplicate_broadcasts(merge_duplicates(fold_views(check_indices(fold_empty(graph)))))
     if options.widen_dots:
         graph = widen_dots(graph)
     if options.split_reductions:

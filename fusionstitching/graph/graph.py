@@ -113,6 +113,9 @@ class Graph:
         self.output_layouts = list(output_layouts) if output_layouts is not None else [None] * len(outputs)
         self.nodes = topological(self.parameters, self.outputs)
         self.origins: dict[str, str] = {}  # node name → where it came from (``GraphBuilder.origin``)
+        # Trailing outputs computed only for the checks they run (``transforms.check_indices``), not
+        # returned by the compiled graph.
+        self.checks = 0
 
     def __str__(self) -> str:
         from fusionstitching.graph.serialize import to_text

@@ -131,6 +131,62 @@ def fold_empty(graph: Graph) -> Graph:
     return _rebuilt(graph, copies)
 
 
+def check_indices(graph: Graph) -> Graph:
+    """``graph`` with a check output for every gather whose result is not read in full.
+
+    A kernel checks an index where it computes the gathered element (``codegen.values``), so an
+    out-of-range index at a position nothing reads (``emb(ids)[:, 0]``, a gather of a gather) would
+    go unnoticed, where eager raises. For such a gather the result gets one more output: the max of
+    a gather of the positions themselves (an iota along the gathered dim, every other dim of the
+    operand size 1) through the same indices, a scalar that reads every index once. The outputs
+    are trailing and counted in ``graph.checks``; the compiled graph does not return them."""
+    full = _read_in_full(graph)
+    partial = [n for n in graph.nodes if n.op == "gather" and n.size and n not in full]
+    if not partial:
+        return graph
+    names = _Names(n.name for n in graph.nodes)
+    checks = []
+    for gather in partial:
+        x, index = gather.operands
+        axis, batch = gather.attrs["axis"], gather.attrs["batch_dims"]
+        shape = tuple(s if d < batch or d == axis else 1 for d, s in enumerate(x.shape))
+        positions = _make("iota", (), names.new(f"{gather.name}_positions"), shape=shape, dtype=DType.I32,
+                          dimension=axis)
+        read = _make("gather", (positions, index), names.new(f"{gather.name}_check"), **gather.attrs)
+        checks.append(_make("reduce", (read,), names.new(f"{gather.name}_checked"),
+                            dims=tuple(range(len(read.shape))), kind="max"))
+        graph.origins.setdefault(read.name, graph.origins.get(gather.name, gather.name))
+    result = Graph(graph.parameters, graph.outputs + checks, name=graph.name, mutations=graph.mutations,
+                   output_layouts=graph.output_layouts + [None] * len(checks))
+    verify(result)
+    result.origins, result.checks = dict(graph.origins), graph.checks + len(checks)
+    return result
+
+
+def _read_in_full(graph: Graph) -> set[Node]:
+    """The nodes whose every element a kernel computes: outputs, and operands of a node read in
+    full that it reads all of (not through a slice, a cropping pad or as a gather's operand)."""
+    full = {out for out in graph.outputs if out is not None}
+    for node in reversed(graph.nodes):
+        if node not in full:
+            continue
+        for k, operand in enumerate(node.operands):
+            if _reads_all(node, k):
+                full.add(operand)
+    return full
+
+
+def _reads_all(node: Node, k: int) -> bool:
+    if node.op == "slice":
+        start, limit, stride = (node.attrs[a] for a in ("start", "limit", "stride"))
+        return all(s == 0 and e == n and st == 1 for s, e, st, n in zip(start, limit, stride, node.operands[0].shape))
+    if node.op == "pad":
+        return all(v >= 0 for v in (*node.attrs["low"], *node.attrs["high"]))
+    if node.op == "gather":
+        return k == 1
+    return node.size > 0
+
+
 def _empty_result(node: Node) -> Any:
     """The value every element of ``node`` takes when its (first) operand has no elements."""
     if node.op == "pad":
@@ -333,7 +389,7 @@ def _rebuilt(graph: Graph, copies: Mapping[int, Node]) -> Graph:
     result = Graph(graph.parameters, [None if out is None else copies[id(out)] for out in graph.outputs],
                    name=graph.name, mutations=graph.mutations, output_layouts=graph.output_layouts)
     verify(result)
-    result.origins = graph.origins
+    result.origins, result.checks = graph.origins, graph.checks
     return result
 
 

@@ -97,7 +97,8 @@ class CompiledGraph:
     # -- NumPy (CPU: simulated kernels) ------------------------------------------------------
     def run_numpy(self, inputs: Sequence[Any]) -> list[np.ndarray | None]:
         values = self._simulate(inputs)
-        return [None if out is None else np.array(values[out], order="C") for out in self.graph.outputs]
+        returned = self.graph.outputs[: len(self.graph.outputs) - self.graph.checks]
+        return [None if out is None else np.array(values[out], order="C") for out in returned]
 
     def _simulate(self, inputs: Sequence[Any]) -> dict[Node, np.ndarray]:
         """Every node's value: kernels in the simulator, the other steps through the reference."""
@@ -223,7 +224,7 @@ class CompiledGraph:
             value = outputs[k]
             if value is not None and tuple(value.stride()) != strides and value.numel() > 1:
                 outputs[k] = _with_strides(value, strides)
-        return outputs
+        return outputs[: len(outputs) - graph.checks]
 
     def _constant(self, node: Node, device: Any) -> Any:
         key = (node.name, str(device))

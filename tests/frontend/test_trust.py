@@ -333,3 +333,49 @@ def test_a_tail_group_of_a_register_body_loads_only_where_its_elements_exist():
     (x1 / (x2.abs() + 1)).sum().backward()
     torch.testing.assert_close(g1, x1.grad)
     torch.testing.assert_close(g2, x2.grad)
+
+
+@pytest.mark.parametrize("n", [257, 1000])
+def test_layer_norm_of_rows_of_equal_values_is_zero(n):
+    """A constant row's mean came out a few ulps off its value (the sum rounds), and layer_norm
+    divides that by sqrt(eps): 0.07 where eager (a Welford reduction) gives 0. The mean of the row
+    shifted by its first element is exact."""
+    rows = torch.randn(3, 1).mul(40).expand(3, n).contiguous()
+    weight = torch.randn(n)
+    fn = lambda x, w: (torch.nn.functional.layer_norm(x, (n,), w), torch.var_mean(x, -1))
+    got, want = _compiled(fn)(rows, weight), fn(rows, weight)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1][0], torch.zeros(3))
+    torch.testing.assert_close(got[1][1], want[1][1], rtol=0, atol=0)
+
+
+def test_non_finite_values_of_an_accumulating_index_put_stay_in_their_rows():
+    """The one-hot product spread a NaN or an infinity of one value row to every target row
+    (0 * inf); eager's scatter-add touches only the rows it indexes."""
+    fn = lambda x, i, v: torch.index_put(x, (i,), v, accumulate=True) * 1.0
+    x, i, v = torch.randn(5, 3), torch.tensor([0, 2, 2, 4, 4, 1]), torch.randn(6, 3)
+    v[1, 0], v[3, 1], v[4, 2] = float("nan"), float("inf"), float("-inf")
+    v[5, 1], v[5, 2] = float("inf"), float("-inf")
+    torch.testing.assert_close(_compiled(fn)(x, i, v), fn(x, i, v), equal_nan=True)
+    weight = torch.randn(10, 4, requires_grad=True)
+    index, scale = torch.tensor([[1, 3], [3, 7]]), torch.ones(2, 2, 4)
+    scale[0, 0, 0] = float("nan")
+    loss = lambda w, i, s: (torch.nn.functional.embedding(i, w) * s).sum()
+    loss(weight, index, scale).backward()
+    want, weight.grad = weight.grad, None
+    _compiled(loss)(weight, index, scale).backward()
+    torch.testing.assert_close(weight.grad, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("fn, args", [
+    (lambda w, i: torch.nn.functional.embedding(i, w)[:, 0] * 2,
+     (torch.randn(10, 4), torch.tensor([[1, 3, 12], [3, 7, 2]]))),
+    (lambda x, i, j: torch.gather(torch.gather(x, 1, i), 1, j) + 1,
+     (torch.randn(3, 5), torch.tensor([[0, 9], [1, 1], [2, 2]]), torch.tensor([[0], [0], [0]]))),
+])
+def test_an_out_of_range_index_that_nothing_reads_raises_as_in_eager(fn, args):
+    """Kernels check an index where they gather its element: one at a position no output reads
+    (the first token's embedding, a gather of a gather) went unchecked."""
+    with pytest.raises((IndexError, RuntimeError)):
+        fn(*args)
+    with pytest.raises(IndexError, match="index out of range"):
+        _compiled(fn)(*args)
