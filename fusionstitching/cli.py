@@ -248,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     fuzz.add_argument("--no-shrink", action="store_true", help="save failing programs unshrunk")
     fuzz.add_argument("--shrink-checks", type=int, default=40, help="candidates the shrinker may try")
     fuzz.add_argument("--jobs", type=int, default=1, help="worker processes (programs run in parallel)")
+    fuzz.add_argument("--deadline", type=float, default=None,
+                      help="seconds after which no further program is taken; the summary counts those checked")
     fuzz.add_argument("--timeout", type=float, default=30.0,
                       help="seconds per program (0: none); one still running is reported, not failed")
     fuzz.set_defaults(run=_fuzz_command)

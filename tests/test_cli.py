@@ -12,7 +12,7 @@ def test_graph_command_prints_categories_and_writes_json(tmp_path, capsys):
     path = tmp_path / "ln.json"
     assert main(["graph", "layernorm", "--train", "--json", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "layernorm_train forward: 28 nodes, fusable fraction 1.00" in out
+    assert "layernorm_train forward: 32 nodes, fusable fraction 1.00" in out
     assert "reduction" in out and "library ops: none" in out
     forward = Graph.from_json(path.read_text())
     backward = Graph.from_json((tmp_path / "ln.backward.json").read_text())

@@ -124,6 +124,14 @@ def test_fuzz_command_prints_the_seed_and_ends_with_the_summary(tmp_path, capsys
     assert len(list(tmp_path.glob("fuzz_*.py"))) == failures  # a reproducer per failing program
 
 
+def test_a_deadline_stops_the_run_and_counts_what_was_checked():
+    lines: list[str] = []
+    settings = dataclasses.replace(run.Settings(), out=None, shrink=None, plans="off")
+    summary = run.fuzz(run.programs(5, 4), settings, log=lines.append, progress_every=0, deadline_s=0)
+    assert summary.graphs == 0
+    assert lines == ["fuzz: deadline of 0 s reached after 0 graphs"]
+
+
 def test_every_selector_and_generator_set_takes_turns():
     configs = {run.config_for(k) for k in range(len(run.CONFIGS))}
     assert {c.solver for c in configs} == {"ilp", "beam"}

@@ -283,13 +283,15 @@ class ValueEmitter:
         return self.let("v", K.Select(c, a, b, register_type(node.dtype)))
 
     def _op_div(self, node: Node, index):
-        """A quotient by a value uniform along a reduced row (a reduction's result, broadcast) is
-        a product with its reciprocal: one reciprocal per row instead of a division per element
-        (a quarter of a softmax's time). ≤ 1.5 ulp instead of 0.5; a divisor below the smallest
-        normal f32 is scaled by 2^64 first (and the dividend with it, exactly), so its reciprocal
-        stays finite."""
+        """An f32 quotient is the product with the divisor's reciprocal, in every kernel: a divisor
+        uniform along a reduced row (a reduction's result, broadcast) then costs one reciprocal per
+        row instead of a division per element, and a value recomputed in another kernel (a backward
+        graph's rematerialization, where the divisor is a saved input, no longer a reduction) has
+        the same bits as where it was first computed, which equality tests on it (the gradient of
+        amax) rely on. ≤ 1.5 ulp instead of 0.5; a divisor below the smallest normal f32 is scaled by
+        2^64 first (and the dividend with it, exactly), so its reciprocal stays finite."""
         a, b = (self.value(x, index) for x in node.operands)
-        if register_type(node.dtype) != "f32" or not _row_uniform(node.operands[1]):
+        if register_type(node.dtype) != "f32":
             return self._round(node, K.Binary("div", a, b, register_type(node.dtype)))
         tiny = K.Binary("lt", K.Unary("abs", b, "f32"), K.Const(2.0 ** -126, "f32"), "bool")
         scale = self.let("v", K.Select(tiny, K.Const(2.0 ** 64, "f32"), K.Const(1.0, "f32"), "f32"))
@@ -524,13 +526,6 @@ def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(step)
         step *= size
     return tuple(reversed(strides))
-
-
-def _row_uniform(node: Node) -> bool:
-    """Whether ``node`` is a reduction's result seen through broadcasts and reshapes."""
-    while node.op in ("broadcast_in_dim", "reshape"):
-        node = node.operands[0]
-    return node.op == "reduce"
 
 
 def is_reduction(node: Node) -> bool:

@@ -533,12 +533,7 @@ class _Builder:
         extent = math.prod(self.size(value.shape[d]) for d in dims)
         empty = extent == 0
         if value.dtype == "float":
-            # std's gradient divides by std: at a constant row (an expanded input) it is 0/0 in eager
-            # and rounding noise over a rounding-noise std in a compiled sum; only without a backward
-            # amax/amin: their gradient compares a recomputed value with the saved extreme for
-            # equality, and the recomputation may round differently (CHANGELOG: open); for now
-            # drawn only without a backward, as std
-            names = ["sum", "sum", "mean", "var"] + ["amax", "amin", "std"] * (not self.backward)
+            names = ["sum", "sum", "mean", "var", "amax", "amin", "std"]
             if extent <= 32 and (len(dims) == 1 or to_scalar):
                 names.append("prod")
         elif value.dtype == "bool":

@@ -97,12 +97,16 @@ class Settings:
 
 
 def fuzz(jobs: Iterable[tuple[int, int]], settings: Settings = Settings(), log: Callable[[str], None] = print,
-         verbose: bool = False, progress_every: int = 25, workers: int = 1) -> Summary:
+         verbose: bool = False, progress_every: int = 25, workers: int = 1, deadline_s: float | None = None) -> Summary:
     """Check program k of seed S for each ``(S, k)`` of ``jobs`` (in ``workers`` processes); log
-    failures and progress in the order of ``jobs``."""
+    failures and progress in the order of ``jobs``. Past ``deadline_s`` seconds no further result
+    is taken: the summary counts the programs checked until then."""
     summary = Summary()
     start = time.perf_counter()
     for result in _results(list(jobs), settings, workers):
+        if deadline_s is not None and time.perf_counter() - start > deadline_s:
+            log(f"fuzz: deadline of {deadline_s:.0f} s reached after {summary.graphs} graphs")
+            break
         program, config, outcome = result.program, result.config, result.outcome
         if verbose:
             log(f"fuzz: program {program.ident} ({config}; {describe(program)}):\n{source(program)}")
@@ -138,8 +142,11 @@ def _results(jobs: Sequence[tuple[int, int]], settings: Settings, workers: int) 
         return
     # spawn, not fork: a forked copy of a process that has run TorchDynamo and torch's thread pools is unsafe
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
+    try:
         yield from pool.map(_one, jobs, itertools.repeat(settings), chunksize=1)
+    finally:  # a consumer that stops early (a deadline) leaves the programs not started
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _one(job: tuple[int, int], settings: Settings) -> _Result:
@@ -245,6 +252,6 @@ def command(args: argparse.Namespace) -> int:
                         shrink=None if args.no_shrink else Budget(checks=args.shrink_checks),
                         timeout_s=args.timeout or None)
     summary = fuzz(jobs, settings, log=lambda line: print(line, flush=True), verbose=bool(args.replay),
-                   workers=args.jobs)
+                   workers=args.jobs, deadline_s=args.deadline)
     report(summary)
     return 1 if summary.mismatches + summary.errors else 0
