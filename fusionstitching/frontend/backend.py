@@ -379,12 +379,21 @@ def _concrete(gm: fx.GraphModule, args: list[Any]) -> tuple[fx.GraphModule, dict
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+    class _Prop(FakeTensorProp):
+        def run_node(self, n: fx.Node) -> Any:
+            """FakeTensorProp keeps a node's old metadata when its value is a plain number (some torch
+            versions): a size input traced as ``s0`` would stay symbolic. Numbers are recorded too."""
+            result = super().run_node(n)
+            if isinstance(result, (bool, int, float)):
+                n.meta["val"] = result
+            return result
+
     concrete = copy.deepcopy(gm)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:  # fakes of the inputs' layouts, whether they are real or another mode's fakes
         fakes = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
                  if isinstance(a, torch.Tensor) else a for a in args]
-    FakeTensorProp(concrete, mode).propagate_dont_convert_inputs(*fakes)
+    _Prop(concrete, mode).propagate_dont_convert_inputs(*fakes)
     numbers = {}
     for k, out in enumerate(concrete.graph.output_node().args[0]):
         value = out.meta.get("val") if isinstance(out, fx.Node) else out

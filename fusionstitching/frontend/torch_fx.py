@@ -114,6 +114,8 @@ def convert(
                 values[fx_node] = builder.parameters[slot]
             elif _is_number(fx_node.meta.get("val")):  # a size or scalar of this specialization
                 values[fx_node] = fx_node.meta["val"]
+            elif isinstance(fx_node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                values[fx_node] = slot.item()  # the same, where the metadata stayed symbolic
             else:
                 values[fx_node] = _constant(builder, slot)
         elif fx_node.op == "get_attr":
@@ -235,7 +237,36 @@ def decompositions() -> dict:
         overload = getattr(torch.ops.aten, name, None)
         for key in [key for key in table if key is overload or getattr(key, "overloadpacket", None) is overload]:
             del table[key]
+    for key in [key for key in table if getattr(key, "overloadpacket", None) in _INDEX_ADD]:
+        table[key] = _checked_index_add(table[key])
     return table
+
+
+_INDEX_ADD = (torch.ops.aten.index_add, torch.ops.aten.index_add_)
+
+
+def _checked_index_add(decomposition: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's decomposition of ``index_add`` with the shape check of eager's kernel, which it
+    skips: ``source`` must have ``self``'s shape apart from ``dim`` (the decomposition's
+    ``index_put`` would broadcast a smaller one). The same ``RuntimeError`` as eager's, raised
+    while tracing."""
+
+    def index_add(x: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *args: Any,
+                  **kwargs: Any) -> Any:
+        from torch._prims_common import canonicalize_dim
+
+        x_sizes, source_sizes = list(x.shape), list(source.shape)
+        if x.ndim and source.ndim:
+            axis = canonicalize_dim(x.ndim, dim)
+            torch._check(axis < source.ndim, lambda: (
+                f"index_add_(): Indexing dim {axis} is out of bounds of the source tensor with dim {source.ndim}"))
+            del x_sizes[axis], source_sizes[axis]
+        torch._check(x_sizes == source_sizes, lambda: (
+            "source tensor shape must match self tensor shape, excluding the specified dimension. "
+            f"Got self.shape = {list(x.shape)} source.shape = {list(source.shape)}"))
+        return decomposition(x, dim, index, source, *args, **kwargs)
+
+    return index_add
 
 
 # Ops whose core-ATen decomposition does not match the op they pair with. The CPU flash attention's

@@ -232,6 +232,12 @@ def test_concrete_example_inputs_of_a_graph_traced_with_symbolic_sizes():
     runner = backend._Runner(traced, [x, 8], "symbolic_metadata", fusionstitching.Options(strict=True))
     torch.testing.assert_close(runner([x, 8])[0], fn(x, 8)[0])
     torch.testing.assert_close(runner([x, 5])[0], fn(x, 5)[0])
+    # torch 2.11's FakeTensorProp left a number input's metadata symbolic (``s53``), which made the
+    # bound a tensor constant: every size in the concrete copy is a plain number
+    concrete, _ = backend._concrete(traced, [x, 5])
+    sizes = [n.meta["val"] for n in concrete.graph.nodes if not isinstance(n.meta.get("val"), torch.Tensor)
+             and n.op != "output"]
+    assert 5 in sizes and all(type(v) in (bool, int, float) for v in sizes), sizes
 
 
 @pytest.mark.parametrize("fn", [
@@ -379,3 +385,46 @@ def test_an_out_of_range_index_that_nothing_reads_raises_as_in_eager(fn, args):
         fn(*args)
     with pytest.raises(IndexError, match="index out of range"):
         _compiled(fn)(*args)
+
+
+def test_index_add_with_a_source_of_the_wrong_shape_raises_as_in_eager():
+    """torch's decomposition of index_add, which capture applies, skips eager's shape check: a source
+    of one row was broadcast into every indexed row."""
+    fn = lambda x, i, s: x.index_add(0, i, s) * 2
+    args = (torch.zeros(3, 2), torch.tensor([0, 2]), torch.ones(2))
+    message = r"source tensor shape must match self tensor shape, excluding the specified dimension"
+    with pytest.raises(RuntimeError, match=message):
+        fn(*args)
+    with pytest.raises(RuntimeError, match=message):
+        _compiled(fn, strict=True)(*args)
+    good = (torch.zeros(3, 2), torch.tensor([0, 2]), torch.ones(2, 2))
+    torch.testing.assert_close(_compiled(fn, strict=True)(*good), fn(*good))
+
+
+def test_a_library_op_meets_the_users_error_as_eager_raises_it():
+    """A scatter with two indices per row is a library call; torch's own check of its index was
+    reported under strict as an internal CompileFailure of the first run."""
+    fn = lambda x, i, s: x.scatter(0, i, s) * 2
+    args = (torch.zeros(3, 5), torch.tensor([[0, 34], [1, 2]]), torch.ones(2, 5))
+    with pytest.raises(RuntimeError, match="index 34 is out of bounds") as eager:
+        fn(*args)
+    with pytest.raises(RuntimeError, match="index 34 is out of bounds") as compiled:
+        _compiled(fn, strict=True)(*args)
+    assert type(compiled.value) is type(eager.value), compiled.value
+
+
+def test_an_internal_error_of_a_first_run_is_still_a_compile_failure(monkeypatch):
+    """The first run of a specialization compares its error with the graph's in PyTorch: one that
+    eager does not raise stays the compiler's."""
+    executor = importlib.import_module("fusionstitching.runtime.executor")
+
+    def broken(self, tensors):
+        raise RuntimeError("index 1 is out of bounds for dimension 0 with size 1")
+
+    monkeypatch.setattr(executor.CompiledGraph, "_call_on_cpu", broken)
+    fn = lambda x: (x * 3).exp()
+    with pytest.raises(backend.CompileFailure, match="run: RuntimeError: index 1 is out of bounds"):
+        _compiled(fn, strict=True)(torch.randn(4, 8))
+    x = torch.randn(4, 8)
+    with pytest.warns(fusionstitching.FallbackWarning, match="index 1 is out of bounds"):
+        torch.testing.assert_close(_compiled(fn, strict=False)(x), fn(x))
