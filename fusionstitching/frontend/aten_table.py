@@ -437,8 +437,14 @@ def _wrap_negative(cx: LoweringContext, index: Node, size: int) -> Node:
 
 @lowers("aten.index_select.default")
 def _index_select(cx: LoweringContext, x: Node, dim: int, index: Node) -> Node:
+    """A gather along ``dim``. torch takes a 0-d tensor as one element and a 0-d index as one index
+    (of a 0-d tensor, the result is 0-d): both are gathered as shape [1], the bounds check kept."""
     dim = cx.normalize_dim(dim, len(x.shape))
-    return cx.node("gather", x, index, axis=dim, batch_dims=0)
+    if x.shape and len(index.shape) == 1:
+        return cx.node("gather", x, index, axis=dim, batch_dims=0)
+    rows = cx.reshape(x, x.shape or (1,))
+    gathered = cx.node("gather", rows, cx.reshape(index, (math.prod(index.shape),)), axis=dim, batch_dims=0)
+    return cx.reshape(gathered, cx.shape)
 
 
 @lowers("aten.index.Tensor")
@@ -507,7 +513,12 @@ def _gather(cx: LoweringContext, x: Node, dim: int, index: Node, sparse_grad: bo
 
 @lowers("aten.scatter.value", "aten.scatter.src")
 def _scatter(cx: LoweringContext, x: Node, dim: int, index: Node, src: Any) -> Node:
-    """Scatter with one index per row along ``dim``: ``select(iota == index, src, x)``."""
+    """Scatter with one index per row along ``dim``: ``select(iota == index, src, x)``. A 0-d
+    ``x`` (torch takes it as one element, with a 0-d index and source) is scattered as shape [1]."""
+    if not x.shape:
+        row = _scatter(cx, cx.reshape(x, (1,)), 0, cx.reshape(index, (1,)),
+                       cx.reshape(src, (1,)) if isinstance(src, Node) else src)
+        return cx.reshape(row, ())
     dim = cx.normalize_dim(dim, len(x.shape))
     expected = tuple(1 if d == dim else s for d, s in enumerate(x.shape))
     if index.shape != expected:
@@ -515,7 +526,7 @@ def _scatter(cx: LoweringContext, x: Node, dim: int, index: Node, src: Any) -> N
     if isinstance(src, Node) and src.shape != expected:
         src = cx.node("slice", src, start=(0,) * len(src.shape), limit=expected, stride=(1,) * len(src.shape))
     hit = cx.b.compare("EQ", cx.b.iota(x.shape, dim, DType.I64), cx.lift(index, DType.I64, x.shape))
-    return cx.b.select(hit, cx.lift(src, cx.dtype), cx.lift(x, cx.dtype))
+    return cx.b.select(hit, cx.lift(src, cx.dtype, x.shape), cx.lift(x, cx.dtype, x.shape))
 
 
 ONE_HOT_MAX_ROWS = 4096

@@ -28,9 +28,12 @@ planning, scheduling, lowering, compiling or the first run of a specialization â
 AOTAutograd gave it: counted in ``stats()["fallbacks"]`` and announced by a ``FallbackWarning`` that
 names the graph, the stage, the node being handled with its ATen op, and the exception.
 ``Options(strict=True)`` raises ``CompileFailure`` with the same evidence instead. Errors that eager
-raises too (an index out of range: ``IndexError``) are the user's and always propagate. A graph
-called with more than ``Options.max_specializations`` shapes runs the further shapes in PyTorch (one
-warning). Library calls inside a plan (GEMMs, ops without a lowering) are counted in
+raises too are the user's and always propagate: an index out of range met by a generated kernel
+(``IndexError``), and an error of a library op that the graph raises in PyTorch as well (same type,
+same message: torch's own index check in a scatter, say), which then propagates as PyTorch raises it.
+A first run of a specialization that fails otherwise runs the graph in PyTorch to tell the two
+apart. A graph called with more than ``Options.max_specializations`` shapes runs the further shapes
+in PyTorch (one warning). Library calls inside a plan (GEMMs, ops without a lowering) are counted in
 ``stats()["library calls"]``.
 
 Threads. Compiling a specialization holds the runner's lock; shapes are propagated through the graph
@@ -213,14 +216,25 @@ class _Runner:
 
     def _first_run(self, compiled, tensors: list[Any], args: list[Any]) -> list[Any]:
         """The first call of a specialization: an internal error here (a kernel that does not
-        compile or simulate) is a compile failure, and the graph runs in PyTorch from then on."""
+        compile or simulate) is a compile failure, and the graph runs in PyTorch from then on. The
+        graph runs in PyTorch at once to tell: an error it raises too (``_same_error``) is the
+        user's, met by a library op, and propagates as PyTorch raised it."""
         try:
             results = compiled.run(tensors, trusted=True)[: self.outputs]
         except IndexError:  # the user's error, raised by eager too
             raise
         except Exception as err:  # noqa: BLE001 -- the failure policy: any internal error
+            eager_error = None
+            try:
+                results = list(self.gm(*args))
+            except Exception as eager:  # compared with the compiled run's error
+                if _same_error(err, eager):  # the user's error, met by a library op: eager's own
+                    raise
+                eager_error = eager
             self._failed(err, "run")
-            return list(self.gm(*args))
+            if eager_error is not None:
+                raise eager_error from None
+            return results
         if compiled is self.static:
             self.proven = True
         return results
@@ -294,6 +308,21 @@ class _Runner:
         _STATS["fallbacks"] += 1
         warnings.warn(f"fusionstitching: graph {self.name} runs in PyTorch: {reason}", FallbackWarning,
                       stacklevel=4)
+
+
+def _same_error(err: BaseException, eager: BaseException) -> bool:
+    """Whether the compiled run's ``err`` is the error that the graph raises in PyTorch: ``err`` or
+    an exception it wraps (the simulator wraps a library op's) of the same type and message. Then
+    a library op met the user's error (an index out of range in a scatter, say), not the compiler's;
+    an internal error, such as a CUDA fault of a generated kernel, has another type or message."""
+    seen: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and current not in seen:
+        if type(current) is type(eager) and str(current) == str(eager):
+            return True
+        seen.append(current)
+        current = current.__cause__
+    return False
 
 
 def _evidence(err: BaseException, gm: fx.GraphModule, stage: str | None, origins: dict[str, str]) -> str:

@@ -133,12 +133,14 @@ class LoweringContext:
         return dim % max(rank, 1)
 
     def normalize_dims(self, dims: Sequence[int] | int | None, rank: int) -> tuple[int, ...]:
-        """Reduction dims: None or [] means every dim."""
+        """Reduction dims: None or [] means every dim. A 0-d tensor has none: torch accepts dim 0
+        or -1 for it and reduces nothing (the reduction is the identity, or a cast)."""
         if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
             return tuple(range(rank))
         if isinstance(dims, int):
             dims = [dims]
-        return tuple(sorted({self.normalize_dim(d, rank) for d in dims}))
+        normalized = tuple(sorted({self.normalize_dim(d, rank) for d in dims}))
+        return normalized if rank > 0 else ()
 
 
 class RngState:

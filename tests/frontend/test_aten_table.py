@@ -74,6 +74,17 @@ CASES = {
                lambda: (_r(4, 5), _i(4, 4, 3, seed=2))),
     "scatter_one_per_row": (lambda x, idx: (x.scatter(1, idx, 2.0), x.scatter(1, idx, x[:, :1] * 5)),
                             lambda: (_r(4, 6), _i(6, 4, 1, seed=3))),
+    # torch takes a 0-d tensor as one element: reducing it over dim 0 or -1 reduces nothing, it is
+    # index_select's source or destination of one row, and scatter's of one element.
+    "zero_dim_reductions": (lambda x: (x.sum(0), x.sum(-1, keepdim=True), x.amax(0), x.amin(-1), x.mean(0),
+                                       x.prod(0), torch.logsumexp(x, 0), torch.softmax(x, -1), (x > 0).any(0),
+                                       x.sum(0, dtype=torch.float64), x.var(0, correction=0)),
+                            lambda: (_r(1).reshape(()),)),
+    "zero_dim_index_select": (lambda x, y, i, j: (torch.index_select(x, 0, i), torch.index_select(x, -1, j),
+                                                  torch.index_select(y, 0, j) * 2),
+                              lambda: (_r(1).reshape(()), _r(5, seed=1), torch.tensor([0]), torch.tensor(0))),
+    "zero_dim_scatter": (lambda x, i, s: (x.scatter(0, i, s), x.scatter(-1, i, 2.5)),
+                         lambda: (_r(1).reshape(()), torch.tensor(0), _r(1, seed=1).reshape(()))),
     "matmuls": (lambda a, b, c: (a @ b, torch.bmm(c, c.transpose(1, 2)), torch.addmm(b[0], a, b),
                                  torch.dot(a[0], a[1]), torch.einsum("bij,bkj->bik", c, c)),
                 lambda: (_r(3, 4), _r(4, 5, seed=1), _r(2, 3, 4, seed=2))),
