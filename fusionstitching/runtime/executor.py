@@ -387,6 +387,7 @@ def _library_function(node: Node, siblings: Sequence[int] = ()) -> Callable[...,
         value = reference.evaluate_node(node, arrays)
         return _from_numpy(value, node).to(args[0].device if args else "cpu")
 
+    on_host.on_host = True  # GraphedProgram: not capturable
     return on_host
 
 

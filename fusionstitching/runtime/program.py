@@ -227,6 +227,8 @@ class GpuProgram:
             precompile([op.kernel for op in self.ops if isinstance(op, KernelOp)], device_arch(device),
                        cache_dir=options.cache_dir, cache_max_bytes=options.cache_max_bytes)
         self.size = len(slot)
+        # a step evaluated on the host cannot be captured into a CUDA graph
+        self.capturable = not any(getattr(getattr(op, "fn", None), "on_host", False) for op in self.ops)
         self.output_slots = [None if out is None else slot[out] for out in graph.outputs]
         self.kinds = [step.kind for step in steps]
 
@@ -407,18 +409,22 @@ class GraphedProgram:
 
     def run(self, tensors: Sequence[Any]) -> list[Any]:
         self.calls += 1
-        if self.calls == 1:
+        if self.calls == 1 or not self.program.capturable:
             return self.program.run(tensors)
         if self.graph is None:
             self._capture(tensors)
         for static, tensor in zip(self.static_inputs, tensors):
             if static.data_ptr() != tensor.data_ptr():
-                static.copy_(tensor)
+                _span(static).copy_(_span(tensor))
         self.graph.replay()
         return list(self.static_outputs)
 
     def _capture(self, tensors: Sequence[Any]) -> None:
-        self.static_inputs = [t.clone() for t in tensors]
+        # each static input has its tensor's strides (a clone of a slice or an expanded tensor would
+        # be contiguous, and the kernels read the layout they were generated for)
+        self.static_inputs = [_like(t) for t in tensors]
+        for static, tensor in zip(self.static_inputs, tensors):
+            _span(static).copy_(_span(tensor))
         stream = torch.cuda.Stream(self.program.device)
         stream.wait_stream(torch.cuda.current_stream(self.program.device))
         with torch.cuda.stream(stream):
@@ -427,3 +433,22 @@ class GraphedProgram:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.static_outputs = self.program.run(self.static_inputs)
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements of storage that ``t``'s shape and strides reach from its offset."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+
+
+def _like(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor with ``t``'s shape, strides, dtype and device (an overlapping layout included)."""
+    storage = torch.empty(_extent(t), dtype=t.dtype, device=t.device)
+    return storage.as_strided(t.shape, t.stride())
+
+
+def _span(t: torch.Tensor) -> torch.Tensor:
+    """The storage ``t`` reaches, as one dense 1-D tensor: copying spans copies every element of a
+    layout, whether or not its elements overlap."""
+    return t.as_strided((_extent(t),), (1,), t.storage_offset())
