@@ -19,6 +19,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from fusionstitching.codegen import kernel_ir as K
 from fusionstitching.codegen.reshape import reshape_index
 from fusionstitching.graph.graph import Node
@@ -293,6 +295,10 @@ class ValueEmitter:
         a, b = (self.value(x, index) for x in node.operands)
         if register_type(node.dtype) != "f32":
             return self._round(node, K.Binary("div", a, b, register_type(node.dtype)))
+        if isinstance(b, K.Const) and np.isfinite(b.value) and abs(b.value) >= 2.0 ** -126:
+            # a constant divisor: its reciprocal (correctly rounded, as the GPU's) is a constant too
+            inverse = float(np.float32(1) / np.float32(b.value))
+            return self._round(node, K.Binary("mul", a, K.Const(inverse, "f32"), "f32"))
         tiny = K.Binary("lt", K.Unary("abs", b, "f32"), K.Const(2.0 ** -126, "f32"), "bool")
         scale = self.let("v", K.Select(tiny, K.Const(2.0 ** 64, "f32"), K.Const(1.0, "f32"), "f32"))
         inverse = self.let("v", K.Unary("rcp", K.Binary("mul", b, scale, "f32"), "f32"))

@@ -63,10 +63,28 @@ for _name, _op in {
     "bitwise_and.Tensor": "and", "bitwise_and.Scalar": "and", "bitwise_or.Tensor": "or",
     "bitwise_or.Scalar": "or", "bitwise_xor.Tensor": "xor", "logical_and.default": "and",
     "logical_or.default": "or", "logical_xor.default": "xor", "bitwise_not.default": "not",
-    "pow.Tensor_Tensor": "pow", "pow.Tensor_Scalar": "pow", "pow.Scalar": "pow",
+    "pow.Tensor_Tensor": "pow", "pow.Scalar": "pow",
     "fmod.Tensor": "rem", "fmod.Scalar": "rem",
 }.items():
     lowers(f"aten.{_name}")(_elementwise(_op))
+
+
+@lowers("aten.pow.Tensor_Scalar")
+def _pow_scalar(cx: LoweringContext, x: Any, exponent: Any) -> Node:
+    """A float tensor to a constant power as torch computes it: the square and the cube as
+    products, 0.5 and -0.5 as sqrt and rsqrt, -1 as a reciprocal, any other exponent through pow.
+    The result then has eager's bits (a pow of 2 may round differently from x * x), which a value
+    compared for equality later (amax's gradient) relies on."""
+    if cx.dtype.is_float and isinstance(exponent, (int, float)) and not isinstance(exponent, bool):
+        if exponent == 2:
+            return cx.elementwise("mul", x, x)
+        if exponent == 3:
+            return cx.elementwise("mul", cx.elementwise("mul", x, x), x)
+        if exponent in (0.5, -0.5):
+            return cx.elementwise("sqrt" if exponent > 0 else "rsqrt", x)
+        if exponent == -1:
+            return cx.elementwise("div", 1, x)
+    return cx.elementwise("pow", x, exponent)
 
 
 @lowers("aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Scalar",

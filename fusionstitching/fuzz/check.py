@@ -388,6 +388,7 @@ def _plans(program: Program, built: Built, config: Config, device: str, outcome:
     except Exception as err:
         raise _Failure(_error("capture", err)) from err
     forward = forward_arrays(captured, built.fn, args)
+    compiled_forward = None
     for label, graph in (("forward", captured.forward), ("backward", captured.backward)):
         if graph is None:
             continue
@@ -397,10 +398,13 @@ def _plans(program: Program, built: Built, config: Config, device: str, outcome:
             raise _Failure(_error(f"compile_graph ({label})", err)) from err
         outcome.library_calls += compiled.plan.library_count
         outcome.kernels += [kernel_info(kernel) for kernel in compiled.kernels]
+        if label == "forward":
+            compiled_forward = compiled
         if not simulate:
             continue
         try:
-            arrays = forward if label == "forward" else _backward_arrays(captured, forward, program.data_seed)
+            arrays = forward if label == "forward" else _backward_arrays(captured, compiled_forward, forward,
+                                                                         program.data_seed)
             values = _all_values(compiled.graph, arrays)
         except Exception as err:
             raise _Failure(_error(f"reference of the planned {label} graph", err)) from err
@@ -408,12 +412,13 @@ def _plans(program: Program, built: Built, config: Config, device: str, outcome:
             _check_kernel(label, kernel, values)
 
 
-def _backward_arrays(captured: Any, forward: Sequence[Any], seed: int) -> list[Any]:
-    """The backward graph's inputs: the saved tensors of the reference forward, and random tangents."""
-    from fusionstitching.graph import reference
-
+def _backward_arrays(captured: Any, compiled_forward: Any, forward: Sequence[Any], seed: int) -> list[Any]:
+    """The backward graph's inputs: the saved tensors of the compiled forward (simulated), and random
+    tangents. The compiled forward's, not the reference's: a backward may test a value it recomputes
+    for equality with a saved one (amax's gradient), and the kernels compute both alike where the
+    reference may round differently (a reciprocal, a pow)."""
     first = captured.num_user_outputs
-    saved = reference.evaluate(captured.forward, forward)[first: first + captured.num_saved]
+    saved = compiled_forward.run_numpy(forward)[first: first + captured.num_saved]
     rng = np.random.default_rng(seed)
     tangents = [rng.standard_normal(p.shape).astype(p.dtype.numpy) for p in captured.backward.parameters[len(saved):]]
     return list(saved) + tangents

@@ -12,9 +12,7 @@ last line of a run is ``fuzz: N graphs, M mismatches, K errors``.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
-import itertools
 import multiprocessing
 import random
 import sys
@@ -22,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fusionstitching.fusion.explore import DEFAULT_GENERATORS, FUSION_I, GENERATORS, SOLVERS
 from fusionstitching.fuzz.check import Config, Outcome, check
@@ -140,13 +139,113 @@ def _results(jobs: Sequence[tuple[int, int]], settings: Settings, workers: int) 
     if workers <= 1 or len(jobs) <= 1:
         yield from (_one(job, settings) for job in jobs)
         return
-    # spawn, not fork: a forked copy of a process that has run TorchDynamo and torch's thread pools is unsafe
-    context = multiprocessing.get_context("spawn")
-    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
-    try:
-        yield from pool.map(_one, jobs, itertools.repeat(settings), chunksize=1)
-    finally:  # a consumer that stops early (a deadline) leaves the programs not started
-        pool.shutdown(wait=True, cancel_futures=True)
+    yield from _Workers(workers, settings).run(jobs)
+
+
+class _Workers:
+    """Worker processes that check one program at a time, results in the order of the jobs.
+
+    A worker that dies (a crash in a kernel, the allocator, the interpreter) costs only the program it
+    was checking, which is reported as an error, and is replaced. A worker whose CUDA context a
+    program left unusable (an illegal address, a trap: every later call would fail too) reports that
+    program and exits, and a fresh one takes the next. Spawned, not forked: a forked copy of a process
+    that has run TorchDynamo and torch's thread pools is unsafe."""
+
+    def __init__(self, count: int, settings: Settings) -> None:
+        self.count, self.settings = count, settings
+        self.context = multiprocessing.get_context("spawn")
+
+    def _start(self) -> tuple[Any, Any]:
+        parent, child = self.context.Pipe()
+        process = self.context.Process(target=_worker, args=(child, self.settings), daemon=True)
+        process.start()
+        child.close()
+        return process, parent
+
+    def run(self, jobs: Sequence[tuple[int, int]]) -> Iterator[_Result]:
+        from multiprocessing.connection import wait
+
+        pending = list(enumerate(jobs))[::-1]
+        done: dict[int, _Result] = {}
+        busy: dict[Any, tuple[Any, int | None]] = {}  # connection → (process, job index or None)
+        next_index = 0
+        try:
+            for _ in range(min(self.count, len(jobs))):
+                process, connection = self._start()
+                busy[connection] = (process, None)
+            while next_index < len(jobs):
+                for connection, (process, index) in list(busy.items()):
+                    if index is None and pending:
+                        k, job = pending.pop()
+                        try:
+                            connection.send(job)
+                        except OSError:  # the worker is gone before it took the job: another will
+                            pending.append((k, job))
+                            continue
+                        busy[connection] = (process, k)
+                ready = wait(list(busy) + [p.sentinel for p, _ in busy.values()])
+                for connection, (process, index) in list(busy.items()):
+                    if connection in ready and connection.poll():
+                        try:
+                            result, going = connection.recv()
+                        except EOFError:
+                            result, going = None, True
+                        if result is not None:
+                            done[index] = result
+                            busy[connection] = (process, None)
+                            index = None
+                        if not going:
+                            continue
+                        process.join()
+                    if process.sentinel in ready or not process.is_alive():
+                        process.join()
+                        if index is not None and index not in done:
+                            done[index] = _died(jobs[index], self.settings, process.exitcode)
+                        del busy[connection]
+                        connection.close()
+                        if pending:
+                            new_process, new_connection = self._start()
+                            busy[new_connection] = (new_process, None)
+                while next_index in done:
+                    yield done.pop(next_index)
+                    next_index += 1
+        finally:  # a consumer that stops early (a deadline) leaves the programs not started
+            for connection, (process, _) in busy.items():
+                process.kill()
+                process.join()
+                connection.close()
+
+
+def _worker(connection: Any, settings: Settings) -> None:
+    while True:
+        try:
+            job = connection.recv()
+        except EOFError:
+            return
+        result = _one(job, settings)
+        going = _context_lost(result.outcome)
+        connection.send((result, going))
+        if going:
+            return
+
+
+# CUDA errors after which a process's context stays unusable: every later call fails the same way.
+STICKY_CUDA_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure",
+                      "illegal instruction", "misaligned address", "an illegal address")
+
+
+def _context_lost(outcome: Outcome) -> bool:
+    return outcome.status == "error" and any(e in f"{outcome.message} {outcome.diagnosis}" for e in STICKY_CUDA_ERRORS)
+
+
+def _died(job: tuple[int, int], settings: Settings, exitcode: int | None) -> _Result:
+    seed, k = job
+    program = generate(seed, k, features_for(settings))
+    config = config_for(k, settings.device)
+    outcome = Outcome(status="error", where="worker", kind="worker died",
+                      message=f"the worker process checking it died (exit code {exitcode})")
+    failure = _save(program, config, outcome, dataclasses.replace(settings, shrink=None))
+    return _Result(program, config, outcome, failure)
 
 
 def _one(job: tuple[int, int], settings: Settings) -> _Result:
@@ -155,8 +254,11 @@ def _one(job: tuple[int, int], settings: Settings) -> _Result:
     program = generate(seed, k, features_for(settings))
     config = config_for(k, settings.device)
     outcome = check(program, config, settings.device, settings.plans, settings.timeout_s)
-    failure = _save(program, config, outcome, settings) if outcome.failed else None
-    return _Result(program, config, outcome, failure)
+    if not outcome.failed:
+        return _Result(program, config, outcome, None)
+    if _context_lost(outcome):  # the context is gone: every shrinking candidate would "fail" alike
+        settings = dataclasses.replace(settings, shrink=None)
+    return _Result(program, config, outcome, _save(program, config, outcome, settings))
 
 
 def _save(program: Program, config: Config, outcome: Outcome, settings: Settings) -> Failure:

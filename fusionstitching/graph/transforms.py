@@ -167,13 +167,35 @@ def _read_in_full(graph: Graph) -> set[Node]:
     """The nodes whose every element a kernel computes: outputs, and operands of a node read in
     full that it reads all of (not through a slice, a cropping pad or as a gather's operand)."""
     full = {out for out in graph.outputs if out is not None}
+    pieces: dict[Node, list[Node]] = {}  # a node → the slices of it that are read in full
     for node in reversed(graph.nodes):
-        if node not in full:
+        if node not in full and not _covered(node, pieces.get(node, [])):
             continue
+        full.add(node)
         for k, operand in enumerate(node.operands):
             if _reads_all(node, k):
                 full.add(operand)
+            elif node.op == "slice":
+                pieces.setdefault(operand, []).append(node)
     return full
+
+
+def _covered(node: Node, slices: Sequence[Node]) -> bool:
+    """Whether unit-stride slices of ``node`` that differ in one dim only cover it together (the
+    column blocks of one product, say)."""
+    if not slices or any(any(st != 1 for st in s.attrs["stride"]) for s in slices):
+        return False
+    varying = {d for s in slices for d, (lo, hi, n) in enumerate(zip(s.attrs["start"], s.attrs["limit"], node.shape))
+               if (lo, hi) != (0, n)}
+    if len(varying) != 1:
+        return False
+    (dim,) = varying
+    reach = 0
+    for lo, hi in sorted((s.attrs["start"][dim], s.attrs["limit"][dim]) for s in slices):
+        if lo > reach:
+            return False
+        reach = max(reach, hi)
+    return reach >= node.shape[dim]
 
 
 def _reads_all(node: Node, k: int) -> bool:

@@ -9,7 +9,7 @@ import pytest
 from fusionstitching.graph.graph import Graph, GraphBuilder, Layout
 from fusionstitching.graph.ops import DType
 from fusionstitching.graph.reference import evaluate
-from fusionstitching.graph.transforms import split_dim, split_reduction
+from fusionstitching.graph.transforms import check_indices, split_dim, split_reduction
 
 RNG = np.random.default_rng(0)
 
@@ -415,3 +415,26 @@ def test_merge_duplicates_leaves_distinct_values_outputs_and_draws_apart():
     assert out[7] in out[9].operands  # the inner exp is the first output's
     assert out[10] in out[9].operands  # the neg output is the inner neg
     assert len(merged.nodes) == len(graph.nodes) - 2
+
+
+def _gathered(*reads):
+    """x[i] gathered along dim 0 of a [5, 6] table, then read by ``reads(b, gathered)``."""
+    b = GraphBuilder("g")
+    x, i = b.parameter((5, 6), DType.F32, "x"), b.parameter((4,), DType.I32, "i")
+    gathered = b.node("gather", [x, i], axis=0, batch_dims=0, name="gathered")
+    return b.build([read(b, gathered) for read in reads])
+
+
+def _cols(lo, hi):
+    return lambda b, g: b.node("slice", [g], start=(0, lo), limit=(4, hi), stride=(1, 1))
+
+
+def test_a_gather_read_in_part_gets_a_check_output_and_one_read_in_full_none():
+    partial = check_indices(_gathered(_cols(0, 2)))
+    assert partial.checks == 1 and len(partial.outputs) == 2
+    (check,) = partial.outputs[1:]
+    assert check.shape == () and check.op == "reduce" and check.operands[0].op == "gather"
+    assert check.operands[0].operands[0].shape == (5, 1)  # positions, not the table's rows
+    for whole in (_gathered(lambda b, g: b.unary("exp", g)), _gathered(_cols(0, 2), _cols(2, 6))):
+        assert check_indices(whole).checks == 0  # read in full, by one consumer or by slices together
+    assert check_indices(_gathered(_cols(0, 2), _cols(3, 6))).checks == 1  # column 2 is never read
