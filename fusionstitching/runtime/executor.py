@@ -74,7 +74,10 @@ class CompiledGraph:
         self._lock = threading.Lock()
         self.plan = plan
         self.graph: Graph = plan.graph
-        self.steps = _order_steps(self.graph, _make_steps(plan))
+        try:
+            self.steps = _order_steps(self.graph, _make_steps(plan))
+        except _InPlaceCycle as cycle:  # those kernels write new buffers, copied into the inputs after
+            self.steps = _order_steps(self.graph, _make_steps(plan, cycle.writers))
         self._cpu_counts: Counter[str] = Counter()
         self._constants: dict[Any, Any] = {}
         self._programs: dict[Any, GpuProgram | GraphedProgram] = {}
@@ -114,6 +117,10 @@ class CompiledGraph:
             if step.kernel is not None:
                 results = step.kernel.simulate([values[x] for x in step.inputs])
                 values.update(zip(step.outputs, results))
+                # an update written in place replaces the input's value for the steps after it, as
+                # on a GPU (a step still reading the old value there reads the new one here too)
+                for k, j in step.kernel.lowered.aliases.items():
+                    values[step.inputs[j]] = results[k]
             elif len(step.nodes) > 1:  # the outputs of one library call
                 results = reference.evaluate_library(step.nodes, [values[x] for x in step.inputs])
                 values.update(zip(step.nodes, results))
@@ -145,8 +152,11 @@ class CompiledGraph:
         if trusted and self._trusted is not None:  # a trusted caller keeps its devices from call to call
             program = self._trusted
         else:
+            # the device of the tensors with dims, else of any CUDA tensor: a graph of 0-d tensors
+            # only (the backward of scalar arithmetic) runs on their GPU, not on the host
             device = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0),
-                          torch.device("cpu"))
+                          next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda),
+                               torch.device("cpu")))
             if device.type != "cuda":
                 return self._call_on_cpu(tensors)
             if not trusted:
@@ -262,7 +272,7 @@ def _layout_checks(graph: Graph, steps: Sequence[Step]) -> list[tuple[int, tuple
             for k, o in enumerate(s.outputs) if k not in s.kernel.lowered.aliases}
     checks = []
     for k, (out, layout) in enumerate(zip(graph.outputs, graph.output_layouts)):
-        if layout is None or out is None or k in graph.mutations or len(out.shape) < 2:
+        if layout is None or out is None or k in graph.mutations or len(out.shape) < 1:
             continue
         if out in made and tuple(layout.strides) == contiguous_strides(out.shape):
             continue
@@ -270,9 +280,10 @@ def _layout_checks(graph: Graph, steps: Sequence[Step]) -> list[tuple[int, tuple
     return checks
 
 
-def _make_steps(plan: FusionPlan) -> list[Step]:
+def _make_steps(plan: FusionPlan, not_in_place: frozenset[str] = frozenset()) -> list[Step]:
     """A step per pattern, library call and view. A pattern with the structure and template of an
-    earlier one (up to names) gets that kernel's twin: one lowering, one compile, one module."""
+    earlier one (up to names) gets that kernel's twin: one lowering, one compile, one module. The
+    patterns whose first node is in ``not_in_place`` write their input updates to new buffers."""
     graph = plan.graph
     position = graph.index.position
     aliased = in_place_outputs(graph)
@@ -280,12 +291,14 @@ def _make_steps(plan: FusionPlan) -> list[Step]:
     steps = []
     for pattern in plan.patterns:
         nodes = sorted((graph.node(n) for n in pattern.nodes), key=position.__getitem__)
-        key = (pattern_structure(graph, nodes, aliased, scalar_values=True), _template_key(pattern.schedule, nodes))
+        in_place = nodes[0].name not in not_in_place
+        key = (pattern_structure(graph, nodes, aliased, scalar_values=True), _template_key(pattern.schedule, nodes),
+               in_place)
         first = made.get(key)
         if first is not None:
             kernel = first.twin(graph, nodes, pattern.schedule)
         else:
-            kernel = made[key] = generate(graph, nodes, pattern.schedule)
+            kernel = made[key] = generate(graph, nodes, pattern.schedule, in_place=in_place)
         steps.append(Step("kernel", tuple(nodes), kernel))
     steps += _library_steps([graph.node(n) for n in plan.library])
     steps += [Step("view", (graph.node(n),)) for n in plan.views]
@@ -313,6 +326,12 @@ def _template_key(schedule: KernelSchedule, nodes: Sequence[Node]) -> tuple:
     return (tuple((local[s.root], s.dims, s.shared) for s in schedule.schedules), schedule.launch)
 
 
+class _InPlaceCycle(Exception):  # a signal between _order_steps and CompiledGraph
+    def __init__(self, writers: frozenset[str]) -> None:
+        super().__init__(f"in-place updates in cycles: {sorted(writers)}")
+        self.writers = writers
+
+
 def _order_steps(graph: Graph, steps: list[Step]) -> list[Step]:
     """Steps in an order where every step runs after the steps producing its inputs."""
     producer: dict[Node, int] = {}
@@ -325,6 +344,23 @@ def _order_steps(graph: Graph, steps: list[Step]) -> list[Step]:
     for k, step in enumerate(steps):
         deps = {producer[x] for n in step.nodes for x in n.operands if x in producer and producer[x] != k}
         needs.append(deps)
+    # A kernel that overwrites a parameter in place runs after every other step that reads the
+    # parameter's old value, directly or through a view of it.
+    base: dict[Node, Node] = {p: p for p in graph.parameters}
+    for step in steps:
+        if step.kind == "view" and step.nodes[0].operands and step.nodes[0].operands[0] in base:
+            base[step.nodes[0]] = base[step.nodes[0].operands[0]]
+    writers = set()
+    for w, writer in enumerate(steps):
+        if writer.kernel is None:
+            continue
+        for j in writer.kernel.lowered.aliases.values():
+            target = writer.inputs[j]
+            for r, reader in enumerate(steps):
+                if r != w and any(base.get(x) is target for x in reader.inputs):
+                    needs[w].add(r)
+                    writers.add(writer.nodes[0].name)
+    for k, deps in enumerate(needs):
         for d in deps:
             users[d].append(k)
     pending = [len(d) for d in needs]
@@ -338,6 +374,8 @@ def _order_steps(graph: Graph, steps: list[Step]) -> list[Step]:
             if pending[u] == 0:
                 ready.append(u)
     if len(order) != len(steps):
+        if writers:  # an in-place update must wait for a reader of the old value that waits for it
+            raise _InPlaceCycle(frozenset(writers))
         raise RuntimeError(f"plan for {graph.name}: the steps have a cyclic dependence")
     missing = [n.name for n in graph.nodes if n not in producer
                and n.category not in (Category.PARAMETER, Category.CONSTANT)]

@@ -428,3 +428,21 @@ def test_an_internal_error_of_a_first_run_is_still_a_compile_failure(monkeypatch
     x = torch.randn(4, 8)
     with pytest.warns(fusionstitching.FallbackWarning, match="index 1 is out of bounds"):
         torch.testing.assert_close(_compiled(fn, strict=False)(x), fn(x))
+
+
+def _read_then_update(x1, x2, x3):
+    v2 = torch.minimum(x2, x1.to(torch.int64).unsqueeze(2))
+    x2.add_(1)
+    return torch.index_select(v2, 1, x3), v2.amin(-2)
+
+
+def test_a_kernel_reading_an_input_runs_before_the_kernel_updating_it_in_place():
+    """The in-place add ran before the kernel reading x2's old value (a GPU fault; the simulator now
+    lets an in-place update replace the input's value, as on a GPU, so the CPU sees it too)."""
+    args = (torch.randn(4, 31), torch.tensor([-8]), torch.randint(0, 31, (23,)))
+    want = _read_then_update(*[a.clone() for a in args])
+    got_args = [a.clone() for a in args]
+    got = _compiled(_read_then_update, generators=("dp", "merging", "packing", "remote"))(*got_args)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    torch.testing.assert_close(got_args[1], args[1] + 1)

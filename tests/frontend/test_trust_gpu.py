@@ -148,3 +148,34 @@ def test_reduce_overhead_replays_with_the_inputs_layouts(make):
         got = [t.clone() for t in compiled(x, y)]
         for g, w in zip(got, fn(x, y)):
             torch.testing.assert_close(g, w)
+
+
+@needs_cuda
+def test_the_gradient_of_scalar_arithmetic_stays_on_the_gpu():
+    """A backward graph of 0-d tensors only was run on the host (the device was taken from the
+    tensors with dims): its gradient came back on the CPU."""
+    x = torch.randn(5, 2, device="cuda", requires_grad=True)
+
+    def fn(x):
+        v = torch.minimum(x.sum(), x.sum())
+        return torch.sin(v / (v.abs() + 1))
+
+    _compiled(fn)(x).backward()
+    got, x.grad = x.grad, None
+    fn(x).backward()
+    assert got.device == x.device
+    torch.testing.assert_close(got, x.grad)
+
+
+@needs_cuda
+def test_a_one_dimensional_output_keeps_its_promised_stride():
+    """A column of the input (stride 7) saved for the backward came back contiguous, and the backward
+    kernel, generated for stride 7, refused it."""
+    x = torch.randn(5, 7, device="cuda", requires_grad=True)
+    fn = lambda x: (x.t()[-1] * x.t()[-1] * 0.5, x.t() - 1.0)
+    got = _compiled(fn)(x)
+    torch.autograd.backward(got, [torch.ones_like(g) for g in got])
+    g, x.grad = x.grad, None
+    want = fn(x)
+    torch.autograd.backward(want, [torch.ones_like(w) for w in want])
+    torch.testing.assert_close(g, x.grad)
