@@ -196,15 +196,26 @@ class RegisterComposition:
                         em.stmts.append(K.If(guard, tuple(inner) + (stmt,)))
                 continue
             buffer = self._shared_buffer(group) if group.shared else None
+            kept = [d for d in range(len(group.space)) if d not in group.reduced]
+            done: set[tuple] = set()
             for combo in combos:
                 for f, value in zip(thread_factors, combo):
                     f.var = value
+                if group.reduced:  # a reduction within the thread: once per kept element it holds
+                    key = tuple(repr(v) for f, v in zip(thread_factors, combo) if f.dim not in group.reduced)
+                    if key in done:
+                        continue
+                    done.add(key)
                 index, guard = self._register_index(group)
-                value = em.value(group.root, tuple(index))
+                if group.reduced:  # its index is the output's: the kept dims of the iteration space
+                    value, out_index = self._serial_reduction(group, index), [index[d] for d in kept]
+                else:
+                    value, out_index = em.value(group.root, tuple(index)), index
                 stores = []
                 if group.output is not None:
                     name, layout = group.output
-                    stores.append(K.Store(name, em.linear(index, layout.strides), em.stored(value, group.root.dtype)))
+                    stores.append(K.Store(name, em.linear(out_index, layout.strides),
+                                          em.stored(value, group.root.dtype)))
                 if buffer is not None:
                     stores.append(K.Store(buffer.name, self._local_index(group, index), shared_value(value)))
                 em.stmts.extend([K.If(guard, tuple(stores))] if guard is not None and stores else stores)
