@@ -6,8 +6,12 @@ only, so the rest of the package imports without it.
 
 [Note: options] Every compile passes ``--gpu-architecture=<arch>`` (a real ``sm_XX``, so
 NVRTC emits SASS in a CUBIN, not PTX), ``--std=c++17`` (NVRTC's default today, pinned so a
-toolkit update does not change the language) and ``-Xptxas=-v`` (for the resource report,
-below). Nothing else: the generated sources include no headers (f16/bf16 are stored as
+toolkit update does not change the language), ``--fmad=false`` and ``-Xptxas=-v`` (for the
+resource report, below). Without contraction every ``a * b + c`` of a kernel rounds the product as
+eager's separate ops do and as the simulator and the reference compute it; a value recomputed in
+another kernel then has the same bits wherever the compiler would have contracted it in one place
+and not in the other (the deviation of a one-element row from its mean was not 0, and a variance
+of 0/0 came out inf). Library code keeps its explicit fused multiply-adds. Nothing else: the generated sources include no headers (f16/bf16 are stored as
 ``unsigned short`` and converted with inline PTX), so no include paths and no
 ``-default-device`` are needed. Caller ``options`` are appended after these.
 
@@ -76,7 +80,7 @@ from fusionstitching.options import Options
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_OPTIONS: tuple[str, ...] = ("--std=c++17", "-Xptxas=-v")
+DEFAULT_OPTIONS: tuple[str, ...] = ("--std=c++17", "--fmad=false", "-Xptxas=-v")
 _INSTALL_HINT = "install the pip packages `cuda-bindings` and `nvidia-cuda-nvrtc`"
 
 
