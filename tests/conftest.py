@@ -36,6 +36,8 @@ def strict_compiles(monkeypatch):
     def strict(options):
         if options is None:
             return dataclasses.replace(plain(None), strict=True)
+        if isinstance(options, dict) and "strict" not in options:  # other options, strict all the same
+            return plain({**options, "strict": True})
         return plain(options)
 
     monkeypatch.setattr(backend, "_options", strict)

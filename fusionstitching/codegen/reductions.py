@@ -28,6 +28,8 @@ from fusionstitching.schedule.template import WARP_SIZE as WARP
 from fusionstitching.schedule.template import Level
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from fusionstitching.codegen.compose import Group
     from fusionstitching.graph.graph import Node
 
@@ -69,7 +71,7 @@ class Reductions:
 
             def compute() -> None:
                 value = self._serial_reduction(group, index)
-                slot = K.add(K.mul(warp_index, em.idx(count)), self._local_index(group, index))
+                slot = K.add(K.mul(warp_index, em.idx(count)), self._slot(group, index))
                 em.stmts.append(K.Store(buffer.name, self._skewed(slot), value))
 
             stmts, _ = em.nested(compute)
@@ -98,6 +100,18 @@ class Reductions:
         for f in warps:
             warp_index = K.add(K.mul(warp_index, em.idx(f.extent)), f.var)
         return buffer, count, warp_index
+
+    def _slot(self, group: Group, index: Sequence[K.Expr]) -> K.Expr:
+        """The kept element's slot among a warp's ``count`` slots: row-major over the local extents
+        of the kept dims, unpadded, as ``_sum_slots`` reads them back (the padded layout of a
+        shared tile, ``_local_index``, would reach past them)."""
+        em = self.em
+        linear: K.Expr = em.idx(0)
+        kept = [i for d, i in enumerate(index) if d not in group.reduced]
+        for (_, local), _i in zip(self._footprint(group), kept):
+            for f in local:
+                linear = K.add(K.mul(linear, em.idx(f.extent)), f.var)
+        return linear
 
     def _skewed(self, slot: K.Expr) -> K.Expr:
         """A slot of the cross-warp buffer with one cell skipped after every 32: lanes that write

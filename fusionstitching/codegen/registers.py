@@ -271,7 +271,7 @@ class RegisterComposition:
             value = em.term(root, index)
             if root.dtype.is_half:  # rounded as a fold of one element is
                 value = em.let("v", K.Cast(K.Cast(value, root.dtype.value), "f32"))
-            values.append((self._local_index(group, index), value))
+            values.append((self._slot(group, index), value))
         return values
 
     def _store_partials(self, group: Group, values: list[tuple[K.Expr, K.Expr]]) -> list[K.Stmt]:

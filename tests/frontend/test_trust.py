@@ -450,3 +450,15 @@ def test_a_kernel_reading_an_input_runs_before_the_kernel_updating_it_in_place()
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     torch.testing.assert_close(got_args[1], args[1] + 1)
+
+
+def test_a_reduction_across_warps_beside_a_padded_shared_tile():
+    """The warps' partial sums were written at the padded index of a shared tile (rows of 64 cells
+    take 65) and read back unpadded: past the end of the buffer (an out-of-bounds shared store on a
+    GPU) and from the wrong slots."""
+    fn = lambda x0, x2: (x0.mean(1).std(correction=0), torch.gather(x0, 2, x2), torch.amax(x2, dim=(0, 2)))
+    generator = torch.Generator().manual_seed(0)
+    x0, x2 = torch.randn(11, 2, 64, generator=generator), torch.randint(0, 64, (11, 2, 31), generator=generator)
+    for got, want in zip(_compiled(fn, solver="beam", generators=("substitution", "merging", "packing"))(x0, x2),
+                         fn(x0, x2)):
+        torch.testing.assert_close(got, want)
