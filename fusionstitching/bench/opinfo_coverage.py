@@ -1,6 +1,8 @@
 """Which of PyTorch's OpInfos (``op_db``) this compiler lowers completely: the list in docs/opinfo.md.
 
-``python -m fusionstitching.bench.opinfo_coverage [--out docs/opinfo.md] [--check] [--jobs N]``
+``python -m fusionstitching.bench.opinfo_coverage [--out docs/opinfo.md] [--check] [--jobs N] [--ops a,b]``
+(``--check`` compares the page's fingerprint only; ``--ops`` prints the classification of the named
+OpInfos instead of writing the page.)
 
 A sample of an OpInfo is *covered* when every ATen op of its graphs has an entry in
 ``aten_table.TABLE`` and the entry lowers it: nothing of it would become a ``library`` node. The
@@ -13,12 +15,23 @@ reason. An internal error of the conversion does not: the sample stays covered, 
 tests/frontend/test_opinfo.py (which compiles every covered sample with
 ``torch.compile(backend="fusionstitching")`` in strict mode) reports it.
 
-The samples are traced without TorchDynamo (it would add a tenth of a second per sample, ~15,000
-samples): AOTAutograd sees the same dispatcher-level ops either way.
+The samples are traced by AOTAutograd alone (``aot_function``): it sees the same dispatcher-level
+ops as behind TorchDynamo, and all ~15,000 samples of ``op_db`` are traced. Only a sample that lowers
+completely is then also captured by TorchDynamo (``fullgraph=True``, a pass-through backend), and
+one that TorchDynamo does not capture as one graph (a ``warnings.warn`` inside the op, say) is not
+covered either: the test asserts that every covered sample is compiled whole.
 
-The generated page lists the covered OpInfos (all samples, or the covered subset by index), the
-excluded ones with the first op that is not lowered, and the TABLE overloads that no covered sample
-reaches. Its first line holds a fingerprint of what classification depends on that can be computed
+Random OpInfos call their op through OpInfo's ``wrapper_set_seed``, which reseeds torch's generator
+in a way TorchDynamo cannot trace; ``as_call`` calls the op directly instead.
+
+Error inputs (``op.error_inputs``) of covered OpInfos are listed when eager PyTorch rejects them on
+the CPU and so does ``torch.compile(backend="aot_eager")`` (without it, no backend could: an
+``out=`` of a wrong dtype, a Python-level type error); the test asserts that the compiled call
+rejects them too.
+
+The generated page lists the covered OpInfos (all samples, or the covered subset by index, and the
+error inputs), the excluded ones with the first op that is not lowered, and the TABLE overloads that
+no covered sample reaches. Its first line holds a fingerprint of what classification depends on that can be computed
 in a second (torch's version, TABLE's keys, the decomposition table's keys, op_db's names and
 flags); the test recomputes it. A change inside a lowering (a new case it refuses or accepts) is
 not in the fingerprint: regenerate the page after such a change.
@@ -71,12 +84,22 @@ def wants_grad(op: Any, device: str, dtype: torch.dtype) -> bool:
     return bool(op.supports_autograd) and dtype in op.supported_backward_dtypes(torch.device(device).type)
 
 
+# OpInfos whose sample generator iterates a set of strings (meshgrid: ``product(cases, {'xy', 'ij'})``):
+# their order follows Python's string hash seed, another in every process. ``make_samples`` puts
+# them in the order of their structures, so that indices and digests hold from run to run (which
+# values each sample draws still varies).
+HASH_ORDERED = frozenset({"meshgrid"})
+
+
 def make_samples(op: Any, device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[Any]:
-    """The OpInfo's samples, with the same values every time (seeded)."""
+    """The OpInfo's samples, with the same values every time (seeded; ``HASH_ORDERED`` aside)."""
     torch.manual_seed(SEED)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return list(op.sample_inputs(device, dtype, requires_grad=wants_grad(op, device, dtype)))
+        samples = list(op.sample_inputs(device, dtype, requires_grad=wants_grad(op, device, dtype)))
+    if op.name in HASH_ORDERED:
+        samples.sort(key=structure)
+    return samples
 
 
 @dataclass(frozen=True)
@@ -148,6 +171,15 @@ def describe(sample: Any) -> str:
     parts += [f"{k}={one(v)}" for k, v in sample.kwargs.items()]
     name = f" '{sample.name}'" if getattr(sample, "name", "") else ""
     return f"({', '.join(parts)}){name}"
+
+
+def structure(sample: Any) -> str:
+    """A sample's description with its float dtype named "float": the samples of one OpInfo in
+    f32 and bf16 are the same calls when their structures are equal."""
+    text = describe(sample)
+    for name in ("float32", "bfloat16", "float16"):
+        text = text.replace(name, "float")
+    return text
 
 
 def digest(descriptions: Iterable[str]) -> str:
