@@ -447,6 +447,15 @@ def _pad(cx: LoweringContext, x: Node, pad: Sequence[int], value: Any = 0) -> No
 # ----------------------------------------------------------------------------------------------
 
 
+def _checked(cx: LoweringContext, index: Node, size: int) -> Node:
+    """``index`` (as i64) through a gather of the positions ``0..size-1``: the same values, with the
+    range check every gather has (an error naming the op where eager raises one), for indices that
+    a lowering only compares with positions (a one-hot row, a scatter's ``iota == index``) and that
+    would otherwise match nothing and be dropped silently."""
+    positions = cx.b.iota((size,), 0, DType.I64)
+    return cx.node("gather", positions, index, axis=0, batch_dims=0)
+
+
 def _wrap_negative(cx: LoweringContext, index: Node, size: int) -> Node:
     """torch indexing accepts -size <= i < 0; map those to i + size."""
     zero, n = cx.lift(0, index.dtype, index.shape), cx.lift(size, index.dtype, index.shape)
@@ -543,6 +552,7 @@ def _scatter(cx: LoweringContext, x: Node, dim: int, index: Node, src: Any) -> N
         raise Unsupported(f"scatter with index shape {list(index.shape)}; only {list(expected)} is lowered")
     if isinstance(src, Node) and src.shape != expected:
         src = cx.node("slice", src, start=(0,) * len(src.shape), limit=expected, stride=(1,) * len(src.shape))
+    index = _checked(cx, index, x.shape[dim])
     hit = cx.b.compare("EQ", cx.b.iota(x.shape, dim, DType.I64), cx.lift(index, DType.I64, x.shape))
     return cx.b.select(hit, cx.lift(src, cx.dtype, x.shape), cx.lift(x, cx.dtype, x.shape))
 
@@ -565,7 +575,7 @@ def _index_put(cx: LoweringContext, x: Node, indices: Sequence[Node | None], val
         raise Unsupported(f"index_put into {rows} rows: a scatter-add, not a one-hot GEMM over more than "
                           f"{ONE_HOT_MAX_ROWS} rows")
     n = math.prod(index.shape)
-    flat_index = _wrap_negative(cx, cx.reshape(cx.lift(index, DType.I64, index.shape), (n,)), rows)
+    flat_index = _checked(cx, _wrap_negative(cx, cx.reshape(cx.lift(index, DType.I64, index.shape), (n,)), rows), rows)
     flat_values = cx.reshape(cx.lift(values, cx.dtype, index.shape + rest), (n, math.prod(rest)))
     hit = cx.b.compare("EQ", cx.b.broadcast(flat_index, (n, rows), (0,)), cx.b.iota((n, rows), 1, DType.I64))
     onehot = cx.b.convert(hit, cx.dtype)

@@ -93,6 +93,10 @@ def test_empty_tensors(fn, shapes):
     (lambda x, i: x[i] + 1, (torch.randn(5, 3), torch.tensor([1, -7]))),
     (lambda x, i, j: x[i, j] * 2, (torch.randn(5, 5), torch.tensor([1, 0]), torch.tensor([5, 1]))),
     (lambda x, t: torch.nn.functional.cross_entropy(x, t), (torch.randn(5, 4), torch.tensor([0, 1, 2, 3, 4]))),
+    # lowered as comparisons with positions, which an index out of range matched nowhere: dropped
+    (lambda x, i: x.scatter(1, i, 5.0) * 2, (torch.zeros(3, 4), torch.tensor([[1], [7], [0]]))),
+    (lambda x, i, v: torch.index_put(x, (i,), v, accumulate=True) * 1.0,
+     (torch.zeros(5, 3), torch.tensor([0, -6]), torch.ones(2, 3))),
 ])
 def test_an_index_out_of_range_raises_as_in_eager(fn, args):
     """Indices were clamped: a bad token id or label read some valid row."""
