@@ -122,12 +122,12 @@ class CompiledGraph:
                 for k, j in step.kernel.lowered.aliases.items():
                     values[step.inputs[j]] = results[k]
             elif len(step.nodes) > 1:  # the outputs of one library call
-                results = reference.evaluate_library(step.nodes, [values[x] for x in step.inputs])
+                results = _op_error(reference.evaluate_library, step.nodes, [values[x] for x in step.inputs])
                 values.update(zip(step.nodes, results))
             else:
                 node = step.nodes[0]
                 with np.errstate(all="ignore"):
-                    values[node] = reference.evaluate_node(node, [values[x] for x in node.operands])
+                    values[node] = _op_error(reference.evaluate_node, node, [values[x] for x in node.operands])
         return values
 
     # -- torch tensors -------------------------------------------------------------------------
@@ -241,6 +241,20 @@ class CompiledGraph:
         if key not in self._constants:
             self._constants[key] = _from_numpy(np.asarray(node.attrs["value"]), node).to(device)
         return self._constants[key]
+
+
+def _op_error(evaluate: Callable[..., Any], *args: Any) -> Any:
+    """``evaluate(*args)``; an error a library op raised itself (torch's ``RuntimeError`` or ``IndexError``
+    on the user's input, as eager raises it) propagates as that error, with the node named in a
+    note, not wrapped as the reference's ``EvaluationError``."""
+    try:
+        return evaluate(*args)
+    except reference.EvaluationError as err:
+        cause = err.__cause__
+        if isinstance(cause, (RuntimeError, IndexError)):
+            cause.add_note(str(err))
+            raise cause from None
+        raise
 
 
 def _with_strides(value: Any, strides: tuple[int, ...]) -> Any:

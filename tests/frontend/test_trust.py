@@ -466,3 +466,14 @@ def test_a_reduction_across_warps_beside_a_padded_shared_tile():
     for got, want in zip(_compiled(fn, solver="beam", generators=("substitution", "merging", "packing"))(x0, x2),
                          fn(x0, x2)):
         torch.testing.assert_close(got, want)
+
+
+def test_a_library_ops_user_error_after_the_first_call_is_eagers_error():
+    """After the first call, torch's own error of a library op on the CPU arrived wrapped in the
+    reference's EvaluationError (a ValueError)."""
+    fn = lambda x, i, s: x.scatter(0, i, s) * 2
+    compiled = _compiled(fn)
+    compiled(torch.zeros(3, 5), torch.tensor([[0, 1], [1, 2]]), torch.ones(2, 5))
+    with pytest.raises(RuntimeError, match="index 34 is out of bounds") as raised:
+        compiled(torch.zeros(3, 5), torch.tensor([[0, 34], [1, 2]]), torch.ones(2, 5))
+    assert type(raised.value) is RuntimeError
