@@ -466,7 +466,7 @@ class _Builder:
             return self.add("where", "where", code, [mask, value], shape, value.dtype, value.bound + 8,
                             value.exact)
         shape = broadcast_shapes(mask.shape, value.shape)
-        shape = shape and broadcast_shapes(shape, other.shape)
+        shape = None if shape is None else broadcast_shapes(shape, other.shape)  # () is a shape
         if shape is None:
             return None
         return self.add("where", "where", "torch.where({0}, {1}, {2})", [mask, value, other], shape, value.dtype,
