@@ -229,7 +229,10 @@ def _library(builder: GraphBuilder, fx_node: fx.Node, op_name: str, raw_args, ra
 def decompositions() -> dict:
     from torch._decomp import core_aten_decompositions, get_decompositions
 
-    table = dict(core_aten_decompositions())
+    # ATen's own ops only: other namespaces (``quantized_decomposed``) register decompositions into
+    # the same global table when their modules are imported, which would make the table depend on
+    # the import history
+    table = {k: v for k, v in core_aten_decompositions().items() if str(k).startswith("aten.")}
     composites = [getattr(torch.ops.aten, name) for name in aten_table.COMPOSITE_DECOMPOSITIONS]
     table.update(get_decompositions(composites))
     table.update(foreach_decompositions())
@@ -288,8 +291,12 @@ def foreach_decompositions() -> dict:
     the same length (tensors, or scalars for ``ScalarList`` overloads) are indexed; others are
     passed to every element's op."""
     table = {}
-    for name in dir(torch.ops.aten):
-        if not name.startswith("_foreach_") or name.endswith("_"):
+    # every registered op, not ``dir(torch.ops.aten)``: that lists the ops some code has looked up
+    # so far, so the table would depend on what was imported before (Inductor looks up more)
+    names = sorted({op.split("::", 1)[1].split(".")[0] for op in torch._C._dispatch_get_all_op_names()
+                    if op.startswith("aten::_foreach_")})
+    for name in names:
+        if name.endswith("_"):
             continue
         single = getattr(torch.ops.aten, name[len("_foreach_"):], None)
         if single is None:

@@ -477,3 +477,17 @@ def test_a_library_ops_user_error_after_the_first_call_is_eagers_error():
     with pytest.raises(RuntimeError, match="index 34 is out of bounds") as raised:
         compiled(torch.zeros(3, 5), torch.tensor([[0, 34], [1, 2]]), torch.ones(2, 5))
     assert type(raised.value) is RuntimeError
+
+
+def test_the_decomposition_table_does_not_depend_on_what_was_imported():
+    """The foreach decompositions were read from ``dir(torch.ops.aten)`` (the ops looked up so far)
+    and other namespaces' decompositions came with their modules: importing Inductor changed the
+    table, so one program could lower differently in two processes (and docs/opinfo.md's
+    fingerprint went stale inside the test suite)."""
+    from fusionstitching.frontend.torch_fx import decompositions
+
+    before = {str(k) for k in decompositions()}
+    import torch._inductor.compile_fx  # noqa: F401 - registers decompositions and looks up ops
+
+    assert {str(k) for k in decompositions()} == before
+    assert "aten._foreach_copy.default" in before
