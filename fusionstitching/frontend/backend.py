@@ -151,9 +151,9 @@ class _Runner:
         self.origins: dict[str, str] = {}  # the converted graph's node origins (for failure evidence)
         # A graph with static shapes and only tensor inputs is called with exactly the example
         # inputs' shapes, strides, dtypes and devices (TorchDynamo's guards and AOTAutograd ensure
-        # it): its one specialization needs no signature per call (0.5 ms for BERT's 200 inputs).
+        # it): its one specialization needs no signature per call.
         # Its CompiledGraph is kept apart: looking it up by signature would hash ~200 nested tuples
-        # per call (7 µs for BERT). Its first call is checked (``_first_run``) before the lean path.
+        # per call. Its first call is checked (``_first_run``) before the lean path.
         self.static_key: tuple | None = None
         self.static = None
         self.proven = False  # the static specialization has run once
