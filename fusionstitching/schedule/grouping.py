@@ -62,7 +62,7 @@ WARP_MODE_MAX_LENGTH = 1024
 # Warp mode wants at least this many blocks of WARP_ROWS rows. With fewer rows, a row at least a
 # block of threads long takes a whole block: BERT's batch-1 LayerNorms (128 rows of 768) ran as 32
 # blocks of 4 warps, each lane working through 24 values, slower than a kernel of a block per
-# row (CHANGELOG has the figures).
+# row.
 FEW_ROWS_BLOCKS = 128
 WARP_SIZE = 32
 MAX_REGISTER_ELEMENTS = 32
