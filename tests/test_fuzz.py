@@ -61,6 +61,23 @@ def test_features_switch_special_cases_off():
         assert program.expect_error or generate(5, k, set(FEATURES) - {"out_of_range"}) == program
 
 
+def test_no_embedding_table_of_width_zero():
+    """torch's CUDA embedding backward reads a null pointer for such a table (pytorch/pytorch#189668):
+    a GPU run's worker died in eager, before the compiled program ran."""
+    embeddings = 0
+    for seed in (1126101, 5):
+        for k in range(600):
+            program = generate(seed, k)
+            sizes = dict(program.sizes)
+            shapes = {i.name: i.shape for i in program.inputs} | {s.name: s.shape for s in program.steps}
+            for step in program.steps:
+                if step.op == "embedding":
+                    embeddings += 1
+                    table = shapes[step.operands[0]]
+                    assert table[1].size(sizes) > 0, source(program)
+    assert embeddings > 20
+
+
 @pytest.mark.filterwarnings(r"ignore:(var|std)\(\)")
 def test_generated_programs_run_eagerly():
     for k in range(150):

@@ -801,7 +801,9 @@ class _Builder:
             return None
         rank = len(value.shape)
         move = rng.choice(["index_select", "index", "index", "gather", "embedding"])
-        if move == "embedding" and (rank != 2 or value.dtype != "float"):
+        # torch's CUDA embedding backward reads a null pointer for a table of width 0
+        # (pytorch/pytorch#189668): such a table is indexed with index_select instead
+        if move == "embedding" and (rank != 2 or value.dtype != "float" or self.size(value.shape[1]) == 0):
             move = "index_select"
         if move == "index_select":
             at = rng.randrange(rank)
