@@ -74,10 +74,15 @@ class CompiledGraph:
         self._lock = threading.Lock()
         self.plan = plan
         self.graph: Graph = plan.graph
-        try:
-            self.steps = _order_steps(self.graph, _make_steps(plan))
-        except _InPlaceCycle as cycle:  # those kernels write new buffers, copied into the inputs after
-            self.steps = _order_steps(self.graph, _make_steps(plan, cycle.writers))
+        not_in_place: frozenset[str] = frozenset()
+        while True:
+            try:
+                self.steps = _order_steps(self.graph, _make_steps(plan, not_in_place))
+                break
+            except _InPlaceCycle as refused:  # those kernels write new buffers, copied into the inputs after
+                if refused.writers <= not_in_place:
+                    raise RuntimeError(f"plan for {self.graph.name}: {refused}") from None
+                not_in_place |= refused.writers
         self._cpu_counts: Counter[str] = Counter()
         self._constants: dict[Any, Any] = {}
         self._programs: dict[Any, GpuProgram | GraphedProgram] = {}
@@ -86,6 +91,7 @@ class CompiledGraph:
         self._trusted: GpuProgram | GraphedProgram | None = None  # the program of trusted calls
         self.calls = 0  # GPU calls
         self._layout_checks: list[tuple[int, tuple[int, ...]]] | None = None
+        self._old_values = _old_value_outputs(self.graph, self.steps)
 
     @property
     def counts(self) -> Counter[str]:
@@ -223,6 +229,9 @@ class CompiledGraph:
 
     def _finish(self, tensors: Sequence[Any], outputs: list[Any]) -> list[Any]:
         graph = self.graph
+        for k in self._old_values:  # read before the updates below overwrite what they view
+            if outputs[k] is not None:
+                outputs[k] = outputs[k].clone()
         for out_index, param_index in graph.mutations.items():
             target, value = tensors[param_index], outputs[out_index]
             if value is not None and value is not target:
@@ -341,9 +350,28 @@ def _template_key(schedule: KernelSchedule, nodes: Sequence[Node]) -> tuple:
 
 
 class _InPlaceCycle(Exception):  # a signal between _order_steps and CompiledGraph
-    def __init__(self, writers: frozenset[str]) -> None:
-        super().__init__(f"in-place updates in cycles: {sorted(writers)}")
+    def __init__(self, writers: frozenset[str], why: str = "in cycles") -> None:
+        super().__init__(f"in-place updates {why}: {sorted(writers)}")
         self.writers = writers
+
+
+def _parameter_bases(graph: Graph, steps: Sequence[Step]) -> dict[Node, Node]:
+    """The parameter each parameter and each view step of a parameter shares storage with."""
+    base: dict[Node, Node] = {p: p for p in graph.parameters}
+    for step in steps:
+        if step.kind == "view" and step.nodes[0].operands and step.nodes[0].operands[0] in base:
+            base[step.nodes[0]] = base[step.nodes[0].operands[0]]
+    return base
+
+
+def _old_value_outputs(graph: Graph, steps: Sequence[Step]) -> list[int]:
+    """Outputs that are an input updated by this graph, or a view of one: in the functional graph they
+    are the input's old value (``a.copy_(b); b.mul_(2)`` gives a b's old value), so a call returns
+    them read before the updates are copied in."""
+    base = _parameter_bases(graph, steps)
+    updated = {graph.parameters[p]: p for p in graph.mutations.values()}
+    return [k for k, out in enumerate(graph.outputs)
+            if out in base and base[out] in updated and graph.mutations.get(k) != updated[base[out]]]
 
 
 def _order_steps(graph: Graph, steps: list[Step]) -> list[Step]:
@@ -359,21 +387,24 @@ def _order_steps(graph: Graph, steps: list[Step]) -> list[Step]:
         deps = {producer[x] for n in step.nodes for x in n.operands if x in producer and producer[x] != k}
         needs.append(deps)
     # A kernel that overwrites a parameter in place runs after every other step that reads the
-    # parameter's old value, directly or through a view of it.
-    base: dict[Node, Node] = {p: p for p in graph.parameters}
-    for step in steps:
-        if step.kind == "view" and step.nodes[0].operands and step.nodes[0].operands[0] in base:
-            base[step.nodes[0]] = base[step.nodes[0].operands[0]]
-    writers = set()
+    # parameter's old value, directly or through a view of it. One whose parameter's old value is
+    # itself an output writes a new buffer instead: no step would read that value in time.
+    base = _parameter_bases(graph, steps)
+    returned = {base[out] for out in graph.outputs if out in base}
+    writers, refused = set(), set()
     for w, writer in enumerate(steps):
         if writer.kernel is None:
             continue
         for j in writer.kernel.lowered.aliases.values():
             target = writer.inputs[j]
+            if target in returned:
+                refused.add(writer.nodes[0].name)
             for r, reader in enumerate(steps):
                 if r != w and any(base.get(x) is target for x in reader.inputs):
                     needs[w].add(r)
                     writers.add(writer.nodes[0].name)
+    if refused:
+        raise _InPlaceCycle(frozenset(refused), "whose input's old value is an output")
     for k, deps in enumerate(needs):
         for d in deps:
             users[d].append(k)
