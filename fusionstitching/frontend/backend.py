@@ -93,9 +93,8 @@ def fusionstitching_backend(gm: fx.GraphModule, example_inputs: list[Any], mode:
                             options: Options | dict | None = None) -> Callable[..., Any]:
     """The TorchDynamo backend (registered as "fusionstitching")."""
     from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    from fusionstitching.frontend.torch_fx import decompositions
+    from fusionstitching.frontend.torch_fx import decompositions, partition
 
     if mode not in (None, "default", "reduce-overhead"):
         raise ValueError(f"fusionstitching: unknown mode {mode!r}; known: None, 'reduce-overhead'")
@@ -104,7 +103,7 @@ def fusionstitching_backend(gm: fx.GraphModule, example_inputs: list[Any], mode:
         gm, example_inputs,
         fw_compiler=_compiler("forward", opts, mode), bw_compiler=_compiler("backward", opts, mode),
         inference_compiler=_compiler("inference", opts, mode),
-        partition_fn=min_cut_rematerialization_partition, decompositions=decompositions(),
+        partition_fn=partition, decompositions=decompositions(),
         keep_inference_input_mutations=True,
     )
 

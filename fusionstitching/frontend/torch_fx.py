@@ -344,6 +344,51 @@ class _Recording:
     calls: int = 0
 
 
+# Ops whose result does not depend on the order the work is done in: a recomputation gives the
+# forward's bits. Reductions that add or multiply, scans and products of matrices may not (another
+# kernel's schedule sums in another order).
+_ORDER_FREE = frozenset({"amax", "amin", "max", "min", "argmax", "argmin", "any", "all"})
+
+
+def _order_free(node: fx.Node) -> bool:
+    target = node.target
+    if node.op != "call_function" or target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return (torch.Tag.pointwise in target.tags or target.is_view
+            or target.overloadpacket.__name__ in _ORDER_FREE)
+
+
+def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The min-cut rematerialization partitioner, except that a forward value the backward tests for
+    equality (the gradient of amax, amin and max routes to the elements equal to the saved result)
+    is saved, not recomputed, when recomputing it could round otherwise: a softmax recomputed by a
+    kernel that sums in another order equals its saved minimum nowhere, and the gradient is 0/0."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    backward: set[fx.Node] = set()
+    ordered: set[fx.Node] = set()  # forward values that depend on an order-dependent op
+    for node in joint.graph.nodes:
+        inputs = node.all_input_nodes
+        if node.op == "placeholder":
+            if node.name.startswith("tangents"):
+                backward.add(node)
+            continue
+        if any(x in backward for x in inputs):
+            backward.add(node)
+        elif not _order_free(node) or any(x in ordered for x in inputs):
+            ordered.add(node)
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in (
+                torch.ops.aten.eq, torch.ops.aten.ne):
+            for x in node.all_input_nodes:
+                if x in ordered:
+                    x.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
 def _stand_in(gm: fx.GraphModule) -> Callable[..., Any]:
     """A compiled function that returns empty tensors shaped like ``gm``'s outputs."""
     from torch._functorch.aot_autograd import make_boxed_func
@@ -366,10 +411,9 @@ def _metadata() -> Any:
 
 def _backend(recording: _Recording) -> Callable[..., Any]:
     from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    def partitioned(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        fw, bw = partition(joint, joint_inputs, **kwargs)
         recording.forward, recording.backward = fw, bw
         recording.num_fwd_outputs = kwargs["num_fwd_outputs"]
         recording.metadata = _metadata()
@@ -385,7 +429,7 @@ def _backend(recording: _Recording) -> Callable[..., Any]:
         recording.dynamo_inputs = list(example_inputs)
         return aot_module_simplified(
             gm, example_inputs, fw_compiler=lambda g, _: _stand_in(g), bw_compiler=lambda g, _: _stand_in(g),
-            inference_compiler=inference, partition_fn=partition, decompositions=decompositions(),
+            inference_compiler=inference, partition_fn=partitioned, decompositions=decompositions(),
             keep_inference_input_mutations=True,
         )
 

@@ -491,3 +491,21 @@ def test_the_decomposition_table_does_not_depend_on_what_was_imported():
 
     assert {str(k) for k in decompositions()} == before
     assert "aten._foreach_copy.default" in before
+
+
+@pytest.mark.parametrize("generators", [("substitution",), ("dp", "remote")])
+def test_the_gradient_of_amin_of_a_softmax_is_finite(generators):
+    """amin's gradient goes to the elements equal to the saved minimum. The partitioner recomputed the
+    softmax in the backward, where a kernel summed in another order: no element was equal, and the
+    gradient was 0/0 (fuzz 1126102:2440). Such a value is now saved."""
+    def fn(x):
+        flat = x.reshape(8, 2)
+        return flat / (flat.abs() + 1), torch.amin(torch.softmax(x, dim=1), dim=1, keepdim=True)
+
+    x = torch.randn(2, 4, 2, generator=torch.Generator().manual_seed(56239698062651))
+    eager_x, ours_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    seed = torch.Generator().manual_seed(196979344768151)
+    tangents = [torch.randn(8, 2, generator=seed), torch.randn(2, 1, 2, generator=seed)]
+    torch.autograd.backward(fn(eager_x), tangents)
+    torch.autograd.backward(_compiled(fn, solver="ilp", generators=generators)(ours_x), tangents)
+    torch.testing.assert_close(ours_x.grad, eager_x.grad, rtol=1e-4, atol=1e-5)
