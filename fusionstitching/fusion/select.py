@@ -19,9 +19,10 @@ BERT-base inference at batch 1 took 77 solves and 9.6 s to select, now 23 solves
 is deterministic for a given model, the model is built in candidate order, and cycles are walked in
 a fixed order, so the plan is the same on every run.
 
-Compile time is bounded: once the rounds have taken ``budget`` seconds, the last solution is made
-acyclic by leaving out, cycle after cycle, the lowest-scoring pattern on it (``Selection.repaired``
-counts them; the plan is valid, possibly not optimal). Graphs of many small independent chains
+Compile time is bounded: once the rounds have taken ``budget`` seconds, or after
+``MAX_CYCLE_ROUNDS`` rounds, the last solution is made acyclic by leaving out, cycle after cycle,
+the lowest-scoring pattern on it (``Selection.repaired`` counts them; the plan is valid, possibly
+not optimal). Graphs of many small independent chains
 (torch.optim's per-tensor updates with their step counts) can otherwise take a hundred rounds.
 """
 
@@ -52,7 +53,7 @@ class Selection:
     objective: float
     rounds: int
     cycle_constraints: list[tuple[int, ...]] = field(default_factory=list)
-    repaired: int = 0  # patterns left out to break cycles once the time budget was spent
+    repaired: int = 0  # patterns left out to break cycles once the time budget or the rounds were spent
 
 
 def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequence[float],
@@ -103,7 +104,7 @@ def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequenc
         if not found:
             return Selection(sorted(usable[k] for k in chosen), -float(result.fun), rounds,
                              [tuple(usable[k] for k in c) for c in cycles])
-        if time.perf_counter() - start > budget:
+        if time.perf_counter() - start > budget or rounds == MAX_CYCLE_ROUNDS:
             kept, _ = break_cycles(graph, patterns, scores, [usable[k] for k in chosen])
             return Selection(sorted(kept), sum(scores[i] for i in kept), rounds,
                              [tuple(usable[k] for k in c) for c in cycles], len(chosen) - len(kept))
@@ -114,7 +115,7 @@ def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequenc
                 rows.append(len(upper))
                 cols.append(k)
             upper.append(float(len(members) - 1))
-    raise SelectionError(f"the plan still has a cycle after {MAX_CYCLE_ROUNDS} rounds of cycle constraints")
+    raise AssertionError("unreachable: the last round breaks the cycles left")
 
 
 def break_cycles(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequence[float], chosen: list[int]

@@ -94,6 +94,20 @@ def test_cycle_of_two_patterns_gets_a_constraint_and_the_plan_is_acyclic():
     assert contracted_cycle(graph, [patterns[i] for i in selection.chosen]) is None
 
 
+def test_the_last_round_breaks_the_cycles_left(monkeypatch):
+    """Out of rounds, the plan is repaired as when the time budget is spent (it raised before: a
+    1×1 layer norm's backward in f16 needed more than 100 rounds, fuzz 1126102:3902)."""
+    from fusionstitching.fusion import select
+
+    monkeypatch.setattr(select, "MAX_CYCLE_ROUNDS", 1)
+    graph, p = _crossed()
+    patterns = [p["P"], p["Q"]]
+    selection = select_ilp(graph, patterns, [5.0, 4.0])
+    assert selection.rounds == 1 and selection.repaired == 1
+    assert selection.chosen == [0]
+    assert contracted_cycle(graph, [patterns[i] for i in selection.chosen]) is None
+
+
 def test_after_the_cycle_constraint_the_next_best_plan_is_found():
     # P + Q (9) closes a cycle; of the rest, R + S (6) beats P alone (5).
     graph, p = _crossed()
