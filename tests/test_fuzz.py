@@ -13,7 +13,7 @@ import torch
 
 from fusionstitching.cli import main
 from fusionstitching.fuzz import run
-from fusionstitching.fuzz.check import Config, Outcome, _compare, _Failure
+from fusionstitching.fuzz.check import EPSILON, Config, Outcome, _compare, _Failure, _Rounding, relative_error
 from fusionstitching.fuzz.coverage import shape_classes, special_cases
 from fusionstitching.fuzz.generate import FAMILIES, FEATURES, generate
 from fusionstitching.fuzz.programs import build, source
@@ -128,6 +128,34 @@ def test_comparison_flags_wrong_values_and_spares_rounding():
     _compare("out", (want + 0.03).bfloat16(), half, "bfloat16", lambda: want.double() + 0.03)  # eager is off too
     with pytest.raises(_Failure, match="1 of 3 elements"):
         _compare("out", torch.tensor([1, 2, 4]), torch.tensor([1, 2, 3]), "float32", lambda: exact)
+
+
+def test_rounding_noise_is_large_only_where_the_result_is_ill_conditioned():
+    """The arbiter's float64 runs with rounding errors added: a sum of layer-normed rows (exactly 0,
+    so only rounding is left, repeated rows adding theirs up) is all noise; a softmax is not. A
+    wrong value still fails against a small noise (fuzz 1126102:4127: a difference like eager's own
+    where eager happened to round closer)."""
+    def noise(fn, x, salt=0):
+        with _Rounding(EPSILON["float32"], salt):
+            noisy = fn(x.double())
+        return relative_error(noisy.numpy(), fn(x.double()).numpy())
+
+    rows = torch.randn(4, 1, 3, generator=torch.Generator().manual_seed(3)).expand(4, 17, 3)
+    summed = lambda x: torch.nn.functional.layer_norm(x, (3,)).sum()
+    assert noise(summed, rows) > 1e-5
+    smooth = lambda x: torch.softmax(x, -1)
+    x = torch.randn(8, 33, generator=torch.Generator().manual_seed(4))
+    assert 0 < noise(smooth, x) < 1e-5 and noise(smooth, x, 1) < 1e-5  # the tolerance is 1e-4
+    exact = smooth(x.double())
+    with _Rounding(EPSILON["float32"], 0):
+        perturbed = smooth(x.double())
+    with pytest.raises(_Failure, match="rounding noise"):
+        _compare("out", smooth(x) * 1.01, smooth(x), "float32", lambda: exact, lambda: [perturbed])
+    # the layer norm sum: 10x eager's distance from float64, within the noise
+    want = summed(rows)
+    got = want + 3e-6
+    _compare("out", got, want, "float32", lambda: summed(rows.double()),
+             lambda: [summed(rows.double()) + 2e-5])
 
 
 def test_fuzz_command_prints_the_seed_and_ends_with_the_summary(tmp_path, capsys):
