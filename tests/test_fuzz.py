@@ -8,6 +8,7 @@ import random
 import re
 import runpy
 
+import numpy as np
 import pytest
 import torch
 
@@ -156,6 +157,31 @@ def test_rounding_noise_is_large_only_where_the_result_is_ill_conditioned():
     got = want + 3e-6
     _compare("out", got, want, "float32", lambda: summed(rows.double()),
              lambda: [summed(rows.double()) + 2e-5])
+
+
+def test_the_plan_check_holds_f32_results_of_half_type_values_to_the_half_tolerance():
+    """A kernel keeps f32 where the reference rounds each f16 value, so its f32 result (a layer
+    norm's gradient sum) differed by f16 rounding: 1.1e-4 > 1e-4 on a GPU (fuzz 1126201:693). An
+    all-f32 kernel keeps the f32 tolerance."""
+    from types import SimpleNamespace
+
+    from fusionstitching.fuzz.check import _check_kernel
+    from fusionstitching.graph.graph import GraphBuilder
+    from fusionstitching.graph.ops import DType
+
+    def kernel(dtype, error):
+        b = GraphBuilder("k")
+        x = b.parameter((64,), dtype, "x")
+        out = b.convert(b.binary("mul", x, x), DType.F32)
+        pattern = SimpleNamespace(inputs=[x], outputs=[out], nodes=[x, out.operands[0], out])
+        want = np.linspace(-1, 1, 64).astype(np.float32)
+        fake = SimpleNamespace(name="k", template="t", lowered=SimpleNamespace(pattern=pattern),
+                               simulate=lambda arrays: [want * (1 + error)])
+        return fake, {x: want.astype(dtype.numpy), out: want}
+
+    _check_kernel("forward", *kernel(DType.F16, 3e-4))
+    with pytest.raises(_Failure, match="error 0.0003"):
+        _check_kernel("forward", *kernel(DType.F32, 3e-4))
 
 
 def test_fuzz_command_prints_the_seed_and_ends_with_the_summary(tmp_path, capsys):
