@@ -217,18 +217,28 @@ def _extent(shape: Sequence[int], layout: Layout) -> int:
 
 
 def _aliases(graph: Graph, pattern: Pattern) -> dict[int, int]:
-    """Outputs that are in-place updates (``graph.mutations``) of a parameter the pattern reads."""
+    """Outputs that are in-place updates (``graph.mutations``) of a parameter the pattern reads. A
+    parameter laid out other than contiguously is not written in place: the update would have the
+    parameter's strides where the kernels reading it expect a new output's (contiguous) ones."""
     result = {}
     if not graph.mutations:
         return result
     outputs = {id(out): k for k, out in enumerate(pattern.outputs)}
     inputs = {id(inp): j for j, inp in enumerate(pattern.inputs)}
     for out_index, param_index in graph.mutations.items():
+        param = graph.parameters[param_index]
         k = outputs.get(id(graph.outputs[out_index]))
-        j = inputs.get(id(graph.parameters[param_index]))
-        if k is not None and j is not None:
+        j = inputs.get(id(param))
+        if k is not None and j is not None and _contiguous(param):
             result[k] = j
     return result
+
+
+def _contiguous(node: Node) -> bool:
+    if node.layout is None:
+        return True
+    return all(a == b for size, a, b in zip(node.shape, node.layout.strides, contiguous_strides(node.shape))
+               if size > 1)
 
 
 def _check_in_place(kernel: K.Kernel, aliases: dict[int, int], in_names, out_names) -> None:

@@ -9,7 +9,7 @@ import torch
 from fusionstitching.cli import capture_workload
 from fusionstitching.fusion import explore
 from fusionstitching.graph import reference
-from fusionstitching.graph.graph import GraphBuilder
+from fusionstitching.graph.graph import GraphBuilder, Layout
 from fusionstitching.graph.ops import DType
 from fusionstitching.runtime.executor import CompiledGraph
 from fusionstitching.runtime.program import dot_function, view_function
@@ -126,6 +126,40 @@ def _plain_update():
     pb = b.parameter((6, 8), DType.I64, "b")
     doubled = b.binary("mul", pb, b.broadcast(b.constant(2, DType.I64), (6, 8), ()))
     return b.build([doubled], mutations={0: 0})
+
+
+def _strided_update(layout):
+    """x.mul_(0.5) on an input of ``layout``, the update read again by a product."""
+    b = GraphBuilder("strided_update")
+    x = b.parameter((256, 512), DType.F32, "x", layout=layout)
+    w = b.parameter((512, 256), DType.F32, "w")
+    half = b.binary("mul", x, b.broadcast(b.constant(0.5, DType.F32), (256, 512), ()))
+    product = b.node("dot_general", [half, w], lhs_batch=(), rhs_batch=(), lhs_contract=(1,), rhs_contract=(0,))
+    return b.build([half, product], mutations={0: 0})
+
+
+def test_an_input_laid_out_other_than_contiguously_is_not_updated_in_place():
+    """Written in place, the update had the input's strides where the kernel reading it was generated
+    for a new output's: a GPU call raised "input mul has strides (4, 1, 2), the kernel was
+    generated for (4, 2, 1)" (fuzz 1126201:819, ``x.mul_(0.5)`` on a transposed input). The
+    simulator gives each value its own array, so only a GPU shows the crash."""
+    def in_place(layout):
+        compiled = CompiledGraph(explore(_strided_update(layout)))
+        return any(s.kernel.lowered.aliases for s in compiled.steps if s.kernel is not None)
+
+    assert not in_place(Layout((1, 256)))
+    assert in_place(None) and in_place(Layout((512, 1)))
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_an_update_of_a_transposed_input_on_gpu():
+    compiled = CompiledGraph(explore(_strided_update(Layout((1, 256)))))
+    x, w = torch.randn(512, 256, device="cuda").t(), torch.randn(512, 256, device="cuda")
+    want = x * 0.5
+    updated, product = compiled(x, w)
+    assert updated is x and torch.equal(x, want)
+    torch.testing.assert_close(product, want @ w)
 
 
 def test_view_and_dot_functions_match_the_reference():
