@@ -62,6 +62,22 @@ def test_features_switch_special_cases_off():
         assert program.expect_error or generate(5, k, set(FEATURES) - {"out_of_range"}) == program
 
 
+def test_with_a_backward_no_input_is_updated_in_place_after_an_op_read_it():
+    """Eager refuses a value saved for the backward (a where's mask) that changed in place: the CPU
+    fuzz run's programs 1126202:416 and 5014 were invalid."""
+    updates = 0
+    for k in range(2000):
+        program = generate(1126202, k)
+        if not program.backward:
+            continue
+        for n, step in enumerate(program.steps):
+            if step.mutates:
+                updates += 1
+                target = step.operands[0]
+                assert all(target not in earlier.operands for earlier in program.steps[:n]), source(program)
+    assert updates > 2
+
+
 def test_no_embedding_table_of_width_zero():
     """torch's CUDA embedding backward reads a null pointer for such a table (pytorch/pytorch#189668):
     a GPU run's worker died in eager, before the compiled program ran."""

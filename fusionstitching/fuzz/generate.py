@@ -867,8 +867,12 @@ class _Builder:
         """An in-place op on an input (one that needs no gradient): the new value is compared after the call."""
         rng = self.rng
         inputs = {i.name: i for i in self.inputs}
+        # with a backward, not an input an earlier op read: it may be saved for the backward (a
+        # where's mask), and eager refuses a saved value changed in place
+        used = {name for s in self.steps for name in s.operands} if self.backward else set()
         target = self.pick(lambda v: v.name in inputs and inputs[v.name].index_bound is None
-                           and inputs[v.name].layout != "expanded" and not (self.backward and v.dtype == "float"))
+                           and inputs[v.name].layout != "expanded" and not (self.backward and v.dtype == "float")
+                           and v.name not in used)
         if target is None:
             return None
         if target.dtype == "bool":
