@@ -558,6 +558,10 @@ def _scatter(cx: LoweringContext, x: Node, dim: int, index: Node, src: Any) -> N
 
 
 ONE_HOT_MAX_ROWS = 4096
+# A float one-hot product reads its values in three column blocks (finite values, +inf/NaN and
+# -inf/NaN counts, ``_one_hot_sum``), written and read once each; a masked sum per target row reads
+# them once per row. Up to this many rows the masked sum moves fewer bytes (token-type embeddings).
+MASKED_SUM_MAX_ROWS = 2 * 3
 
 
 @lowers("aten.index_put.default")
@@ -577,10 +581,24 @@ def _index_put(cx: LoweringContext, x: Node, indices: Sequence[Node | None], val
     n = math.prod(index.shape)
     flat_index = _checked(cx, _wrap_negative(cx, cx.reshape(cx.lift(index, DType.I64, index.shape), (n,)), rows), rows)
     flat_values = cx.reshape(cx.lift(values, cx.dtype, index.shape + rest), (n, math.prod(rest)))
-    hit = cx.b.compare("EQ", cx.b.broadcast(flat_index, (n, rows), (0,)), cx.b.iota((n, rows), 1, DType.I64))
-    onehot = cx.b.convert(hit, cx.dtype)
-    summed = _one_hot_sum(cx, onehot, flat_values) if cx.dtype.is_float else _one_hot_product(cx, onehot, flat_values)
+    if cx.dtype.is_float and rows <= MASKED_SUM_MAX_ROWS:
+        summed = _masked_sum(cx, flat_index, flat_values, rows)
+    else:
+        hit = cx.b.compare("EQ", cx.b.broadcast(flat_index, (n, rows), (0,)), cx.b.iota((n, rows), 1, DType.I64))
+        onehot = cx.b.convert(hit, cx.dtype)
+        summed = (_one_hot_sum(cx, onehot, flat_values) if cx.dtype.is_float
+                  else _one_hot_product(cx, onehot, flat_values))
     return cx.b.binary("add", cx.lift(x, cx.dtype), cx.reshape(summed, x.shape))
+
+
+def _masked_sum(cx: LoweringContext, index: Node, values: Node, rows: int) -> Node:
+    """Per target row, the sum of the value rows whose index names it: a value row the index does not
+    name is left out (selected away, not multiplied by 0), so non-finite values stay in their rows."""
+    n, width = values.shape
+    hit = cx.b.compare("EQ", cx.b.broadcast(index, (rows, n), (1,)), cx.b.iota((rows, n), 0, DType.I64))
+    picked = cx.b.select(cx.b.broadcast(hit, (rows, n, width), (0, 1)),
+                         cx.b.broadcast(values, (rows, n, width), (1, 2)), cx.lift(0, values.dtype, (rows, n, width)))
+    return cx.b.reduce(picked, (1,), "sum")
 
 
 def _one_hot_product(cx: LoweringContext, onehot: Node, values: Node) -> Node:

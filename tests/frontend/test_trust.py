@@ -370,6 +370,12 @@ def test_non_finite_values_of_an_accumulating_index_put_stay_in_their_rows():
     v[1, 0], v[3, 1], v[4, 2] = float("nan"), float("inf"), float("-inf")
     v[5, 1], v[5, 2] = float("inf"), float("-inf")
     torch.testing.assert_close(_compiled(fn)(x, i, v), fn(x, i, v), equal_nan=True)
+    # a table of two rows (a masked sum, not a one-hot product): +inf and -inf meet in one cell
+    x, i, v = torch.randn(2, 3), torch.tensor([0, 0, 1]), torch.randn(3, 3)
+    v[0, 0], v[1, 0], v[2, 2] = float("inf"), float("-inf"), float("nan")
+    got = _compiled(fn)(x, i, v)
+    assert got[0, 0].isnan() and got[1, 2].isnan() and got.isfinite().sum() == 4
+    torch.testing.assert_close(got, fn(x, i, v), equal_nan=True)
     weight = torch.randn(10, 4, requires_grad=True)
     index, scale = torch.tensor([[1, 3], [3, 7]]), torch.ones(2, 2, 4)
     scale[0, 0, 0] = float("nan")
