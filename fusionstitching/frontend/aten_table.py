@@ -114,13 +114,33 @@ def _div_mode(cx: LoweringContext, a: Any, b: Any, rounding_mode: str | None = N
         negative = cx.b.compare("LT", q, cx.lift(0, cx.dtype))
         return cx.b.select(negative, cx.b.unary("ceil", q), cx.b.unary("floor", q))
     if cx.dtype.is_float:
-        return cx.b.unary("floor", q)
+        return _floor_divide_float(cx, a, b, q)
     # Integer floor division: truncation, minus one where the remainder is nonzero and signs differ.
     r = cx.elementwise("rem", a, b)
     zero = cx.lift(0, cx.dtype)
     fix = cx.b.binary("and", cx.b.compare("NE", r, zero),
                       cx.b.compare("NE", cx.b.compare("LT", r, zero), cx.b.compare("LT", cx.lift(b, cx.dtype), zero)))
     return cx.b.select(fix, cx.b.binary("sub", q, cx.lift(1, cx.dtype)), q)
+
+
+def _floor_divide_float(cx: LoweringContext, a: Any, b: Any, q: Node) -> Node:
+    """``floor(a / b)`` as torch computes it: the quotient of ``a - fmod(a, b)``, which is b times an
+    integer, rounded to that integer (a quotient rounded below an exact integer, 6.9 / 0.69 = 9.99...,
+    must not floor to one less); a zero result takes the quotient's sign, a zero divisor gives the
+    quotient (inf or NaN)."""
+    bb, zero = cx.lift(b, cx.dtype), cx.lift(0, cx.dtype)
+    mod = cx.elementwise("rem", a, b)
+    d = cx.elementwise("div", cx.elementwise("sub", a, mod), b)
+    fix = cx.b.binary("and", cx.b.compare("NE", mod, zero),
+                      cx.b.compare("NE", cx.b.compare("LT", bb, zero), cx.b.compare("LT", mod, zero)))
+    d = cx.b.select(fix, cx.b.binary("sub", d, cx.lift(1, cx.dtype)), d)
+    floored = cx.b.unary("floor", d)
+    above = cx.b.compare("GT", cx.b.binary("sub", d, floored), cx.lift(0.5, cx.dtype))
+    rounded = cx.b.select(above, cx.b.binary("add", floored, cx.lift(1, cx.dtype)), floored)
+    negative = cx.b.compare("LT", cx.elementwise("div", 1, q), zero)  # q < 0 or q = -0 (1/-0 = -inf)
+    signed_zero = cx.b.select(negative, cx.lift(-0.0, cx.dtype), zero)
+    result = cx.b.select(cx.b.compare("NE", d, zero), rounded, signed_zero)
+    return cx.b.select(cx.b.compare("EQ", bb, zero), q, result)
 
 
 @lowers("aten.remainder.Tensor", "aten.remainder.Scalar")

@@ -515,3 +515,21 @@ def test_the_gradient_of_amin_of_a_softmax_is_finite(generators):
     torch.autograd.backward(fn(eager_x), tangents)
     torch.autograd.backward(_compiled(fn, solver="ilp", generators=generators)(ours_x), tangents)
     torch.testing.assert_close(ours_x.grad, eager_x.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_float_floor_division_is_torchs():
+    """floor(a * (1/b)) is one off where a / b lands on or near an integer (2.5 // 0.1 is 24 in torch,
+    25 that way): found by the OpInfo GPU run in bf16 (floor_divide, div(rounding_mode="floor") and
+    remainder's gradient). Signed zeros and zero divisors as in torch."""
+    a = torch.tensor([2.5, -1.7, 4.9, 2.4, -3.4, 0.0, -0.0, 1.0, -1.0, 0.0, 7.0, -7.0, 0.3])
+    b = torch.tensor([0.1, 0.1, -0.1, -0.8, 0.2, 3.0, 3.0, 0.0, 0.0, 0.0, 2.0, 2.0, -5.0])
+    for fn in (torch.floor_divide, lambda x, y: torch.div(x, y, rounding_mode="floor")):
+        got, want = _compiled(fn)(a, b), fn(a, b)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(torch.signbit(got), torch.signbit(want))
+    x, y = a.clone().requires_grad_(), (b + 0.5).requires_grad_()
+    torch.remainder(x, y).sum().backward()
+    want = y.grad.clone()
+    y.grad = None
+    _compiled(lambda p, q: torch.remainder(p, q).sum())(x.detach(), y).backward()
+    torch.testing.assert_close(y.grad, want)
