@@ -452,8 +452,9 @@ def _library_function(node: Node, siblings: Sequence[int] = ()) -> Callable[...,
             target = torch.ops.aten.index_put_.default
 
         def library_op(*args: Any) -> Any:
-            positional = _fill(call.get("args", []), list(args))
-            keywords = {k: _fill(v, list(args)) for k, v in call.get("kwargs", {}).items()}
+            raw = (0,) if fill is not None else ()  # replaced below: not laid out as traced first
+            positional = _fill(call.get("args", []), list(args), raw)
+            keywords = {k: _fill(v, list(args), raw) for k, v in call.get("kwargs", {}).items()}
             if fill is not None:  # a new filled tensor, put into in place: no copy of a broadcast
                 dest = positional[0]
                 positional[0] = torch.full(dest.shape, fill, dtype=dest.dtype, device=dest.device)
@@ -494,7 +495,8 @@ def _filled_destination(node: Node) -> float | int | bool | None:
     return value.item() if value.size == 1 else None
 
 
-def _fill(template: Any, args: list[Any]) -> Any:
+def _fill(template: Any, args: list[Any], raw: Sequence[int] = ()) -> Any:
+    """``template`` with its operands filled in, laid out as traced, except the operands ``raw``."""
     from collections.abc import Mapping
 
     from fusionstitching.frontend.context import DTYPE_TO_TORCH
@@ -502,12 +504,14 @@ def _fill(template: Any, args: list[Any]) -> Any:
 
     if isinstance(template, Mapping):
         if "operand" in template:
+            if template["operand"] in raw:
+                return args[template["operand"]]
             return reference.library_operand(template, args[template["operand"]])
         if set(template) == {"dtype"}:
             return DTYPE_TO_TORCH[DType(template["dtype"])]
-        return {key: _fill(value, args) for key, value in template.items()}
+        return {key: _fill(value, args, raw) for key, value in template.items()}
     if isinstance(template, (list, tuple)):
-        return type(template)(_fill(value, args) for value in template)
+        return type(template)(_fill(value, args, raw) for value in template)
     return template
 
 

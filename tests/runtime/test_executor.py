@@ -469,14 +469,20 @@ def _embedding_gradient_graph(rows: int = 5000):
     return graph, (ids, grad), fn(ids, grad)
 
 
-def test_index_put_into_a_broadcast_fills_a_new_tensor_and_puts_in_place():
+def test_index_put_into_a_broadcast_fills_a_new_tensor_and_puts_in_place(monkeypatch):
+    from fusionstitching.graph import reference as reference_module
     from fusionstitching.runtime.executor import _filled_destination, _library_function
 
     graph, (ids, grad), want = _embedding_gradient_graph()
     (put,) = [n for n in graph.nodes if n.op == "library"]
     assert _filled_destination(put) == 0.0
     zeros = torch.zeros(()).reshape(1, 1).expand(5000, 8)  # the broadcast view the call receives
+    laid_out = []  # the broadcast was first copied into its traced layout, then replaced by the fill
+    original = reference_module.library_operand
+    monkeypatch.setattr(reference_module, "library_operand",
+                        lambda template, t: laid_out.append(t.stride()) or original(template, t))
     got = _library_function(put)(zeros, ids, grad)
+    assert (0, 0) not in laid_out
     assert got.is_contiguous() and not torch.equal(got, zeros)
     torch.testing.assert_close(got, want)
     assert float(zeros.sum()) == 0.0  # the broadcast is not written
