@@ -30,7 +30,9 @@ rounding errors added to every op's result (``_Rounding``). The noise is small w
 well conditioned, so a wrong value still fails there. The
 plan check has no float64 twin: its scale is at least the largest magnitude among the kernel's
 inputs, and a kernel with half-type values (its f32 results too) is held to the half types' tolerance
-and passes when at most ``HALF_OUTLIERS`` of its elements differ by more than that (a routing decision of a gradient, ``x > 0`` on a value the kernel holds in f32
+and passes when at most ``HALF_OUTLIERS`` of its elements differ by more than that (the tolerance
+plus ``ARBITER_FACTOR`` times the spread of the reference's own results on inputs moved by a few
+units in the last place, so that a result that cancels is judged by its rounding noise) (a routing decision of a gradient, ``x > 0`` on a value the kernel holds in f32
 and the reference rounds, may flip there).
 """
 
@@ -516,8 +518,15 @@ def _plans(program: Program, built: Built, config: Config, device: str, outcome:
             values = _all_values(compiled.graph, arrays)
         except Exception as err:
             raise _Failure(_error(f"reference of the planned {label} graph", err)) from err
+        noisy: list[dict[Any, np.ndarray]] = []
+
+        def perturbed(graph: Any = compiled.graph, arrays: Any = arrays, noisy: list = noisy) -> list[dict]:
+            if not noisy:
+                noisy.extend(_all_values(graph, _perturbed_inputs(arrays, salt)) for salt in range(NOISE_RUNS))
+            return noisy
+
         for kernel in compiled.kernels:
-            _check_kernel(label, kernel, values)
+            _check_kernel(label, kernel, values, perturbed)
 
 
 def _backward_arrays(captured: Any, compiled_forward: Any, forward: Sequence[Any], seed: int) -> list[Any]:
@@ -543,6 +552,22 @@ def _diagnose(program: Program, built: Built, config: Config, device: str) -> st
     return "every kernel of the plans matches the reference on reference inputs"
 
 
+def _perturbed_inputs(arrays: Sequence[Any], salt: int) -> list[Any]:
+    """The float inputs moved by a few units in their last place (integers and bools as they are):
+    the reference on them rounds otherwise, and the spread of its results is the rounding noise of a
+    result that cancels (a sum of layer-normed values)."""
+    rng = np.random.default_rng(salt)
+    moved = []
+    for a in arrays:
+        a = np.asarray(a)
+        if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
+            wide = a.astype(np.float64)
+            step = float(np.finfo(np.float32).eps) * 4 if a.dtype.itemsize >= 4 else 2.0 ** -7
+            a = (wide * (1 + step * rng.uniform(-1, 1, a.shape))).astype(a.dtype)
+        moved.append(a)
+    return moved
+
+
 def _all_values(graph: Any, arrays: Sequence[Any]) -> dict[Any, np.ndarray]:
     """The reference value of every node of ``graph`` (what ``reference.evaluate`` computes on the way)."""
     from fusionstitching.graph import reference
@@ -557,7 +582,8 @@ def _all_values(graph: Any, arrays: Sequence[Any]) -> dict[Any, np.ndarray]:
     return values
 
 
-def _check_kernel(label: str, kernel: Any, values: dict[Any, np.ndarray]) -> None:
+def _check_kernel(label: str, kernel: Any, values: dict[Any, np.ndarray],
+                  perturbed: Callable[[], list[dict[Any, np.ndarray]]] | None = None) -> None:
     pattern = kernel.lowered.pattern
     where = f"{label} kernel {kernel.name} [{kernel.template}]"
     try:
@@ -582,9 +608,15 @@ def _check_kernel(label: str, kernel: Any, values: dict[Any, np.ndarray]) -> Non
                                        f"differ from the reference ({dtype.value})", "mismatch"))
             continue
         tolerance = TOLERANCE["bfloat16" if half else {"f32": "float32", "f64": "float64"}[dtype.value]]
-        diff = _differences(got, want) / max(_scale(want), input_scale)
+        scale = max(_scale(want), input_scale)
+        diff = _differences(got, want) / scale
         beyond = int(np.sum(diff > tolerance))
         allowed = int(HALF_OUTLIERS * diff.size) if half else 0
+        if beyond > allowed and perturbed is not None:  # within the reference's own rounding noise?
+            noise = np.zeros(np.shape(want))
+            for other in perturbed():
+                noise = np.maximum(noise, _differences(other[node], want) / scale)
+            beyond = int(np.sum(diff > tolerance + ARBITER_FACTOR * noise.max(initial=0.0)))
         if beyond > allowed:
             raise _Failure(Outcome("mismatch", where, f"{node.name}: error {float(diff.max()):.3g} > {tolerance:g} "
                                    f"against the reference at {beyond} of {diff.size} elements", "mismatch"))
