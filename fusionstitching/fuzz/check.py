@@ -29,11 +29,12 @@ rounding noise: the largest distance from float64 of ``NOISE_RUNS`` float64 runs
 rounding errors added to every op's result (``_Rounding``). The noise is small where the result is
 well conditioned, so a wrong value still fails there. The
 plan check has no float64 twin: its scale is at least the largest magnitude among the kernel's
-inputs, and a kernel with half-type values (its f32 results too) is held to the half types' tolerance
-and passes when at most ``HALF_OUTLIERS`` of its elements differ by more than that (the tolerance
-plus ``ARBITER_FACTOR`` times the spread of the reference's own results on inputs moved by a few
-units in the last place, so that a result that cancels is judged by its rounding noise) (a routing decision of a gradient, ``x > 0`` on a value the kernel holds in f32
-and the reference rounds, may flip there).
+inputs; beyond the tolerance, a result passes within ``ARBITER_FACTOR`` times the spread of the
+reference's own results on inputs moved by a few units in the last place (a result that cancels is
+judged by its rounding noise); and a kernel with half-type values (its f32 results too) is held to
+the half types' tolerance and passes when at most ``HALF_OUTLIERS`` of its elements differ by more
+than that (a routing decision of a gradient, ``x > 0`` on a value the kernel holds in f32 and the
+reference rounds, may flip there).
 """
 
 from __future__ import annotations
