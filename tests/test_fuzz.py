@@ -237,7 +237,6 @@ def test_every_selector_and_generator_set_takes_turns():
 # "Open"): on the CPU path the known one is in the generator itself, which on rare draws builds a
 # program eager rejects (`fusionstitching fuzz --replay 1126002:749`), counted as an error. It prints
 # its seed and every failure with its replay command. Remove the mark once runs come back clean.
-@pytest.mark.xfail(reason="open defects found by the fuzzer (CHANGELOG: Open)", strict=False)
 def test_random_programs_compile_to_the_values_of_eager():
     """The CI fuzz run: FUZZ_GRAPHS programs of a fresh seed (printed: replay one failing program with
     ``fusionstitching fuzz --replay S:k``, the whole run with ``fusionstitching fuzz --seed S --count N``)."""
