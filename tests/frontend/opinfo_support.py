@@ -167,8 +167,8 @@ def _compare(got: Sequence[Any], want: Sequence[Any], what: str, tolerance: Tole
              reference: Callable[[], Sequence[Any] | None] | None = None) -> None:
     """``got`` (compiled) against ``want`` (eager, same dtype). Where they differ beyond the
     tolerance, ``reference()`` (eager in float64) arbitrates: the compiled value passes if its error
-    against float64 is within the tolerance plus twice eager's own error there (the compiled
-    graph may round differently from eager, not worse)."""
+    against float64 is within the tolerance plus twice eager's largest error on the tensor (the
+    compiled graph may round differently from eager, not worse)."""
     if len(got) != len(want):
         raise AssertionError(f"{what}: {len(got)} values, eager gives {len(want)}")
     for i, (g, w) in enumerate(zip(got, want)):
@@ -197,7 +197,10 @@ def _as_close_as_eager(got: torch.Tensor, want: torch.Tensor, ref: Any, toleranc
         return False
     got, want, ref = got.detach().double().cpu(), want.detach().double().cpu(), ref.detach().double().cpu()
     same = (got == want) | (got.isnan() & want.isnan())
-    allowed = tolerance.atol + tolerance.rtol * ref.abs() + 2 * (want - ref).abs()
+    # eager's largest error on the tensor, not its error at each element: where eager happens to be
+    # exact (a bf16 gradient element), rounding otherwise is no defect
+    eager_error = (want - ref).abs().nan_to_num(nan=0.0, posinf=0.0).max() if want.numel() else 0.0
+    allowed = tolerance.atol + tolerance.rtol * ref.abs() + 2 * eager_error
     return bool((same | ((got - ref).abs() <= allowed)).all())
 
 
