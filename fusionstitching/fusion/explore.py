@@ -1,8 +1,9 @@
 """``explore``: Graph → FusionPlan, the fusion stage's pipeline (DESIGN.md "Fusion exploration").
 
-1. replace computations on empty tensors by constants (``graph.transforms.fold_empty``), add a check
-   output for each gather that no kernel reads in full, so that every index is range-checked
-   (``check_indices``), fold
+1. add a check output for each gather that no kernel reads in full, so that every index is
+   range-checked (``graph.transforms.check_indices``; before the next step, which drops a gather
+   read only by an empty tensor), replace computations on empty tensors by constants
+   (``fold_empty``), fold
    chains of views and views that change nothing (``fold_views``), merge nodes that compute
    the same value (``merge_duplicates``), give every user of a broadcast its own copy
    (``duplicate_broadcasts``), let half GEMMs whose f32 conversion is a
@@ -134,7 +135,7 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
                          f"names of {GENERATORS}")
     start = time.perf_counter()
     notes = []
-    graph = duplicate_broadcasts(merge_duplicates(fold_views(check_indices(fold_empty(graph)))))
+    graph = duplicate_broadcasts(merge_duplicates(fold_views(fold_empty(check_indices(graph)))))
     if options.widen_dots:
         graph = widen_dots(graph)
     if options.split_reductions:

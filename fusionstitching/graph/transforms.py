@@ -165,10 +165,13 @@ def check_indices(graph: Graph) -> Graph:
 
 def _read_in_full(graph: Graph) -> set[Node]:
     """The nodes whose every element a kernel computes: outputs, and operands of a node read in
-    full that it reads all of (not through a slice, a cropping pad or as a gather's operand)."""
+    full that it reads all of (not through a slice, a cropping pad or as a gather's operand). A node
+    without elements reads nothing (``fold_empty`` makes it a constant)."""
     full = {out for out in graph.outputs if out is not None}
     pieces: dict[Node, list[Node]] = {}  # a node → the slices of it that are read in full
     for node in reversed(graph.nodes):
+        if node.size == 0:  # computes no element, so reads none of its operands
+            continue
         if node not in full and not _covered(node, pieces.get(node, [])):
             continue
         full.add(node)

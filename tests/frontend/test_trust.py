@@ -391,6 +391,8 @@ def test_non_finite_values_of_an_accumulating_index_put_stay_in_their_rows():
      (torch.randn(10, 4), torch.tensor([[1, 3, 12], [3, 7, 2]]))),
     (lambda x, i, j: torch.gather(torch.gather(x, 1, i), 1, j) + 1,
      (torch.randn(3, 5), torch.tensor([[0, 9], [1, 1], [2, 2]]), torch.tensor([[0], [0], [0]]))),
+    # read only by an empty tensor, which fold_empty made a constant (fuzz 1126401:2263)
+    (lambda x, i: x[i].unsqueeze(2).expand(1, 1, 0), (torch.randn(1, 1), torch.tensor([1], dtype=torch.int32))),
 ])
 def test_an_out_of_range_index_that_nothing_reads_raises_as_in_eager(fn, args):
     """Kernels check an index where they gather its element: one at a position no output reads
