@@ -229,16 +229,9 @@ def _aliases(graph: Graph, pattern: Pattern) -> dict[int, int]:
         param = graph.parameters[param_index]
         k = outputs.get(id(graph.outputs[out_index]))
         j = inputs.get(id(param))
-        if k is not None and j is not None and _contiguous(param):
+        if k is not None and j is not None and (param.layout is None or param.layout.is_contiguous(param.shape)):
             result[k] = j
     return result
-
-
-def _contiguous(node: Node) -> bool:
-    if node.layout is None:
-        return True
-    return all(a == b for size, a, b in zip(node.shape, node.layout.strides, contiguous_strides(node.shape))
-               if size > 1)
 
 
 def _check_in_place(kernel: K.Kernel, aliases: dict[int, int], in_names, out_names) -> None:
