@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from fusionstitching.bench import opinfo_coverage as coverage
+from fusionstitching.bench.zoo import describe
 from fusionstitching.frontend import torch_fx
 from tests.frontend.opinfo_support import (
     Compiled,
@@ -179,7 +180,7 @@ def test_opinfo_samples_gpu(label: str, dtype: torch.dtype):
         try:
             compiled[key] = check_sample(found.op, sample, reuse=compiled.get(key))
         except Exception as err:  # noqa: BLE001 - every sample runs; the set of failures is compared
-            failures[index] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            failures[index] = describe(err)
     expected = {i for (name, i) in XFAIL if name == label}
     if dtype == torch.bfloat16:
         expected |= {i for (name, i) in XFAIL_BF16 if name == label}
