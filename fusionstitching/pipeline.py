@@ -19,7 +19,9 @@ workload's graphs, plus ptxas's resource report of every kernel.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from fusionstitching._host import collector_paused
 from fusionstitching.fusion import explore
@@ -34,12 +36,14 @@ DUMP_VARIABLE = "FUSIONSTITCHING_DUMP_DIR"
 
 @collector_paused()
 def compile_graph(graph: Graph, options: Options | None = None, mode: str | None = None,
-                  dump_dir: str | os.PathLike | None = None) -> CompiledGraph:
-    """Plan ``graph`` and generate its kernels; dump every stage's text when asked."""
+                  dump_dir: str | os.PathLike | None = None, device: Any = None,
+                  output_devices: Sequence[Any] | None = None) -> CompiledGraph:
+    """Plan ``graph`` and generate its kernels; dump every stage's text when asked. ``device`` and
+    ``output_devices``: where the graph runs and where its outputs go (``CompiledGraph``)."""
     options = options or Options()
     plan = explore(graph, solver=options.solver, options=options,
                    generators=options.generators or DEFAULT_GENERATORS)
-    compiled = CompiledGraph(plan, mode=mode, options=options)
+    compiled = CompiledGraph(plan, mode=mode, options=options, device=device, output_devices=output_devices)
     directory = dump_dir if dump_dir is not None else os.environ.get(DUMP_VARIABLE)
     if directory:
         dump(compiled, graph, Path(directory))

@@ -280,12 +280,13 @@ class _Runner:
                     slots.append(torch.tensor(value))  # part of the shape signature: a constant here
                 else:
                     raise Unsupported(f"input {i} is a {type(value).__name__}, not a tensor or a number")
+            device, output_devices = _devices(gm, inputs)
             graph = convert(gm, specs, slots, name=self.name)
             self.origins = graph.origins
         except Unsupported as err:  # a program outside what the compiler takes: announced, not an error
             self._fall_back(str(err))
             return None
-        compiled = compile_graph(graph, self.options, self.mode)
+        compiled = compile_graph(graph, self.options, self.mode, device=device, output_devices=output_devices)
         plan = compiled.plan
         _STATS["kernels"] += plan.kernel_count
         _STATS["library calls"] += plan.library_count
@@ -366,6 +367,37 @@ def _rng_state(args: list[Any]) -> list[Any]:
     seed = torch.randint(0, 2**62, (), dtype=torch.int64)
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     return [seed.to(device), torch.zeros((), dtype=torch.int64, device=device)]
+
+
+def _devices(gm: fx.GraphModule, inputs: list[Any]) -> tuple[torch.device, list[torch.device | None]]:
+    """Where the graph runs, and the device eager gives each output (None for a number). Values
+    carry no device in the IR: a graph that touches a GPU (an input there, a tensor created there,
+    an input moved there) runs there, its other inputs are copied to it, and an output that eager
+    puts elsewhere (``x.cpu()``, the gradient of a 0-d CPU input) is moved there after the call. A
+    graph on several GPUs is not taken."""
+    from fusionstitching.frontend.context import Unsupported
+
+    results = gm.graph.output_node().args[0]
+    values = [node.meta.get("val") if isinstance(node, fx.Node) else None
+              for node in (results if isinstance(results, (list, tuple)) else [results])]
+    output_devices = [_indexed(v.device) if isinstance(v, torch.Tensor) else None for v in values]
+    seen = [t.device for t in inputs if isinstance(t, torch.Tensor)]
+    seen += [d for d in output_devices if d is not None]
+    seen += [v.device for node in gm.graph.nodes if isinstance(v := node.meta.get("val"), torch.Tensor)]
+    other = sorted({str(d) for d in seen if d.type not in ("cpu", "cuda")})
+    if other:
+        raise Unsupported(f"it has tensors on {', '.join(other)}; generated kernels run on CUDA devices")
+    gpus = sorted({str(_indexed(d)) for d in seen if d.type == "cuda"})
+    if len(gpus) > 1:
+        raise Unsupported(f"its tensors are on several GPUs ({', '.join(gpus)})")
+    return (torch.device(gpus[0]) if gpus else torch.device("cpu")), output_devices
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: ``cuda`` is the current GPU."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _spec(name: str, t: torch.Tensor):

@@ -66,10 +66,18 @@ class Step:
 class CompiledGraph:
     """The steps of a plan, runnable on NumPy arrays (``run_numpy``) or torch tensors (call)."""
 
-    def __init__(self, plan: FusionPlan, mode: str | None = None, options: Options | None = None) -> None:
+    def __init__(self, plan: FusionPlan, mode: str | None = None, options: Options | None = None,
+                 device: Any = None, output_devices: Sequence[Any] | None = None) -> None:
+        """``device``: where the graph runs (a ``torch.device``), whatever its inputs' devices; by
+        default where its inputs with dims are. ``output_devices``: per output, the device the
+        caller expects it on (None: where the graph runs); an output computed elsewhere is moved
+        there after the call."""
         if mode not in (None, "default", "reduce-overhead"):
             raise ValueError(f"CompiledGraph: unknown mode {mode!r}; known: None, 'reduce-overhead'")
         self.mode = mode
+        self.device = device
+        self._moves = [(k, d) for k, d in enumerate(output_devices or ())
+                       if d is not None and device is not None and d != device]
         self.options = options or Options()
         self._lock = threading.Lock()
         self.plan = plan
@@ -150,6 +158,13 @@ class CompiledGraph:
             return self._run(tensors, trusted)
 
     def _run(self, tensors: Sequence[Any], trusted: bool) -> list[Any]:
+        outputs = self._run_here(tensors, trusted)
+        for k, device in self._moves:
+            if outputs[k] is not None:
+                outputs[k] = outputs[k].to(device)
+        return outputs
+
+    def _run_here(self, tensors: Sequence[Any], trusted: bool) -> list[Any]:
         import torch
 
         graph = self.graph
@@ -158,11 +173,13 @@ class CompiledGraph:
         if trusted and self._trusted is not None:  # a trusted caller keeps its devices from call to call
             program = self._trusted
         else:
-            # the device of the tensors with dims, else of any CUDA tensor: a graph of 0-d tensors
-            # only (the backward of scalar arithmetic) runs on their GPU, not on the host
-            device = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0),
-                          next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda),
-                               torch.device("cpu")))
+            # the caller's device, else that of the tensors with dims, else of any CUDA tensor: a
+            # graph of 0-d tensors only (the backward of scalar arithmetic) runs on their GPU, not
+            # on the host
+            device = self.device if self.device is not None else next(
+                (t.device for t in tensors if isinstance(t, torch.Tensor) and t.dim() > 0),
+                next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda),
+                     torch.device("cpu")))
             if device.type != "cuda":
                 return self._call_on_cpu(tensors)
             if not trusted:

@@ -23,6 +23,7 @@ compared by shape, dtype and device only.
 from __future__ import annotations
 
 import functools
+import re
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -300,10 +301,12 @@ def reuse_key(sample: Any) -> tuple:
     return coverage.describe(sample), layouts
 
 
-def check_sample(op: Any, sample: Any, options: dict | None = None, reuse: Compiled | None = None) -> Compiled:
+def check_sample(op: Any, sample: Any, options: dict | None = None, reuse: Compiled | None = None,
+                 library_ops: tuple[str, ...] = ()) -> Compiled:
     """Compile ``op`` on ``sample`` with this backend (strict) and compare with eager PyTorch;
     with ``reuse`` (what this returned for a sample of the same ``reuse_key``), call that compiled
-    function instead: it must run the graphs compiled then and compile nothing."""
+    function instead: it must run the graphs compiled then and compile nothing. ``library_ops``:
+    ATen ops (name prefixes) that may be kept as library calls."""
     call = coverage.as_call(op, sample)
     device_type = call.tensors[0].device.type if call.tensors else "cpu"
     dtype = next((t.dtype for t in call.tensors if t.is_floating_point()), torch.float32)
@@ -325,6 +328,8 @@ def check_sample(op: Any, sample: Any, options: dict | None = None, reuse: Compi
     with _strict_dynamo(), warnings.catch_warnings():
         warnings.simplefilter("error", FallbackWarning)
         warnings.simplefilter("error", LibraryFallbackWarning)
+        for name in library_ops:
+            warnings.filterwarnings("ignore", message=re.escape(name), category=LibraryFallbackWarning)
         got = compiled.fn(*compiled_inputs)
     _expect_compiled("forward", graphs, fallbacks, hits, fresh=reuse is None)
 
@@ -356,6 +361,8 @@ def check_sample(op: Any, sample: Any, options: dict | None = None, reuse: Compi
     with _strict_dynamo(), warnings.catch_warnings():
         warnings.simplefilter("error", FallbackWarning)
         warnings.simplefilter("error", LibraryFallbackWarning)
+        for name in library_ops:
+            warnings.filterwarnings("ignore", message=re.escape(name), category=LibraryFallbackWarning)
         got_grads = torch.autograd.grad(got_outputs, got_inputs, cotangents, allow_unused=True,
                                         materialize_grads=True)
     if backward:

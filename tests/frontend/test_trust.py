@@ -535,3 +535,53 @@ def test_float_floor_division_is_torchs():
     y.grad = None
     _compiled(lambda p, q: torch.remainder(p, q).sum())(x.detach(), y).backward()
     torch.testing.assert_close(y.grad, want)
+
+
+def _on(device: str):
+    """A fake tensor on ``device`` (fake tensors claim a GPU without one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(4, 6, device=device)
+
+
+def _traced_on(function, devices: dict[str, str]):
+    """``function`` as an FX graph whose nodes hold fake values on ``devices`` (by node name), and
+    its inputs' values."""
+    gm = function if isinstance(function, torch.fx.GraphModule) else torch.fx.symbolic_trace(function)
+    for node in gm.graph.nodes:
+        if node.name in devices:
+            node.meta["val"] = _on(devices[node.name])
+    return gm, [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]
+
+
+def _factory_only():
+    """``torch.ones(3) * 2`` as ATen: symbolic tracing would fold a graph without inputs."""
+    graph = torch.fx.Graph()
+    ones = graph.call_function(torch.ops.aten.ones.default, ([3],))
+    graph.output((graph.call_function(torch.ops.aten.mul.Tensor, (ones, 2)),))
+    return torch.fx.GraphModule({}, graph)
+
+
+@pytest.mark.parametrize("function, devices, runs_on, outputs", [
+    (_factory_only(), {"ones_default": "cuda:0", "mul_tensor": "cuda:0"}, "cuda:0", ["cuda:0"]),
+    (lambda x: (x.to("cuda") + 1,), {"x": "cpu", "to": "cuda:0", "add": "cuda:0"}, "cuda:0", ["cuda:0"]),
+    (lambda x: ((x * 2).to("cpu"), x - 1), {"x": "cuda:0", "mul": "cuda:0", "to": "cpu", "sub": "cuda:0"},
+     "cuda:0", ["cpu", "cuda:0"]),
+    (lambda x: (x + torch.arange(6),), {"x": "cpu", "arange": "cpu", "add": "cpu"}, "cpu", ["cpu"]),
+])
+def test_a_graph_runs_where_its_tensors_are_and_each_output_goes_where_eager_puts_it(
+        function, devices, runs_on, outputs):
+    """Values carried no device: ``torch.ones(3, device="cuda")`` alone ran on the host, and
+    ``x.cpu()`` or ``x.cuda()`` inside a graph was ignored (26 OpInfo factory ops on a GPU)."""
+    gm, inputs = _traced_on(function, devices)
+    device, output_devices = backend._devices(gm, inputs)
+    assert str(device) == runs_on and [str(d) for d in output_devices] == outputs
+
+
+def test_a_graph_on_two_gpus_is_not_taken():
+    from fusionstitching.frontend.context import Unsupported
+
+    gm, inputs = _traced_on(lambda x: (x.to("cuda:1") + 1,), {"x": "cuda:0", "to": "cuda:1", "add": "cuda:1"})
+    with pytest.raises(Unsupported, match="several GPUs"):
+        backend._devices(gm, inputs)

@@ -179,3 +179,26 @@ def test_a_one_dimensional_output_keeps_its_promised_stride():
     want = fn(x)
     torch.autograd.backward(want, [torch.ones_like(w) for w in want])
     torch.testing.assert_close(g, x.grad)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fn, make", [
+    (lambda: torch.ones(3, 5, device="cuda") * 2, list),
+    (lambda: torch.linspace(0, 1, 7, device="cuda").exp(), list),
+    (lambda x: (x.cuda() + 1).relu(), lambda: [torch.randn(4, 6)]),
+    (lambda x: ((x * 2).cpu(), x - 1), lambda: [torch.randn(4, 6, device="cuda")]),
+    (lambda x: x + torch.arange(6).to(x.device), lambda: [torch.randn(4, 6, device="cuda")]),
+])
+def test_results_land_on_the_device_eager_puts_them(fn, make):
+    """Tensors carried no device: a graph without inputs (``torch.ones(..., device="cuda")``, 26
+    OpInfo factory ops) ran on the host and returned CPU tensors, and ``x.cuda()`` or ``x.cpu()``
+    inside a graph was ignored."""
+    inputs = make()
+    fallbacks = fusionstitching.stats().get("fallbacks", 0)
+    got = _compiled(fn, strict=True)(*inputs)
+    want = fn(*inputs)
+    got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+    assert [g.device for g in got] == [w.device for w in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert fusionstitching.stats().get("fallbacks", 0) == fallbacks
