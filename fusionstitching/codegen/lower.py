@@ -36,7 +36,7 @@ from fusionstitching.codegen.values import (
 )
 from fusionstitching.codegen.vectorize import ITEM_BYTES as _ITEM_BYTES
 from fusionstitching.graph.graph import Graph, Layout, Node, contiguous_strides
-from fusionstitching.graph.ops import Category
+from fusionstitching.graph.ops import VIEW_OPS, Category
 from fusionstitching.schedule.template import KernelSchedule, Level, tile_extents
 
 _NOT_COMPUTED = (Category.PARAMETER, Category.LIBRARY)
@@ -218,8 +218,12 @@ def _extent(shape: Sequence[int], layout: Layout) -> int:
 
 def _aliases(graph: Graph, pattern: Pattern) -> dict[int, int]:
     """Outputs that are in-place updates (``graph.mutations``) of a parameter the pattern reads. A
-    parameter laid out other than contiguously is not written in place: the update would have the
-    parameter's strides where the kernels reading it expect a new output's (contiguous) ones."""
+    parameter is not written in place where
+    - it is laid out other than contiguously: the update would have the parameter's strides where
+      the kernels reading it expect a new output's (contiguous) ones;
+    - the pattern also reads a view of it (reshape, transpose, broadcast): that input is the same
+      memory under another name, read by other threads (a packed sub-kernel) that the update may
+      overtake."""
     result = {}
     if not graph.mutations:
         return result
@@ -229,9 +233,19 @@ def _aliases(graph: Graph, pattern: Pattern) -> dict[int, int]:
         param = graph.parameters[param_index]
         k = outputs.get(id(graph.outputs[out_index]))
         j = inputs.get(id(param))
-        if k is not None and j is not None and (param.layout is None or param.layout.is_contiguous(param.shape)):
-            result[k] = j
+        if k is None or j is None or not (param.layout is None or param.layout.is_contiguous(param.shape)):
+            continue
+        if any(_view_base(inp) is param for inp in pattern.inputs if inp is not param):
+            continue
+        result[k] = j
     return result
+
+
+def _view_base(node: Node) -> Node:
+    """The node whose memory ``node`` may share: through reshapes, transposes and broadcasts."""
+    while node.op in VIEW_OPS and node.operands:
+        node = node.operands[0]
+    return node
 
 
 def _check_in_place(kernel: K.Kernel, aliases: dict[int, int], in_names, out_names) -> None:

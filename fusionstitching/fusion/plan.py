@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 from fusionstitching.fusion.legality import Legality, Roles, blas_layout
 from fusionstitching.fusion.score import Scorer
 from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.ops import VIEW_OPS
 from fusionstitching.schedule.template import KernelSchedule, format_template
-
-VIEW_OPS = ("reshape", "transpose", "broadcast_in_dim")
 
 
 @dataclass(frozen=True)

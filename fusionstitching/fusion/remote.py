@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 from fusionstitching.fusion.legality import Legality, Roles, blas_layout
 from fusionstitching.fusion.patterns import Candidate, PlanSeeded
-from fusionstitching.fusion.plan import VIEW_OPS
 from fusionstitching.fusion.score import Scorer, counts_as_kernel
 from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.ops import VIEW_OPS
 
 REMOTE_MAX_OPS = 8
 REMOTE_MAX_KERNELS = 8

@@ -99,6 +99,8 @@ class OpInfo:
 
 COMPARE_DIRECTIONS = ("EQ", "NE", "LT", "LE", "GT", "GE")
 REDUCE_KINDS = ("sum", "max", "min", "prod")
+# ops whose result may be a view of their operand's memory (a plan's view steps)
+VIEW_OPS = ("reshape", "transpose", "broadcast_in_dim")
 
 _LIGHT_UNARY = ("neg", "abs", "not", "copy", "sign", "floor", "ceil")
 _LIGHT_BINARY = ("add", "sub", "mul", "max", "min", "and", "or", "xor")

@@ -531,13 +531,22 @@ def library_operand(template: Mapping, tensor: Any) -> Any:
     if strides is None or tensor.dim() != len(strides) or all(
             size <= 1 or have == want for size, have, want in zip(tensor.shape, tensor.stride(), strides)):
         return tensor
-    if any(want == 0 for size, want in zip(tensor.shape, strides) if size > 1):  # a broadcast: keep the values
-        return tensor.contiguous()
+    return with_strides(tensor, strides)
+
+
+def with_strides(value: Any, strides: Sequence[int]) -> Any:
+    """A copy of the tensor ``value`` laid out with ``strides``. A dim of stride 0 (a broadcast,
+    ``x.expand(3, 5)``; an attention mask expanded over batch and heads) is stored once and
+    expanded: no tensor can be written through strides that overlap."""
     import torch
 
-    strided = torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype, device=tensor.device)
-    strided.copy_(tensor)
-    return strided
+    broadcast = [d for d, (size, stride) in enumerate(zip(value.shape, strides)) if stride == 0 and size > 1]
+    compact = value
+    for d in broadcast:
+        compact = compact.narrow(d, 0, 1)
+    strided = torch.empty_strided(compact.shape, tuple(strides), dtype=value.dtype, device=value.device)
+    strided.copy_(compact)
+    return strided.expand(value.shape) if broadcast else strided
 
 
 def _call_value(template: Any, args: list[np.ndarray]) -> Any:

@@ -259,7 +259,7 @@ class CompiledGraph:
         for k, strides in self._layout_checks:
             value = outputs[k]
             if value is not None and tuple(value.stride()) != strides and value.numel() > 1:
-                outputs[k] = _with_strides(value, strides)
+                outputs[k] = reference.with_strides(value, strides)
         return outputs[: len(outputs) - graph.checks]
 
     def _constant(self, node: Node, device: Any) -> Any:
@@ -281,21 +281,6 @@ def _op_error(evaluate: Callable[..., Any], *args: Any) -> Any:
             cause.add_note(str(err))
             raise cause from None
         raise
-
-
-def _with_strides(value: Any, strides: tuple[int, ...]) -> Any:
-    """``value`` with the promised ``strides``. A dim of stride 0 (an output that is a broadcast,
-    ``x.expand(3, 5)``) is stored once and expanded: no tensor can be written through strides that
-    overlap."""
-    import torch
-
-    broadcast = [d for d, (size, stride) in enumerate(zip(value.shape, strides)) if stride == 0 and size > 1]
-    compact = value
-    for d in broadcast:
-        compact = compact.narrow(d, 0, 1)
-    strided = torch.empty_strided(compact.shape, strides, dtype=value.dtype, device=value.device)
-    strided.copy_(compact)
-    return strided.expand(value.shape) if broadcast else strided
 
 
 # ----------------------------------------------------------------------------------------------

@@ -150,6 +150,42 @@ def test_simulator_reports_cross_block_read_of_an_in_place_transpose():
         kernel.simulate([data])
 
 
+def test_an_input_also_read_through_a_view_is_not_updated_in_place():
+    """``v = x.unsqueeze(0).amax(-3); x.mul_(2)``: the kernel read x under two names, the view for the
+    reduction and x itself for the update, and wrote x in place; a packed sub-kernel of other blocks
+    read elements the update had already doubled (GPU fuzz 1126503:1517, 13 of 6147 elements)."""
+    b = GraphBuilder("view_and_update")
+    x = b.parameter((2049, 3), DType.I32, "x")
+    amax = b.reduce(b.reshape(x, (1, 2049, 3)), (0,), "max")
+    doubled = b.binary("mul", x, b.broadcast(b.constant(2, DType.I32), (2049, 3), ()))
+    graph = b.build([amax, doubled], mutations={1: 0})
+    # the reshape is a view step of the plan: the kernel reads it as an input of its own
+    nodes = [n for n in graph.nodes if n.op not in ("parameter", "constant", "reshape")]
+    kernel = generate(graph, nodes, default_template(graph, nodes))
+    assert len(kernel.inputs) == 2 and kernel.lowered.aliases == {}
+    data = np.arange(2049 * 3, dtype=np.int32).reshape(2049, 3)
+    got = kernel.simulate([data.reshape(1, 2049, 3), data] if kernel.inputs[0] == "reshape" else [data, data.reshape(1, 2049, 3)])
+    np.testing.assert_array_equal(got[0], data)
+    np.testing.assert_array_equal(got[1], data * 2)
+
+
+def test_a_32_bit_integer_max_is_a_compare_and_select():
+    """ptxas 13.0 for sm_90 fuses three 32-bit integer max/min into VIMNMX3 and drops an operand's
+    negation: ``(-x).int().amax(2)`` over 3 elements gave max(-a, b, -c) (GPU fuzz 1126501:1634).
+    Integer max/min print as the helpers that compare and select in inline PTX."""
+    b = GraphBuilder("neg_amax")
+    x = b.parameter((2, 3), DType.I32, "x")
+    out = b.reduce(b.unary("neg", x), (1,), "max")
+    graph = b.build([out])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    kernel = generate(graph, nodes, default_template(graph, nodes))
+    body = kernel.cuda_source.split('extern "C"')[1]
+    assert "fs_imax(" in body and " ? " not in body
+    kernel.compile("sm_90")
+    data = np.array([[-3, -2, -8], [-2, 6, 5]], dtype=np.int32)
+    np.testing.assert_array_equal(kernel.simulate([data])[0], [8, 2])
+
+
 def test_errors_name_the_node():
     case = C.bias_gelu("f32", 4, 8)
     root = case.graph.outputs[0].name

@@ -202,3 +202,31 @@ def test_results_land_on_the_device_eager_puts_them(fn, make):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     assert fusionstitching.stats().get("fallbacks", 0) == fallbacks
+
+
+@needs_cuda
+def test_a_max_of_negated_32_bit_integers():
+    """ptxas 13.0 (sm_90) dropped an operand's negation in a fused three-way integer max (GPU fuzz
+    1126501:1634 gave [8, 6] for [8, 2])."""
+    x = torch.tensor([[-3, -2], [-2, 6], [-8, 5]], device="cuda").reshape(1, 1, 3, 2)
+    fn = lambda x: torch.amax((-x).to(torch.int32), dim=2)
+    torch.testing.assert_close(_compiled(fn, strict=True)(x), fn(x))
+
+
+@needs_cuda
+def test_an_input_updated_in_place_and_read_through_a_view_by_other_blocks():
+    """GPU fuzz 1126503:1517: a packed kernel read x through a view in some blocks while others
+    doubled it in place."""
+    x = torch.randint(-8, 9, (2049, 3), dtype=torch.int32, device="cuda")
+
+    def fn(x):
+        v = x.unsqueeze(0).amax(-3)
+        x.mul_(2)
+        return v, x.reshape(-1)
+
+    want_x = x.clone()
+    want = fn(want_x)
+    got = _compiled(fn, strict=True, solver="beam", generators=("substitution",))(x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    torch.testing.assert_close(x, want_x)

@@ -519,3 +519,15 @@ def test_index_put_into_a_computed_destination_keeps_the_functional_op():
     got = _library_function(put)(dest, index, torch.ones(64, 8))
     torch.testing.assert_close(got[:64], before[:64] + 1)
     assert torch.equal(dest, before)  # the destination is an input: not written
+
+
+def test_a_library_operand_traced_as_a_broadcast_is_passed_as_one():
+    """Efficient attention's bias, an attention mask expanded over batch and heads, was passed
+    contiguous; the kernel requires the head stride it had in eager (a multiple of 8, here 0) and
+    raised "attn_bias is not correctly aligned (strideH)" (OpInfo sdpa bf16 sample 24 on a GPU)."""
+    from fusionstitching.graph.reference import library_operand
+
+    mask = torch.randn(3, 6)
+    computed = mask.expand(4, 4, 3, 6).contiguous()  # what a kernel hands over
+    passed = library_operand({"operand": 0, "strides": [0, 0, 8, 1]}, computed)
+    assert passed.stride() == (0, 0, 8, 1) and torch.equal(passed, computed)
