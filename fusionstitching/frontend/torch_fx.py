@@ -200,7 +200,10 @@ def _library(builder: GraphBuilder, fx_node: fx.Node, op_name: str, raw_args, ra
             operands.append(values[a])
             meta = a.meta.get("val")
             if isinstance(meta, torch.Tensor):  # the call gets the layout it had when traced
-                return {"operand": len(operands) - 1, "strides": [int(st) for st in meta.stride()]}
+                encoded = {"operand": len(operands) - 1, "strides": [int(st) for st in meta.stride()]}
+                if meta.device.type == "cpu":  # a host tensor among GPU ones (a seed an op reads on the host)
+                    encoded["host"] = True
+                return encoded
             return {"operand": len(operands) - 1}
         if isinstance(a, torch.dtype):
             return {"dtype": to_dtype(a).value}

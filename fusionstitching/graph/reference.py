@@ -526,7 +526,11 @@ def library_operand(template: Mapping, tensor: Any) -> Any:
     "strides": [...]}``): laid out with the strides it had when the program was traced. Library ops
     may depend on layouts (cuDNN attention's backward assumed its output gradient laid out as its
     output: compiled graphs hand it a contiguous one and got wrong gradients), so each gets the
-    layouts eager gives it."""
+    layouts eager gives it. An operand traced on the host (``"host": true``) is passed there:
+    efficient attention's backward reads its dropout seed and offset on the host, and a GPU
+    program had moved those 0-d inputs to the GPU."""
+    if template.get("host") and tensor.device.type != "cpu":
+        tensor = tensor.cpu()
     strides = template.get("strides")
     if strides is None or tensor.dim() != len(strides) or all(
             size <= 1 or have == want for size, have, want in zip(tensor.shape, tensor.stride(), strides)):

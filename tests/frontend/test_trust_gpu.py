@@ -230,3 +230,14 @@ def test_an_input_updated_in_place_and_read_through_a_view_by_other_blocks():
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     torch.testing.assert_close(x, want_x)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_through_attention_with_dropout(dtype):
+    """The fused attention's dropout seed and offset are host tensors its backward reads on the
+    host; they reached it on the GPU (a segfault)."""
+    q, k, v = (torch.randn(2, 4, 8, 16, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    fn = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5).float().sum()
+    _compiled(fn, strict=True)(q, k, v).backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))

@@ -531,3 +531,17 @@ def test_a_library_operand_traced_as_a_broadcast_is_passed_as_one():
     computed = mask.expand(4, 4, 3, 6).contiguous()  # what a kernel hands over
     passed = library_operand({"operand": 0, "strides": [0, 0, 8, 1]}, computed)
     assert passed.stride() == (0, 0, 8, 1) and torch.equal(passed, computed)
+
+
+def test_a_library_operand_traced_on_the_host_is_passed_there():
+    """Efficient attention's backward reads its dropout seed and offset (0-d CPU tensors in eager)
+    on the host; a GPU program had moved them to the GPU, and the call read a device pointer on
+    the host (a segfault in the OpInfo sdpa f32 GPU run)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fusionstitching.graph.reference import library_operand
+
+    with FakeTensorMode():
+        seed = torch.empty((), dtype=torch.int64, device="cuda")
+        assert library_operand({"operand": 0, "strides": [], "host": True}, seed).device.type == "cpu"
+        assert library_operand({"operand": 0, "strides": []}, seed).device.type == "cuda"
