@@ -96,6 +96,7 @@ class CompiledGraph:
         self._programs: dict[Any, GpuProgram | GraphedProgram] = {}
         self._checked: list | None = None
         self._elsewhere: list[int] | None = None  # inputs on another device than the call's (copied there and back)
+        self._library_only: set[int] | None = None  # inputs only library calls read (``_to_move``)
         self._trusted: GpuProgram | GraphedProgram | None = None  # the program of trusted calls
         self.calls = 0  # GPU calls
         self._layout_checks: list[tuple[int, tuple[int, ...]]] | None = None
@@ -185,7 +186,7 @@ class CompiledGraph:
             if not trusted:
                 self._check_inputs(tensors, device)
             elif self._elsewhere is None:
-                self._elsewhere = [k for k, t in enumerate(tensors) if t.device != device]
+                self._elsewhere = self._to_move(tensors, device)
             program = self._programs.get(device)
             if program is None:
                 program = GpuProgram(graph, self.steps, device, self._constant, _library_function,
@@ -203,11 +204,25 @@ class CompiledGraph:
         self.calls += 1
         return self._finish(originals, program.run(tensors))
 
+    def _to_move(self, tensors: Sequence[Any], device: Any) -> list[int]:
+        """The inputs on another device than the call's that steps need there: all but the 0-d ones
+        that only library calls read, which take them where eager has them (torch ops take a 0-d
+        CPU tensor among GPU ones; efficient attention's backward reads its dropout seed and
+        offset on the host, and a device pointer read there is a segfault)."""
+        if self._library_only is None:
+            readers: dict[Node, set[str]] = {}
+            for step in self.steps:
+                for x in step.inputs:
+                    readers.setdefault(x, set()).add(step.kind)
+            self._library_only = {k for k, p in enumerate(self.graph.parameters) if readers.get(p) == {"library"}}
+        return [k for k, t in enumerate(tensors)
+                if t.device != device and not (t.dim() == 0 and k in self._library_only)]
+
     def _check_inputs(self, tensors: Sequence[Any], device: Any) -> None:
         signature = [(tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors]
         if signature == self._checked:
             return
-        self._elsewhere = [k for k, t in enumerate(tensors) if t.device != device]
+        self._elsewhere = self._to_move(tensors, device)
         for node, t in zip(self.graph.parameters, tensors):
             expected = DTYPE_TO_TORCH[node.dtype]
             if tuple(t.shape) != node.shape or t.dtype != expected:

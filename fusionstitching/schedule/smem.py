@@ -20,7 +20,10 @@ guarantees all threads are done reading before the space is overwritten; with no
 stays live to the end of the kernel. Two requests may share a buffer only if the earlier one is
 released strictly before the later one is defined, so a request never reuses the space of a value
 it reads. This is conservative: a node that is both an output and recomputed inline counts at every
-place it is evaluated, and no barrier is assumed that the timeline above does not have.
+place it is evaluated, and no barrier is assumed that the timeline above does not have. A gather
+reads its data operand at an index loaded from memory, where no footprint can be proven: codegen
+then recomputes the operand from its own operands (``codegen/values.py``), down to what it can
+read, so every request upstream of a gather's data operand is also read at the gather.
 
 [Note: space sharing, B Alg. 4 and A §5.1.3]
 Requests are visited in order; each takes an existing buffer whose current occupant o is released
@@ -249,12 +252,32 @@ class _Flow:
         """The dominance test of B Alg. 4, widened to unrelated requests (module note)."""
         return self.post_dominates(q, occupant) or q not in self.descendants(occupant)
 
+    @functools.cached_property
+    def gathered(self) -> dict[str, int]:
+        """Per node, the last position of a gather in whose gathered operand it is (module note):
+        codegen reads a cached value at an index loaded from memory by recomputing it from its
+        operands, so each value upstream may be read, from its buffer or recomputed, at the gather."""
+        result: dict[str, int] = {}
+        for name, node in self.nodes.items():
+            if node.op != "gather":
+                continue
+            seen: set[str] = set()
+            stack = [node.operands[0]]
+            while stack:
+                x = stack.pop()
+                if x.name in seen or self.nodes.get(x.name) is not x:
+                    continue
+                seen.add(x.name)
+                result[x.name] = max(result.get(x.name, -1), self.pos[name])
+                stack.extend(x.operands)
+        return result
+
     def releases(self, active: set[str]) -> dict[str, int]:
         """Position of the barrier after which each request's buffer is free (module note)."""
         barriers = sorted(self.pos[name] for name in active)
         result: dict[str, int] = {}
         for name in active:
-            last, seen, stack = self.pos[name], set(), list(self.users[name])
+            last, seen, stack = max(self.pos[name], self.gathered.get(name, -1)), set(), list(self.users[name])
             while stack:
                 user = stack.pop()
                 if user in seen:

@@ -45,3 +45,20 @@ def test_bool_sub_root_in_shared_memory_and_a_gathered_sub_root_recomputed(cache
     # recomputation takes them from the thread's registers.
     shifted = composed_template(pattern, reductions, 128, warp_rows=None, shared=["compare", "sub"])
     check_template(case, shifted, cache_dir, "shifted logits shared")
+
+
+def test_a_buffer_read_by_a_gathers_recomputation_outlives_the_gather(cache_dir):
+    """A layer norm's normalized rows are gathered: the gather recomputes them from the mean and the
+    rsqrt it reads from shared memory, but the plan released the mean's buffer after the normalized
+    rows were stored and let ``sin`` (a later sub-root) overwrite it; every gathered element was
+    wrong (GPU fuzz 1126505:1715, also under the simulator)."""
+
+    def fn(x, floor, ids):
+        normalized = F.layer_norm(x, (17,))
+        return normalized, torch.minimum(floor, torch.sin(x).prod(1)), torch.gather(normalized, 1, ids)
+
+    ids = torch.randint(0, 17, (11, 7), generator=torch.Generator().manual_seed(5))
+    case = _case("gathered_layer_norm", fn, [_rand((11, 17), "f32"), _rand((1,), "f32", 1), ids])
+    template = ("reduce_1[GRID,CTA]; add[GRID,CTA]S; reduce_2[GRID,CTA]; rsqrt[GRID,CTA]S; mul_1[GRID,CTA]S; "
+                "sin[GRID,CTA]S; reduce[GRID,CTA]; min[GRID]; gather[GRID,CTA]; launch(blocks=11,threads=32)")
+    check_template(case, template, cache_dir, "gathered layer norm")

@@ -545,3 +545,19 @@ def test_a_library_operand_traced_on_the_host_is_passed_there():
         seed = torch.empty((), dtype=torch.int64, device="cuda")
         assert library_operand({"operand": 0, "strides": [], "host": True}, seed).device.type == "cpu"
         assert library_operand({"operand": 0, "strides": []}, seed).device.type == "cuda"
+
+
+def test_a_0d_input_only_library_calls_read_stays_where_the_caller_has_it():
+    """A GPU call copied every input on another device to the GPU; efficient attention's backward
+    then read its dropout seed (a 0-d CPU tensor in eager) through a device pointer on the host."""
+    b = GraphBuilder("seed")
+    x = b.parameter((4,), DType.F32, "x")
+    seed = b.parameter((), DType.I64, "seed")
+    scale = b.parameter((), DType.F32, "scale")
+    call = {"args": [{"operand": 0}, {"operand": 1}], "kwargs": {}}
+    shifted = b.node("library", [x, seed], shape=(4,), dtype=DType.F32, name="shifted",
+                     target="aten.add.Tensor", call=call, out_index=-1)
+    out = b.binary("mul", shifted, b.broadcast(scale, (4,), ()))
+    compiled = CompiledGraph(explore(b.build([out])))
+    tensors = [torch.ones(4), torch.tensor(3), torch.tensor(2.0)]
+    assert compiled._to_move(tensors, torch.device("meta")) == [0, 2]
