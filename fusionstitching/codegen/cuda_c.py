@@ -35,12 +35,13 @@ __device__ __forceinline__ float fs_minf(float a, float b) { return a != a ? a :
 #endif
 __device__ __forceinline__ double fs_maxd(double a, double b) { return a != a ? a : (b != b ? b : fmax(a, b)); }
 __device__ __forceinline__ double fs_mind(double a, double b) { return a != a ? a : (b != b ? b : fmin(a, b)); }
-// 32-bit integer max/min as compare and select: ptxas 13.0 for sm_90 fuses a chain of three into
-// VIMNMX3 and drops the negation of an operand (max(a, -b, c) came out as max(a, b, c))
-__device__ __forceinline__ int fs_imax(int a, int b) { int r; asm("{ .reg .pred p; setp.gt.s32 p, %1, %2; selp.b32 %0, %1, %2, p; }" : "=r"(r) : "r"(a), "r"(b)); return r; }
-__device__ __forceinline__ int fs_imin(int a, int b) { int r; asm("{ .reg .pred p; setp.lt.s32 p, %1, %2; selp.b32 %0, %1, %2, p; }" : "=r"(r) : "r"(a), "r"(b)); return r; }
-__device__ __forceinline__ unsigned int fs_umax(unsigned int a, unsigned int b) { unsigned int r; asm("{ .reg .pred p; setp.gt.u32 p, %1, %2; selp.b32 %0, %1, %2, p; }" : "=r"(r) : "r"(a), "r"(b)); return r; }
-__device__ __forceinline__ unsigned int fs_umin(unsigned int a, unsigned int b) { unsigned int r; asm("{ .reg .pred p; setp.lt.u32 p, %1, %2; selp.b32 %0, %1, %2, p; }" : "=r"(r) : "r"(a), "r"(b)); return r; }
+// 32-bit integer max/min as a compare and a masked xor: ptxas 13.0 for sm_90 fuses a chain of three
+// max/min into VIMNMX3 and drops the negation of an operand (max(a, -b, c) came out as max(a, b, c)),
+// and it recognizes a compare-and-select (even one in inline PTX) as max/min; this form it does not
+__device__ __forceinline__ int fs_imax(int a, int b) { return b ^ ((a ^ b) & -(int)(a > b)); }
+__device__ __forceinline__ int fs_imin(int a, int b) { return b ^ ((a ^ b) & -(int)(a < b)); }
+__device__ __forceinline__ unsigned int fs_umax(unsigned int a, unsigned int b) { return b ^ ((a ^ b) & (0u - (unsigned int)(a > b))); }
+__device__ __forceinline__ unsigned int fs_umin(unsigned int a, unsigned int b) { return b ^ ((a ^ b) & (0u - (unsigned int)(a < b))); }
 template <typename T> __device__ __forceinline__ T fs_idiv(T a, T b) { return b == 0 ? (T)-1 : (b == (T)-1 ? (T)(0 - a) : a / b); }
 template <typename T> __device__ __forceinline__ T fs_irem(T a, T b) { return b == 0 ? a : (b == (T)-1 ? (T)0 : a % b); }
 template <typename T> __device__ __forceinline__ T fs_ipow(T a, T b) {

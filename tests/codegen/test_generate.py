@@ -169,10 +169,11 @@ def test_an_input_also_read_through_a_view_is_not_updated_in_place():
     np.testing.assert_array_equal(got[1], data * 2)
 
 
-def test_a_32_bit_integer_max_is_a_compare_and_select():
+def test_a_32_bit_integer_max_is_no_max_instruction_for_ptxas():
     """ptxas 13.0 for sm_90 fuses three 32-bit integer max/min into VIMNMX3 and drops an operand's
     negation: ``(-x).int().amax(2)`` over 3 elements gave max(-a, b, -c) (GPU fuzz 1126501:1634).
-    Integer max/min print as the helpers that compare and select in inline PTX."""
+    Integer max/min print as helpers that compare and mask (ptxas turned even a compare-and-select
+    in inline PTX back into VIMNMX3)."""
     b = GraphBuilder("neg_amax")
     x = b.parameter((2, 3), DType.I32, "x")
     out = b.reduce(b.unary("neg", x), (1,), "max")
