@@ -127,3 +127,30 @@ def test_interleaved_wall_times_take_the_systems_rounds_in_turn():
     assert calls == ["a", "a", "b", "b", "a", "b", "a", "b", "a", "b"]
     assert syncs == calls
 
+
+
+def _bench_json(path, device, rows):
+    fields = ("workload", "system", "wall_ms", "gpu_ms", "mi_ms", "kernels", "gemm_kernels", "mi_kernels")
+    results = [dict(zip(fields, row), first_call_s=1.0, error=None, skipped="", speedup={}, top_kernels=[["k", 1.0, 1.0]])
+               for row in rows]
+    path.write_text(json.dumps({"device": device, "torch": "2.11.0", "results": results}))
+    return path
+
+
+def test_the_performance_page_is_rendered_from_bench_json(tmp_path):
+    from fusionstitching.bench import report
+
+    h100 = _bench_json(tmp_path / "a.json", "NVIDIA H100 80GB HBM3", [
+        ("bert_infer", "inductor", 6.95, 2.881, 1.517, 342, 97, 245),
+        ("bert_infer", "fusionstitching", 4.42, 2.438, 1.088, 183, 97, 86)])
+    h200 = _bench_json(tmp_path / "b.json", "NVIDIA H200", [("layernorm", "fusionstitching", 0.09, 0.02, 0.02, 1, 0, 1)])
+    page = tmp_path / "performance.md"
+    page.write_text(f"# Performance\n\nmethod\n\n{report.BEGIN}\nold tables\n{report.END}\n\nafter\n")
+    report.main([str(h100), str(h200), "--write", str(page)])
+    text = page.read_text()
+    assert "old tables" not in text and text.startswith("# Performance\n\nmethod") and text.endswith("after\n")
+    assert "## NVIDIA H100 80GB HBM3" in text and "## NVIDIA H200" in text
+    assert "| bert_infer | fusionstitching | 4.420 | 2.438 (1.088) | 183 (97 + 86) |" in text
+    assert "fusionstitching / Inductor: bert_infer 0.72." in text
+    with pytest.raises(ValueError, match="markers"):
+        report.write(tmp_path / "a.json", [h100])
