@@ -18,12 +18,10 @@ class Options:
     generators: tuple[str, ...] | None = None  # candidate generators (fusion/explore.py); None: the default set
     score: str = "delta"  # "delta" [C §5.4] or "model" [B §4.3]
     # A dot_general is "small" (fused in generated kernels) when its FLOPs and its per-batch output
-    # stay under these; larger dots are library calls. Measured on an NVIDIA H200 with
-    # ``python -m fusionstitching.bench.small_dots`` (2026-11-21): the generated dot alone is as fast
-    # as cuBLAS for [2048,1,64]x[2048,64,50] (13 MFLOP, 0.89x) and [256,1,36]x[256,36,50] (0.98x),
-    # 1.15x for 2048 x [16,64]x[64,16] (67 MFLOP, 256 outputs per batch element), 2.4x and more from
-    # 1024 outputs per batch element on (2048 x [32,64]x[64,32]; BERT's attention bmm is 4x). Fused
-    # with its producers and consumers a dot also saves their traffic, so "small" is up to 2x.
+    # stay under these; larger dots are library calls. The bounds come from
+    # ``python -m fusionstitching.bench.small_dots`` (figures in CHANGELOG.md): up to them a generated
+    # dot alone is about as fast as cuBLAS, and fused with its producers and consumers it also saves
+    # their traffic; beyond them (BERT's attention bmm) cuBLAS is several times faster.
     small_dot_max_flops: int = 1 << 26
     small_dot_max_output: int = 256  # elements of one batch element's output (M x N)
     small_dot_max_contract: int = 1024  # contracted length K

@@ -80,7 +80,7 @@ def bert_layer_demo() -> float:
         print(f"No GPU here: every kernel run by the simulator; the plan vs the reference semantics: "
               f"max relative error {error:.1e}")
         return error
-    from fusionstitching.frontend.context import DTYPE_TO_TORCH
+    from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 
     tensors = [torch.from_numpy(np.asarray(a, np.float32)).to(DTYPE_TO_TORCH[p.dtype]).cuda()
                for a, p in zip(arrays, graph.parameters)]
@@ -131,7 +131,7 @@ def _run_on_gpu(compiled: CompiledGraph, arrays, want, workload) -> None:
     if not torch.cuda.is_available():
         return
     from fusionstitching.bench.kernels import gpu_time_us
-    from fusionstitching.frontend.context import DTYPE_TO_TORCH
+    from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 
     tensors = [torch.from_numpy(np.asarray(a, np.float32)).to(DTYPE_TO_TORCH[p.dtype]).cuda()
                for a, p in zip(arrays, compiled.graph.parameters)]

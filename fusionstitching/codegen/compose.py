@@ -53,12 +53,12 @@ from fusionstitching.codegen.values import (
     ValueEmitter,
     is_reduction,
     reduced_dims,
-    reduction_space,
     register_type,
     shared_value,
 )
 from fusionstitching.codegen.vectorize import affine
 from fusionstitching.graph.graph import Layout, Node
+from fusionstitching.graph.pattern import iteration_space
 from fusionstitching.schedule.template import WARP_SIZE as WARP
 from fusionstitching.schedule.template import Level, Schedule, tile_extents
 
@@ -118,11 +118,6 @@ def decompose(em: ValueEmitter, fs: list[Factor], linear: K.Expr, ranges: dict[s
         f.var = var
         remaining = K.div(remaining, em.idx(f.extent))
     return stmts
-
-
-def iteration_space(node: Node) -> tuple[int, ...]:
-    """The dims a root's schedule tiles: its output dims, or ``reduction_space`` for a reduction."""
-    return reduction_space(node) if is_reduction(node) else node.shape
 
 
 def needs_composition(schedules: Sequence[Schedule], outputs: dict[str, Node], nodes: dict[str, Node]) -> bool:

@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 
 from fusionstitching.codegen import kernel_ir as K
-from fusionstitching.codegen.compose import Factor, decompose, iteration_space
+from fusionstitching.codegen.compose import Factor, decompose
 from fusionstitching.codegen.values import (
     CodegenError,
     ValueEmitter,
@@ -32,6 +32,7 @@ from fusionstitching.codegen.values import (
 )
 from fusionstitching.codegen.vectorize import pack_lanes
 from fusionstitching.graph.graph import Node
+from fusionstitching.graph.pattern import iteration_space
 from fusionstitching.schedule.template import KernelSchedule, Level, Schedule, tile_extents
 
 
@@ -81,7 +82,7 @@ def packed_groups(roots: Sequence[tuple[Schedule, Node]], inside: set[int]) -> l
     when they read a common value (an AdamW tensor's new parameter, first and second moments all
     read its gradient: each element is loaded once); unrelated roots keep their own nests, and so
     their own block ranges (AdamW over 147 tensors of one shape in a single nest ran on the blocks
-    of one tensor: 3.2× the time of a copy of its bytes on an H100). ``inside``: ids of the
+    of one tensor, at a fraction of the bandwidth). ``inside``: ids of the
     pattern's nodes; the values a root reads are its pattern inputs and nodes, less single
     elements (a step count or learning rate every tensor's update reads relates nothing)."""
     reads: dict[int, set[int]] = {}

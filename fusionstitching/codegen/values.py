@@ -25,6 +25,7 @@ from fusionstitching.codegen import kernel_ir as K
 from fusionstitching.codegen.reshape import reshape_index
 from fusionstitching.graph.graph import Node
 from fusionstitching.graph.ops import DType
+from fusionstitching.graph.pattern import is_reduction, reduced_dims, reduction_kind, reduction_space
 
 
 class CodegenError(ValueError):
@@ -532,30 +533,6 @@ def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(step)
         step *= size
     return tuple(reversed(strides))
-
-
-def is_reduction(node: Node) -> bool:
-    """Reductions in the wide sense: ``reduce``, and ``dot_general`` (a sum over its contracting dims)."""
-    return node.op in ("reduce", "dot_general")
-
-
-def reduction_space(node: Node) -> tuple[int, ...]:
-    """The iteration space of a reduction: the operand's dims for a reduce; for a dot, its output dims
-    followed by its contracting dims."""
-    if node.op == "reduce":
-        return node.operands[0].shape
-    lhs = node.operands[0]
-    return node.shape + tuple(lhs.shape[d] for d in node.attrs["lhs_contract"])
-
-
-def reduced_dims(node: Node) -> tuple[int, ...]:
-    if node.op == "reduce":
-        return tuple(node.attrs["dims"])
-    return tuple(range(len(node.shape), len(node.shape) + len(node.attrs["lhs_contract"])))
-
-
-def reduction_kind(node: Node) -> str:
-    return node.attrs["kind"] if node.op == "reduce" else "sum"
 
 
 def reduce_identity(kind: str, dtype: DType) -> K.Const:

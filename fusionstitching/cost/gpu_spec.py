@@ -6,9 +6,8 @@ bandwidth model M(V) of [B §4.3] needs the datasheet peak bandwidth as its fall
 denominator of its efficiency curve (Figure 4). Both scores use phi, the cost of one kernel launch.
 
 The numbers are datasheet and CUDA C Programming Guide values (the "Technical Specifications per
-Compute Capability" table) for one SKU per product, named in ``source``. ``launch_us`` is a default
-of 5 µs for every GPU: the host cost of one launch we measured on an H200 is 5–7 µs. A measured
-value, once recorded by ``python -m fusionstitching.bench.bandwidth --write``, is carried by
+Compute Capability" table) for one SKU per product, named in ``source``. ``launch_us`` is one
+default for every GPU, of the order of the host cost of one launch. A measured value, once recorded by ``python -m fusionstitching.bench.bandwidth --write``, is carried by
 ``cost.bandwidth.bandwidth_model(device).launch_us``; the specs here stay the datasheet.
 """
 

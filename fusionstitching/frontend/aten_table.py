@@ -589,7 +589,7 @@ def _index_put(cx: LoweringContext, x: Node, indices: Sequence[Node | None], val
                accumulate: bool = False) -> Node:
     """Accumulating put along dim 0 (an embedding gradient): ``x + onehot(index)^T @ values``, for
     up to ``ONE_HOT_MAX_ROWS`` rows. A longer one-hot row would make the GEMM do ``rows`` times the
-    work of the scatter-add (BERT's 30522-word table: 3.6 ms against microseconds), so that case
+    work of the scatter-add (orders of magnitude more on a vocabulary-sized table), so that case
     stays torch's op (a library call)."""
     if not accumulate or len(indices) != 1 or indices[0] is None or indices[0].dtype == DType.BOOL:
         raise Unsupported("index_put other than accumulate=True with one integer index on dim 0")

@@ -20,17 +20,7 @@ import torch
 
 from fusionstitching.graph.graph import GraphBuilder, Layout, Node
 from fusionstitching.graph.ops import DType
-
-TORCH_TO_DTYPE = {
-    torch.float32: DType.F32,
-    torch.float16: DType.F16,
-    torch.bfloat16: DType.BF16,
-    torch.float64: DType.F64,
-    torch.int32: DType.I32,
-    torch.int64: DType.I64,
-    torch.bool: DType.BOOL,
-}
-DTYPE_TO_TORCH = {v: k for k, v in TORCH_TO_DTYPE.items()}
+from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH, TORCH_TO_DTYPE
 
 
 class CaptureError(RuntimeError):

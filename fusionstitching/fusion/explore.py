@@ -37,12 +37,11 @@
 ``FUSION_I`` is the set the first version of this stage ran, kept for comparison. ``DEFAULT_GENERATORS``
 was chosen by measurement: ``python -m fusionstitching.bench.fusion_table`` explores every workload of
 ``bench/workloads.py`` and the 12-layer BERT forward and training graphs with every generator set ×
-selector; ``bench/fusion_table.md`` has the table and the reasons. In short: remote fusion is what
-pays (BERT-12 backward 201 → 95 kernels), deep fusion adds a little (→ 93; the lowest estimated
-time over all graphs of the sets that explore BERT-12 in seconds); exploratory fusion and the DP add
-little at several seconds each; the ILP beats the beam search. The default (ILP) is never worse than
-Fusion I in kernels or estimated time on any of the graphs, and explores BERT-12 training (forward
-and backward) in about 4–5 s on 2 cores.
+selector; ``bench/fusion_table.md`` has the table, its figures and the reasons. In short: remote
+fusion is what pays most, deep fusion adds a little (the lowest estimated time over all graphs of
+the sets that explore BERT-12 in seconds); exploratory fusion and the DP add little at several
+seconds each; the ILP beats the beam search. The default (ILP) is never worse than Fusion I in
+kernels or estimated time on any of those graphs.
 """
 
 from __future__ import annotations

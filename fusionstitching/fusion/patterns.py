@@ -39,10 +39,10 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fusionstitching.codegen.values import is_reduction
 from fusionstitching.fusion.legality import Legality, Roles, Verdict
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
+from fusionstitching.graph.pattern import is_reduction
 from fusionstitching.schedule.grouping import is_stitched_partial
 
 

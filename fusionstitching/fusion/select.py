@@ -14,21 +14,21 @@ disjoint cycles (the patterns of a cycle found are left out and the contracted g
 again): packs of independent kernels can close many cycles at once, and one per solve would take
 as many solves. A cycle's constraint is tightened to the pairs of its patterns that close a cycle by
 themselves ("not both" cuts many more plans than "not all k"), and the cycles found by an earlier
-selection over the same first candidates are constraints from the first solve (``known_cycles``):
-BERT-base inference at batch 1 took 77 solves and 9.6 s to select, now 23 solves and 1.4 s. HiGHS
+selection over the same first candidates are constraints from the first solve (``known_cycles``),
+which saves most of the solves on graphs of many layers (CHANGELOG.md has the figures). HiGHS
 is deterministic for a given model, the model is built in candidate order, and cycles are walked in
 a fixed order, so the plan is the same on every run.
 
-Compile time is bounded: once the rounds have taken ``budget`` seconds, or after
-``MAX_CYCLE_ROUNDS`` rounds, the last solution is made acyclic by leaving out, cycle after cycle,
-the lowest-scoring pattern on it (``Selection.repaired`` counts them; the plan is valid, possibly
-not optimal). Graphs of many small independent chains
-(torch.optim's per-tensor updates with their step counts) can otherwise take a hundred rounds.
+Compile time is bounded: after ``MAX_CYCLE_ROUNDS`` rounds the last solution is made acyclic by
+leaving out, cycle after cycle, the lowest-scoring pattern on it (``Selection.repaired`` counts them;
+the plan is valid, possibly not optimal). The bound counts rounds, not seconds, so that a plan does
+not depend on the speed or the load of the machine (with a bound in seconds, one fuzzer graph got
+three different plans in three runs). The project's workloads take one to three rounds; random
+graphs of many small independent chains can take dozens.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -38,7 +38,7 @@ from scipy.sparse import csr_matrix
 
 from fusionstitching.graph.graph import Graph, Node
 
-MAX_CYCLE_ROUNDS = 100
+MAX_CYCLE_ROUNDS = 32
 CYCLES_PER_ROUND = 16
 MAX_PAIRED_CYCLE = 5  # cycles of up to this many patterns are searched for pairs that close one alone
 
@@ -53,18 +53,17 @@ class Selection:
     objective: float
     rounds: int
     cycle_constraints: list[tuple[int, ...]] = field(default_factory=list)
-    repaired: int = 0  # patterns left out to break cycles once the time budget or the rounds were spent
+    repaired: int = 0  # patterns left out to break cycles once the rounds were spent
 
 
 def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequence[float],
-               time_limit: float = 30.0, budget: float = 5.0,
+               time_limit: float = 30.0,
                known_cycles: Sequence[tuple[int, ...]] = ()) -> Selection:
     """The best set of disjoint, jointly acyclic patterns among those with a positive score.
     ``known_cycles``: sets of candidates (indices) already known to close a cycle together, from an
     earlier selection over a prefix of the same candidates; they are constraints from the first
     solve on (contracting more patterns keeps every path, so such a set closes a cycle in any plan
     that holds it)."""
-    start = time.perf_counter()
     usable = [i for i, s in enumerate(scores) if s > 0]
     if not usable:
         return Selection([], 0.0, 0)
@@ -104,7 +103,7 @@ def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequenc
         if not found:
             return Selection(sorted(usable[k] for k in chosen), -float(result.fun), rounds,
                              [tuple(usable[k] for k in c) for c in cycles])
-        if time.perf_counter() - start > budget or rounds == MAX_CYCLE_ROUNDS:
+        if rounds == MAX_CYCLE_ROUNDS:
             kept, _ = break_cycles(graph, patterns, scores, [usable[k] for k in chosen])
             return Selection(sorted(kept), sum(scores[i] for i in kept), rounds,
                              [tuple(usable[k] for k in c) for c in cycles], len(chosen) - len(kept))

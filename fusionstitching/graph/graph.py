@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -76,6 +77,13 @@ class Node:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attrs", MappingProxyType(dict(self.attrs)))
+        # Nodes compare by identity but hash by name: sets and dicts of nodes then iterate in the
+        # same order in every process. With the address-based hash, candidate orders (and with them
+        # tie-breaks between equally good plans) followed where the allocator put each node.
+        object.__setattr__(self, "_hash", zlib.crc32(self.name.encode()))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def category(self):

@@ -500,17 +500,9 @@ def resolve_library_target(name: str) -> Callable[..., Any]:
 
 
 def _torch_dtypes() -> dict[DType, Any]:
-    import torch
+    from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 
-    return {
-        DType.F32: torch.float32,
-        DType.F16: torch.float16,
-        DType.BF16: torch.bfloat16,
-        DType.F64: torch.float64,
-        DType.I32: torch.int32,
-        DType.I64: torch.int64,
-        DType.BOOL: torch.bool,
-    }
+    return DTYPE_TO_TORCH
 
 
 def _to_torch(array: np.ndarray) -> Any:

@@ -33,12 +33,12 @@ from typing import Any
 import numpy as np
 
 from fusionstitching.codegen.generate import GeneratedKernel, generate
-from fusionstitching.frontend.context import DTYPE_TO_TORCH
 from fusionstitching.fusion.plan import FusionPlan
 from fusionstitching.graph import reference
 from fusionstitching.graph.analysis import in_place_outputs, pattern_structure
 from fusionstitching.graph.graph import Graph, Node, contiguous_strides
 from fusionstitching.graph.ops import Category
+from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 from fusionstitching.options import Options
 from fusionstitching.runtime.program import GpuProgram, GraphedProgram, dot_function, view_function
 from fusionstitching.schedule.template import KernelSchedule
@@ -238,7 +238,7 @@ class CompiledGraph:
     def _call_on_cpu(self, tensors: Sequence[Any]) -> list[Any]:
         import torch
 
-        from fusionstitching.frontend.context import DTYPE_TO_TORCH
+        from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 
         arrays = [_to_numpy(t, p) for t, p in zip(tensors, self.graph.parameters)]
         values = self._simulate(arrays)
@@ -516,8 +516,8 @@ def _fill(template: Any, args: list[Any], raw: Sequence[int] = ()) -> Any:
     """``template`` with its operands filled in, laid out as traced, except the operands ``raw``."""
     from collections.abc import Mapping
 
-    from fusionstitching.frontend.context import DTYPE_TO_TORCH
     from fusionstitching.graph.ops import DType
+    from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 
     if isinstance(template, Mapping):
         if "operand" in template:
@@ -546,7 +546,7 @@ def _to_numpy(tensor: Any, node: Node) -> np.ndarray:
 def _from_numpy(array: np.ndarray, node: Node) -> Any:
     import torch
 
-    from fusionstitching.frontend.context import DTYPE_TO_TORCH
+    from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 
     if node.dtype.is_half:
         return torch.from_numpy(np.asarray(array, dtype=np.float32).copy()).to(DTYPE_TO_TORCH[node.dtype])

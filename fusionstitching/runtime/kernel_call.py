@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from os import PathLike
 from typing import Any
 
-from fusionstitching.frontend.context import DTYPE_TO_TORCH
+from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 from fusionstitching.options import Options
 
 _ALIGNMENT = 16

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from fusionstitching.frontend.context import DTYPE_TO_TORCH
 from fusionstitching.graph.graph import Graph, Node, contiguous_strides
+from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 from fusionstitching.options import Options
 from fusionstitching.runtime.kernel_call import call_generated
 from fusionstitching.runtime.launch import _current_stream as current_stream

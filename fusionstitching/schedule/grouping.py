@@ -17,8 +17,8 @@ sub-roots by a template; the default recomputes them).
   epilogue over many columns: ``thread_serial_template``, a thread per column;
 - small batched dots with other groups (``batched_template``): a block per batch element;
 - with reductions (composition): all groups share one tiling. Dims that no reduction reduces are
-  GRID (in warp mode the last of them is ``GRID-WARP_4``: a row per warp, four warps — measured
-  best on an H200 for softmax and bf16 LayerNorm among 1–16 warps per block); the reduced dims are
+  GRID (in warp mode the last of them is ``GRID-WARP_4``: a row per warp, four warps, the best of
+  1–16 warps per block when measured on softmax and LayerNorm); the reduced dims are
   CTA (the last one; across lanes in warp mode, across the block otherwise) and THREAD (the
   others). Warp mode is chosen when the reduced length is at most 1024, block mode otherwise.
   When the row divides evenly, the last reduced dim is ``THREAD_k-CTA-THREAD_v``: each thread
@@ -40,10 +40,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from fusionstitching.codegen.compose import iteration_space as _space
-from fusionstitching.codegen.values import is_reduction, reduced_dims
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
+from fusionstitching.graph.pattern import is_reduction, reduced_dims
+from fusionstitching.graph.pattern import iteration_space as _space
 from fusionstitching.schedule.packing import MAX_BLOCKS, _packed_template
 from fusionstitching.schedule.refusals import Reason, refusal
 from fusionstitching.schedule.template import (
@@ -237,8 +237,8 @@ def column_template(pattern, reductions: list[Node]) -> KernelSchedule:
     reduced dim that divides best is split over up to 32 warps (``THREAD_k-WARP_w``: warp w reads
     rows w, w + w, …; at least 8 rows of all reduced dims per warp), other reduced dims are THREAD
     loops (the final sums of stitched partials, [32, 16, 768] → [768], take 32 warps on the first
-    dim instead of 2 on the second); the warps' partial sums meet in shared memory. Measured
-    on an H200 for [2048, 1024] → [1024]: 8.6 µs, against 28 µs with a block per column."""
+    dim instead of 2 on the second); the warps' partial sums meet in shared memory, several times
+    faster than a block per column."""
     space = _space(reductions[0])
     reduced = set(reduced_dims(reductions[0]))
     rows_total = math.prod(space[d] for d in reduced)
@@ -274,8 +274,8 @@ def batched_template(pattern, reductions: list[Node], cache_operands: bool = Tru
     Expensive ops both ways [C §4.2]: a dot operand computed inside the pattern with an expensive
     op in it (the softmax before DIN's second dot) is recomputed by every thread of the dot's
     output row, i.e. once per output column; with ``cache_operands`` it becomes an ``S`` sub-root
-    computed once per element (DIN attention 256×50×36 on an H200: 7.0 µs against 16.5 µs
-    recomputed). ``feasible`` tries the other way when this one does not lower.
+    computed once per element, which on DIN attention more than halves the kernel's time.
+    ``feasible`` tries the other way when this one does not lower.
 
     A dot operand that transposes a kernel input's last dim away (DIN's keysᵀ) is staged in shared
     memory too, loaded with the threads along the input's contiguous dim: the dot's threads, which
@@ -478,8 +478,7 @@ def _independent_outputs(pattern) -> bool:
     """Whether the pattern's outputs share no node of the pattern, so that packing them as
     sub-kernels, each thread reducing its own elements inline, computes nothing twice. Packed final
     sums of bias gradients (thirty [64, 768] → [768] sums, each with its casts) then get a block range
-    each: the thread-serial template ran them all on the three blocks of one output (51 µs for 6 MB
-    on an H100)."""
+    each, where the thread-serial template ran them all on the blocks of one output."""
     inside = {id(n) for n in pattern.nodes}
     owner: dict[int, int] = {}
     for k, out in enumerate(pattern.outputs):

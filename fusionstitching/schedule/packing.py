@@ -11,9 +11,9 @@ proportion to their size.
 
 from __future__ import annotations
 
-from fusionstitching.codegen.compose import iteration_space as _space
-from fusionstitching.codegen.values import is_reduction, reduced_dims
 from fusionstitching.graph.graph import Node
+from fusionstitching.graph.pattern import is_reduction, reduced_dims
+from fusionstitching.graph.pattern import iteration_space as _space
 from fusionstitching.schedule.template import (
     WARP_SIZE,
     KernelSchedule,
@@ -74,7 +74,7 @@ def _narrow_vector_rows(space, kept: list[int], threads: int, vector: int) -> tu
     256 threads of a block busy here, where the power-of-two rule would leave half of them idle.
     A row longer than a block of vectors that is not a whole number of blocks is split the same way:
     BERT's [4096, 3072] bf16 GELU rows are 384 vectors, which blocks of 256 lanes covered with a
-    quarter of their threads idle (2.8 TB/s on an H200); 128 lanes × 2 rows leave none idle."""
+    quarter of their threads idle; 128 lanes × 2 rows leave none idle."""
     if len(kept) < 2 or kept[-1] != len(space) - 1 or kept[-2] != len(space) - 2:
         return None
     d = kept[-1]
@@ -97,7 +97,7 @@ def _short_vector_rows(space, kept: list[int], threads: int, vector: int) -> dic
     its vectors across lanes and the rest of the block over the dims before it, each taking the
     largest power of two of the threads left that divides it, so that a block has no idle threads
     (heads × tokens of an attention transpose [32, 128, 12, 64]: ``GRID-CTA_8, GRID-CTA_4,
-    CTA_8-THREAD_8``). Without it such a dim got one element per thread (1 TB/s on an H100)."""
+    CTA_8-THREAD_8``). Without it such a dim got one element per thread, far from the bandwidth."""
     if not kept or kept[-1] != len(space) - 1:
         return None
     d = kept[-1]
@@ -129,7 +129,7 @@ def _root_schedule(root: Node, threads: int, transposed: bool = False, item: int
     roots of one size and last dim are all tiled by the widest of their types, so that related ones
     share a loop nest (``codegen/packed._nest_key``): BERT's first dropout mask (bool) and the bf16
     probabilities it masks were two sub-kernels of 16 and 8 lanes per thread, each drawing the
-    random numbers and the second reading the f32 softmax numerators again (1.3 TB/s on an H200)."""
+    random numbers and the second reading the f32 softmax numerators again."""
     space = _space(root)
     reduced = set(reduced_dims(root)) if is_reduction(root) else set()
     across = _transposed_dim(root) if transposed and not reduced and len(space) >= 2 else None
@@ -195,8 +195,8 @@ def recomputed_work(pattern, template: KernelSchedule) -> str | None:
     two or more inputs: sub-kernels share no registers, so the reduction's loop reads those inputs
     again (more bytes than the value they make) and redoes the arithmetic, on the few threads of a
     reduction. An FFN bias gradient's partial sums (256 rows per thread, 192 blocks) packed with the
-    GELU backward they sum re-read dy and h and recomputed erf and exp: 112 µs per layer for 75 MB,
-    0.68 TB/s on an H100. Recomputing from one input (an exp of x summed next to the exp itself)
+    GELU backward they sum re-read dy and h and recomputed erf and exp, at a quarter of the
+    bandwidth. Recomputing from one input (an exp of x summed next to the exp itself)
     reads no more than the value would, and stays allowed; so do row sums (a softmax's, each
     thread along its contiguous row), which measured near a copy's rate in BERT's attention."""
     from fusionstitching.codegen.packed import packed_groups

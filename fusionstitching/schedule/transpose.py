@@ -3,8 +3,8 @@ default for elementwise patterns whose transposes move an input's innermost dim.
 
 from __future__ import annotations
 
-from fusionstitching.codegen.compose import iteration_space as _space
-from fusionstitching.codegen.values import is_reduction
+from fusionstitching.graph.pattern import is_reduction
+from fusionstitching.graph.pattern import iteration_space as _space
 from fusionstitching.schedule.packing import MAX_BLOCKS
 from fusionstitching.schedule.template import (
     WARP_SIZE,

@@ -95,7 +95,7 @@ def test_cycle_of_two_patterns_gets_a_constraint_and_the_plan_is_acyclic():
 
 
 def test_the_last_round_breaks_the_cycles_left(monkeypatch):
-    """Out of rounds, the plan is repaired as when the time budget is spent (it raised before: a
+    """Out of rounds, the last solution is repaired into an acyclic plan (it raised before: a
     1×1 layer norm's backward in f16 needed more than 100 rounds, fuzz 1126102:3902)."""
     from fusionstitching.fusion import select
 
