@@ -47,6 +47,7 @@ from fusionstitching.graph.pattern import iteration_space as _space
 from fusionstitching.schedule.packing import MAX_BLOCKS, _packed_template
 from fusionstitching.schedule.refusals import Reason, refusal
 from fusionstitching.schedule.template import (
+    WARP_SIZE,
     KernelSchedule,
     Launch,
     Level,
@@ -64,7 +65,6 @@ WARP_MODE_MAX_LENGTH = 1024
 # blocks of 4 warps, each lane working through 24 values, slower than a kernel of a block per
 # row.
 FEW_ROWS_BLOCKS = 128
-WARP_SIZE = 32
 MAX_REGISTER_ELEMENTS = 32
 SERIAL_COLUMNS_MIN = 8192  # column reductions with an epilogue: a thread per column from this many
 
