@@ -233,10 +233,24 @@ def test_every_selector_and_generator_set_takes_turns():
     assert all(isinstance(c, Config) for c in configs)
 
 
-# The CI fuzz run stays an expected failure while the fuzzer still finds open defects (CHANGELOG,
-# "Open"): on the CPU path the known one is in the generator itself, which on rare draws builds a
-# program eager rejects (`fusionstitching fuzz --replay 1126002:749`), counted as an error. It prints
-# its seed and every failure with its replay command. Remove the mark once runs come back clean.
+def test_a_worker_past_the_time_limit_is_replaced_and_its_program_reported_as_timed_out():
+    """The limit is kept by the parent, which kills the worker: an exception raised into a worker
+    mid-trace can leave torch's dispatch-mode state inconsistent (GPU fuzz 1126601:1766 aborted)."""
+    settings = dataclasses.replace(run.Settings(), out=None, shrink=None, plans="off", timeout_s=0.05)
+
+    class Counted(run._Workers):
+        started = 0
+
+        def _start(self):
+            Counted.started += 1
+            return super()._start()
+
+    results = list(Counted(2, settings).run(run.programs(7, 3)))
+    assert [r.outcome.status for r in results] == ["timeout"] * 3
+    assert [r.program.ident for r in results] == [f"7:{k}" for k in range(3)]
+    assert Counted.started == 4  # two, and one for each program timed out while another waited
+
+
 def test_random_programs_compile_to_the_values_of_eager():
     """The CI fuzz run: FUZZ_GRAPHS programs of a fresh seed (printed: replay one failing program with
     ``fusionstitching fuzz --replay S:k``, the whole run with ``fusionstitching fuzz --seed S --count N``)."""

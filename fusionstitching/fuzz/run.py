@@ -149,7 +149,14 @@ class _Workers:
     was checking, which is reported as an error, and is replaced. A worker whose CUDA context a
     program left unusable (an illegal address, a trap: every later call would fail too) reports that
     program and exits, and a fresh one takes the next. Spawned, not forked: a forked copy of a process
-    that has run TorchDynamo and torch's thread pools is unsafe."""
+    that has run TorchDynamo and torch's thread pools is unsafe.
+
+    The time limit of a program is kept here: a worker still checking one after ``timeout_s`` is
+    killed, the program is reported as timed out and a fresh worker takes the next. An exception
+    raised into the worker at an arbitrary point (a signal) can land inside torch's bookkeeping of
+    its dispatch modes and leave the process to abort on a consistency check.
+    Shrinking a failure is not limited as a whole: the worker reports the failure first (``checked``),
+    which lifts the limit, and its candidates are limited one by one in the worker."""
 
     def __init__(self, count: int, settings: Settings) -> None:
         self.count, self.settings = count, settings
@@ -167,64 +174,98 @@ class _Workers:
 
         pending = list(enumerate(jobs))[::-1]
         done: dict[int, _Result] = {}
-        busy: dict[Any, tuple[Any, int | None]] = {}  # connection → (process, job index or None)
+        busy: dict[Any, _Busy] = {}  # connection → its worker
+        limit = self.settings.timeout_s
         next_index = 0
+
+        def retire(connection: Any, worker: _Busy, result: _Result | None) -> None:
+            if worker.index is not None and worker.index not in done:
+                done[worker.index] = result or _died(jobs[worker.index], self.settings,
+                                                     worker.process.exitcode, worker.found)
+            del busy[connection]
+            connection.close()
+            if pending:
+                process, fresh = self._start()
+                busy[fresh] = _Busy(process)
+
         try:
             for _ in range(min(self.count, len(jobs))):
                 process, connection = self._start()
-                busy[connection] = (process, None)
+                busy[connection] = _Busy(process)
             while next_index < len(jobs):
-                for connection, (process, index) in list(busy.items()):
-                    if index is None and pending:
+                for connection, worker in list(busy.items()):
+                    if worker.ready and worker.index is None and pending:
                         k, job = pending.pop()
                         try:
                             connection.send(job)
                         except OSError:  # the worker is gone before it took the job: another will
                             pending.append((k, job))
                             continue
-                        busy[connection] = (process, k)
-                ready = wait(list(busy) + [p.sentinel for p, _ in busy.values()])
-                for connection, (process, index) in list(busy.items()):
+                        worker.index, worker.found = k, None
+                        worker.until = time.monotonic() + limit if limit else None
+                deadlines = [w.until for w in busy.values() if w.until is not None]
+                wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+                ready = wait(list(busy) + [w.process.sentinel for w in busy.values()], wait_s)
+                for connection, worker in list(busy.items()):
                     if connection in ready and connection.poll():
                         try:
-                            result, going = connection.recv()
+                            kind, payload = connection.recv()
                         except EOFError:
-                            result, going = None, True
-                        if result is not None:
-                            done[index] = result
-                            busy[connection] = (process, None)
-                            index = None
+                            kind, payload = "eof", None
+                        if kind == "ready":  # started: the time of its first job counts from here
+                            worker.ready = True
+                            continue
+                        if kind == "checked":  # a failure being shrunk: no time limit for the whole
+                            worker.found, worker.until = payload, None
+                            continue
+                        going = True
+                        if kind == "result":
+                            result, going = payload
+                            done[worker.index] = result
+                            worker.index, worker.found, worker.until = None, None, None
                         if not going:
                             continue
-                        process.join()
-                    if process.sentinel in ready or not process.is_alive():
-                        process.join()
-                        if index is not None and index not in done:
-                            done[index] = _died(jobs[index], self.settings, process.exitcode)
-                        del busy[connection]
-                        connection.close()
-                        if pending:
-                            new_process, new_connection = self._start()
-                            busy[new_connection] = (new_process, None)
+                        worker.process.join()
+                    if worker.process.sentinel in ready or not worker.process.is_alive():
+                        worker.process.join()
+                        retire(connection, worker, None)
+                    elif worker.until is not None and time.monotonic() >= worker.until:
+                        worker.process.kill()
+                        worker.process.join()
+                        retire(connection, worker, _timed_out(jobs[worker.index], self.settings))
                 while next_index in done:
                     yield done.pop(next_index)
                     next_index += 1
         finally:  # a consumer that stops early (a deadline) leaves the programs not started
-            for connection, (process, _) in busy.items():
-                process.kill()
-                process.join()
+            for connection, worker in busy.items():
+                worker.process.kill()
+                worker.process.join()
                 connection.close()
 
 
+@dataclass
+class _Busy:
+    """A worker process, the index of the job it checks, when that job's time is up, and the failure
+    it reported before shrinking it."""
+    process: Any
+    ready: bool = False
+    index: int | None = None
+    until: float | None = None
+    found: Outcome | None = None
+
+
 def _worker(connection: Any, settings: Settings) -> None:
+    """Check the jobs the parent sends. The parent keeps the time limit (``_Workers``), so the
+    program itself runs without one; the candidates of a shrink are limited here."""
+    connection.send(("ready", None))
     while True:
         try:
             job = connection.recv()
         except EOFError:
             return
-        result = _one(job, settings)
+        result = _one(job, settings, limited=False, found=lambda outcome: connection.send(("checked", outcome)))
         going = _context_lost(result.outcome)
-        connection.send((result, going))
+        connection.send(("result", (result, going)))
         if going:
             return
 
@@ -238,24 +279,40 @@ def _context_lost(outcome: Outcome) -> bool:
     return outcome.status == "error" and any(e in f"{outcome.message} {outcome.diagnosis}" for e in STICKY_CUDA_ERRORS)
 
 
-def _died(job: tuple[int, int], settings: Settings, exitcode: int | None) -> _Result:
+def _died(job: tuple[int, int], settings: Settings, exitcode: int | None, found: Outcome | None = None) -> _Result:
+    """The result of a job whose worker died; ``found`` is the failure it was shrinking, if any."""
     seed, k = job
     program = generate(seed, k, features_for(settings))
     config = config_for(k, settings.device)
     outcome = Outcome(status="error", where="worker", kind="worker died",
                       message=f"the worker process checking it died (exit code {exitcode})")
+    if found is not None:
+        outcome = dataclasses.replace(found, message=f"{found.message} (the worker died shrinking it, "
+                                                     f"exit code {exitcode}: saved unshrunk)")
     failure = _save(program, config, outcome, dataclasses.replace(settings, shrink=None))
     return _Result(program, config, outcome, failure)
 
 
-def _one(job: tuple[int, int], settings: Settings) -> _Result:
-    """Program k of seed S generated, checked and, when it fails, shrunk and saved."""
+def _timed_out(job: tuple[int, int], settings: Settings) -> _Result:
+    seed, k = job
+    outcome = Outcome("timeout", message=f"still running after {settings.timeout_s:g} s",
+                      seconds=settings.timeout_s or 0.0)
+    return _Result(generate(seed, k, features_for(settings)), config_for(k, settings.device), outcome, None)
+
+
+def _one(job: tuple[int, int], settings: Settings, limited: bool = True,
+         found: Callable[[Outcome], None] | None = None) -> _Result:
+    """Program k of seed S generated, checked and, when it fails, shrunk and saved. ``limited``:
+    the check itself runs under ``settings.timeout_s`` (a worker's parent keeps it otherwise);
+    ``found`` hears of a failure before it is shrunk."""
     seed, k = job
     program = generate(seed, k, features_for(settings))
     config = config_for(k, settings.device)
-    outcome = check(program, config, settings.device, settings.plans, settings.timeout_s)
+    outcome = check(program, config, settings.device, settings.plans, settings.timeout_s if limited else None)
     if not outcome.failed:
         return _Result(program, config, outcome, None)
+    if found is not None:
+        found(outcome)
     if _context_lost(outcome):  # the context is gone: every shrinking candidate would "fail" alike
         settings = dataclasses.replace(settings, shrink=None)
     return _Result(program, config, outcome, _save(program, config, outcome, settings))
