@@ -1,18 +1,30 @@
 """fusionstitching: a just-in-time fusion compiler for memory-intensive deep-learning graphs.
 
 Public API: ``torch.compile(model, backend="fusionstitching")`` (or ``compile``), ``stats``, ``capture``
-(PyTorch → IR graphs), ``Options``; ``fusionstitching.fusion.explore`` plans. See README.md and
-DESIGN.md for the pipeline.
+(PyTorch → IR graphs), ``explain`` (every stage's output for a callable's graphs, as files),
+``Options``; ``fusionstitching.fusion.explore`` plans. See README.md and docs/architecture.md.
 """
 
-from fusionstitching.frontend.backend import CompileFailure, FallbackWarning, compile, register, stats
+from fusionstitching.backend import CompileFailure, FallbackWarning, compile, register, stats
 from fusionstitching.frontend.torch_fx import Captured, capture
 from fusionstitching.graph.graph import Graph, GraphBuilder, Layout, Node
 from fusionstitching.graph.ops import Category, DType
 from fusionstitching.options import Options
 
 __all__ = ["Captured", "Category", "CompileFailure", "DType", "FallbackWarning", "Graph", "GraphBuilder", "Layout",
-           "Node", "Options", "capture", "compile", "stats"]
+           "Node", "Options", "capture", "compile", "explain", "stats"]
 __version__ = "0.1.0"
+
+
+
+def __getattr__(name: str) -> object:
+    """``explain`` is loaded on first use: it needs the planner and code generator, which
+    ``import fusionstitching`` alone does not load."""
+    if name == "explain":
+        from fusionstitching.pipeline import explain
+
+        return explain
+    raise AttributeError(f"module 'fusionstitching' has no attribute {name!r}")
+
 
 register()  # torch.compile(..., backend="fusionstitching") works once the package is imported

@@ -135,19 +135,14 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 
 def _explain_command(args: argparse.Namespace) -> int:
-    """Every stage's output for a workload's graphs under ``args.out`` (``pipeline.dump``)."""
-    from pathlib import Path
-
+    """Every stage's output for a workload's graphs under ``args.out`` (``pipeline.explain_captured``)."""
     from fusionstitching.options import Options
-    from fusionstitching.pipeline import compile_graph, dump
+    from fusionstitching.pipeline import explain_captured
 
     _, captured = capture_workload(args.workload, train=args.train, real=args.real)
-    out = Path(args.out)
-    for graph in filter(None, (captured.forward, captured.backward)):
-        compiled = compile_graph(graph, Options(device=args.device))
-        files = dump(compiled, graph, out, arch=args.arch)
+    for graph, compiled, files in explain_captured(captured, args.out, Options(device=args.device), args.arch):
         print(f"{graph.name}: {compiled.plan.kernel_count} kernels, {compiled.plan.library_count} library calls; "
-              f"{len(files)} files in {out / graph.name}")
+              f"{len(files)} files in {files[0].parent}")
     return 0
 
 

@@ -12,8 +12,9 @@
 ``CompiledGraph`` (CUBINs are compiled on the first GPU call). With ``dump_dir`` (or the
 ``FUSIONSTITCHING_DUMP_DIR`` environment variable, which only switches on this debug dump) every
 stage's output is written as text: the graph, the plan with its reasons, and each kernel's template,
-shared-memory plan and CUDA C; ``fusionstitching explain WORKLOAD --out DIR`` writes the same for a
-workload's graphs, plus ptxas's resource report of every kernel.
+shared-memory plan and CUDA C. ``explain(fn, *example_inputs, out=DIR)`` (``fusionstitching.explain``)
+writes the same for any callable's graphs, and ``fusionstitching explain WORKLOAD --out DIR`` for a
+workload's, both with ptxas's resource report of every kernel.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fusionstitching._host import collector_paused
 from fusionstitching.fusion import explore
@@ -29,6 +30,9 @@ from fusionstitching.fusion.explore import DEFAULT_GENERATORS
 from fusionstitching.graph.graph import Graph
 from fusionstitching.options import Options
 from fusionstitching.runtime.executor import CompiledGraph
+
+if TYPE_CHECKING:
+    from fusionstitching.frontend.torch_fx import Captured
 
 STAGES = ("capture", "explore", "schedule", "lower", "render", "compile", "run")
 DUMP_VARIABLE = "FUSIONSTITCHING_DUMP_DIR"
@@ -81,3 +85,25 @@ def dump(compiled: CompiledGraph, graph: Graph, directory: Path, arch: str | Non
         path.write_text(text)
         written.append(path)
     return written
+
+
+def explain(fn: Any, *example_inputs: Any, out: str | os.PathLike, train: bool = False,
+            options: Options | None = None, arch: str | None = "sm_90") -> list[Path]:
+    """Capture ``fn(*example_inputs)`` (a function or module) and write every stage's output for its
+    graphs, forward and, with ``train``, backward, under ``out/<graph name>/``: the files
+    ``fusionstitching explain`` writes for a workload. ``arch=None`` skips ptxas's resource report
+    (it compiles every kernel with NVRTC). Returns the files written."""
+    from fusionstitching.frontend.torch_fx import capture
+
+    return [path for _, _, files in explain_captured(capture(fn, *example_inputs, train=train), out, options, arch)
+            for path in files]
+
+
+def explain_captured(captured: Captured, out: str | os.PathLike, options: Options | None = None,
+                     arch: str | None = "sm_90") -> list[tuple[Graph, CompiledGraph, list[Path]]]:
+    """``dump`` for each graph of ``captured``: the graph, its compiled form and the files written."""
+    result = []
+    for graph in filter(None, (captured.forward, captured.backward)):
+        compiled = compile_graph(graph, options)
+        result.append((graph, compiled, dump(compiled, graph, Path(out), arch=arch)))
+    return result

@@ -29,7 +29,7 @@ def strict_compiles(monkeypatch):
     falling back to PyTorch. A test of the fallback path passes ``options={"strict": False}``."""
     import dataclasses
 
-    from fusionstitching.frontend import backend
+    from fusionstitching import backend
 
     plain = backend._options
 

@@ -2,9 +2,9 @@
 own package or from packages before it in the order
 
     graph, options -> cost -> schedule -> fusion -> codegen -> runtime -> pipeline
-    -> the backend entry point (frontend/backend.py) -> the package's __init__ -> bench, cli, fuzz
+    -> the backend entry point (backend.py) -> the package's __init__ -> bench, cli, fuzz
 
-``frontend`` (but its backend entry point) imports only ``graph`` and ``options``, and only
+``frontend`` imports only ``graph`` and ``options``, and only
 ``pipeline`` and what stands above it import ``frontend``. Every import counts, at the top of a
 module or inside a function. No two modules import each other, directly or around a cycle.
 
@@ -21,7 +21,7 @@ import networkx as nx
 
 ROOT = Path(__file__).resolve().parent.parent / "fusionstitching"
 RANK = {"graph": 0, "options": 0, "_host": 0, "cost": 1, "schedule": 2, "fusion": 3, "codegen": 4, "runtime": 5,
-        "pipeline": 6, "frontend.backend": 7, "__init__": 8, "bench": 9, "cli": 9, "fuzz": 9}
+        "pipeline": 6, "backend": 7, "__init__": 8, "bench": 9, "cli": 9, "fuzz": 9}
 
 KNOWN = {
     ("fusionstitching.codegen.generate", "fusionstitching.runtime.kernel_call"),
@@ -50,8 +50,6 @@ def _unit(module: str) -> str:
     parts = module.split(".")[1:]
     if not parts:
         return "__init__"
-    if parts[0] == "frontend":
-        return "frontend.backend" if parts[1:2] == ["backend"] else "frontend"
     return parts[0]
 
 
@@ -112,7 +110,7 @@ def test_the_checker_sees_an_import_inside_a_function_and_against_the_order():
     assert not _allowed("fusionstitching.schedule.grouping", "fusionstitching.codegen.lower")
     assert not _allowed("fusionstitching.runtime.program", "fusionstitching.frontend.context")
     assert not _allowed("fusionstitching.frontend.torch_fx", "fusionstitching.runtime.executor")
-    assert _allowed("fusionstitching.frontend.backend", "fusionstitching.pipeline")
+    assert _allowed("fusionstitching.backend", "fusionstitching.pipeline")
     assert _allowed("fusionstitching.codegen.lower", "fusionstitching.graph.ops")
     assert ("fusionstitching.schedule.propagate", "fusionstitching.codegen.lower") in violations()
     assert ("fusionstitching.schedule.grouping", "fusionstitching.codegen.lower") in violations()  # inside a function

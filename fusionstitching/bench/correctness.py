@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fusionstitching.backend import reset_stats, stats
 from fusionstitching.bench.workloads import REAL_SIZES, dropout, make
-from fusionstitching.frontend.backend import reset_stats, stats
 
 F32_TOLERANCE, BF16_TOLERANCE = 1e-4, 2e-2
 

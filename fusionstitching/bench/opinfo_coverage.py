@@ -8,7 +8,7 @@ A sample of an OpInfo is *covered* when every ATen op of its graphs has an entry
 ``aten_table.TABLE`` and the entry lowers it: nothing of it would become a ``library`` node. The
 graphs are the ones the backend compiles: each f32 CPU sample (``requires_grad`` where the OpInfo
 supports autograd) is traced by AOTAutograd with ``torch_fx.decompositions()``, the min-cut
-partitioner and in-graph input mutations, exactly as ``frontend/backend.py`` asks for them, and
+partitioner and in-graph input mutations, exactly as ``backend.py`` asks for them, and
 every resulting graph (inference, or forward and backward) is converted with ``torch_fx.convert``;
 a ``LibraryFallbackWarning`` or an unsupported dtype makes the sample uncovered, with that op as the
 reason. An internal error of the conversion does not: the sample stays covered, so that

@@ -54,8 +54,8 @@ from typing import Any
 
 import torch
 
+from fusionstitching.backend import FallbackWarning, stats
 from fusionstitching.bench.correctness import BF16_TOLERANCE, F32_TOLERANCE, poison, relative_error
-from fusionstitching.frontend.backend import FallbackWarning, stats
 
 SYSTEMS = ("eager", "inductor", "fusionstitching")
 GRADIENT_FLOOR = 1e-4  # of the largest gradient's norm, as in correctness.check_training

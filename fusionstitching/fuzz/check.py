@@ -151,7 +151,7 @@ def check(program: Program, config: Config, device: str = "cpu", plans: str = "a
     With ``timeout_s`` (main thread only), a program still running after that many seconds is
     stopped and reported with status ``timeout``. With ``diagnose``, a failure against eager is
     followed by the plan check with every kernel simulated, to name the kernel at fault."""
-    from fusionstitching.frontend.backend import stats
+    from fusionstitching.backend import stats
 
     if plans not in PLAN_CHECKS:
         raise ValueError(f"check: plans={plans!r}; known: {', '.join(PLAN_CHECKS)}")
@@ -295,7 +295,7 @@ def compile_with(fn: Callable[..., Any], config: Config) -> Callable[..., Any]:
     ``fusionstitching.compile`` (``torch.compile`` takes a mode or options, not both)."""
     if config.mode is None:
         return torch.compile(fn, backend="fusionstitching", dynamic=False, options=config.options())
-    from fusionstitching.frontend.backend import compile as compile_fused
+    from fusionstitching.backend import compile as compile_fused
     from fusionstitching.options import Options
 
     return compile_fused(fn, Options(**config.options()), mode=config.mode, dynamic=False)

@@ -34,8 +34,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 import fusionstitching  # noqa: F401 - registers the backend
+from fusionstitching.backend import FallbackWarning, stats
 from fusionstitching.bench import opinfo_coverage as coverage
-from fusionstitching.frontend.backend import FallbackWarning, stats
 from fusionstitching.frontend.torch_fx import LibraryFallbackWarning
 
 
@@ -67,7 +67,7 @@ def error_inputs_of(label: str, device: str = "cpu") -> tuple[Any, ...]:
 def check_error_input(op: Any, error_input: Any, options: dict | None = None) -> None:
     """Eager PyTorch rejects ``error_input``; the compiled call (strict) must reject it too, as a
     user error: an exception that is not an internal compiler failure."""
-    from fusionstitching.frontend.backend import CompileFailure
+    from fusionstitching.backend import CompileFailure
 
     call = coverage.as_call(op, error_input.sample_input)
     if not coverage.eager_rejects(op, error_input):

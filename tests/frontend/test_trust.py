@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fusionstitching
-from fusionstitching.frontend import backend
+from fusionstitching import backend
 
 
 def _compiled(fn, **options):

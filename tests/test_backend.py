@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import fusionstitching
+from fusionstitching.backend import FallbackWarning, reset_stats
 from fusionstitching.bench.workloads import make
-from fusionstitching.frontend.backend import FallbackWarning, reset_stats
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -228,3 +228,17 @@ def test_reduce_overhead_mode_replays_a_cuda_graph_correctly(name):
         with torch.no_grad():
             out, ref = compiled(*inputs), fn(*inputs)
         assert relative_error(out, ref) < 1e-5, seed
+
+
+def test_the_torch_dynamo_entry_point_names_the_backend_function():
+    """``torch.compile(backend="fusionstitching")`` without importing the package goes through the
+    entry point in pyproject.toml: it must name the backend function where it lives."""
+    import importlib
+    from pathlib import Path
+
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    target = project["project"]["entry-points"]["torch_dynamo_backends"]["fusionstitching"]
+    module, _, name = target.partition(":")
+    assert getattr(importlib.import_module(module), name) is fusionstitching.backend.fusionstitching_backend

@@ -1,0 +1,34 @@
+"""``pipeline.py``: the stages for one graph and ``fusionstitching.explain`` for any callable."""
+
+from __future__ import annotations
+
+import torch
+
+import fusionstitching
+
+
+def test_explain_writes_every_stage_of_a_functions_forward_and_backward(tmp_path):
+    def scaled_softmax(x, w):
+        return torch.softmax(x * w, -1).sum(0)
+
+    files = fusionstitching.explain(scaled_softmax, torch.randn(8, 33, requires_grad=True), torch.randn(33),
+                                    out=tmp_path, train=True)
+    assert {p.parent.name for p in files} == {"scaled_softmax_forward", "scaled_softmax_backward"}
+    for name in ("scaled_softmax_forward", "scaled_softmax_backward"):
+        folder = tmp_path / name
+        assert (folder / "1-graph.txt").read_text().startswith(f"graph {name}(")
+        assert "kernel 0:" in (folder / "2-explore.txt").read_text()
+        sources = sorted(folder.glob("3-kernel*.cu"))
+        assert sources and all("__global__" in s.read_text() for s in sources)
+        report = (folder / "4-resources.txt").read_text().splitlines()
+        assert report[0] == "ptxas resource report per kernel for sm_90:" and len(report) == 3 + len(sources)
+    assert "exp" in (tmp_path / "scaled_softmax_forward" / "1-graph.txt").read_text()
+
+
+def test_explain_of_a_module_without_train_writes_its_one_graph(tmp_path):
+    module = torch.nn.Sequential(torch.nn.LayerNorm(48), torch.nn.GELU())
+    files = fusionstitching.explain(module, torch.randn(4, 48), out=tmp_path, arch=None)
+    assert {p.parent.name for p in files} == {"Sequential"}
+    assert not (tmp_path / "Sequential" / "4-resources.txt").exists()
+    graph = (tmp_path / "Sequential" / "1-graph.txt").read_text()
+    assert "rsqrt" in graph and "erf" in graph  # the layer norm and the exact GELU, captured
