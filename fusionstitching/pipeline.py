@@ -5,7 +5,7 @@
     schedule  schedule/grouping.py     pattern                      → KernelSchedule (asked by explore)
     lower     codegen/lower.py         pattern + KernelSchedule     → Kernel IR
     render    codegen/cuda_c.py        Kernel IR                    → CUDA C
-    compile   runtime/nvrtc.py         CUDA C                       → CUBIN (disk cache)
+    compile   codegen/nvrtc.py         CUDA C                       → CUBIN (disk cache)
     run       runtime/executor.py      CUBINs + tensors             → outputs (CompiledGraph)
 
 ``compile_graph`` runs explore → schedule → lower → render for one graph and returns the

@@ -24,8 +24,6 @@ RANK = {"graph": 0, "options": 0, "_host": 0, "cost": 1, "schedule": 2, "fusion"
         "pipeline": 6, "backend": 7, "__init__": 8, "bench": 9, "cli": 9, "fuzz": 9}
 
 KNOWN = {
-    ("fusionstitching.codegen.generate", "fusionstitching.runtime.kernel_call"),
-    ("fusionstitching.codegen.generate", "fusionstitching.runtime.nvrtc"),
     ("fusionstitching.schedule.grouping", "fusionstitching.codegen.lower"),
     ("fusionstitching.schedule.grouping", "fusionstitching.codegen.values"),
     ("fusionstitching.schedule.packing", "fusionstitching.codegen.packed"),

@@ -82,16 +82,11 @@ class GeneratedKernel:
                 for k, (node, layout) in enumerate(zip(pattern.outputs, self.lowered.output_layouts))]
 
     def compile(self, arch: str = "sm_90", **kwargs: Any):
-        """CUDA C → CUBIN with NVRTC: a CompiledModule with ``.cubin`` and ``.resources``."""
-        from fusionstitching.runtime.nvrtc import compile_cuda
+        """CUDA C → CUBIN with NVRTC: a CompiledModule with ``.cubin`` and ``.resources``. Launching
+        on tensors is the runtime's (``runtime.kernel_call.call_generated``)."""
+        from fusionstitching.codegen.nvrtc import compile_cuda
 
         return compile_cuda(self.cuda_source, arch, name=f"{self.name}.cu", **kwargs)
-
-    def __call__(self, *tensors: Any) -> list[Any]:
-        """Launch on the current torch CUDA stream; returns the output tensors."""
-        from fusionstitching.runtime.kernel_call import call_generated
-
-        return call_generated(self, tensors)
 
 
 def _poison(dtype: np.dtype) -> Any:

@@ -32,8 +32,8 @@ def _launcher(kernel, arch: str, cache_dir: str | PathLike | None, cache_max_byt
     """The kernel's LoadedKernel for ``arch``: compiled (or read from the disk cache under
     ``cache_dir``) on first use; a twin (``GeneratedKernel.twin``) shares its original's module and
     has its own arguments."""
+    from fusionstitching.codegen.nvrtc import compile_cuda
     from fusionstitching.runtime.launch import LoadedKernel
-    from fusionstitching.runtime.nvrtc import compile_cuda
 
     launcher = kernel._modules.get(arch)
     if launcher is None:

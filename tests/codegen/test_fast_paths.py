@@ -10,10 +10,10 @@ import pytest
 from fusionstitching.codegen import default_template, generate
 from fusionstitching.codegen.cuda_c import PRELUDE
 from fusionstitching.codegen.lower import resolve_pattern
+from fusionstitching.codegen.nvrtc import compile_cuda
 from fusionstitching.graph import reference
 from fusionstitching.graph.graph import GraphBuilder
 from fusionstitching.graph.ops import DType
-from fusionstitching.runtime.nvrtc import compile_cuda
 from fusionstitching.schedule import feasible
 from fusionstitching.schedule.grouping import _candidate_templates
 from fusionstitching.schedule.template import parse_template

@@ -399,7 +399,8 @@ def test_structurally_equal_patterns_share_one_kernel_and_keep_their_own_nodes()
 
 
 def test_precompile_compiles_each_distinct_source_once(monkeypatch):
-    from fusionstitching.runtime import kernel_call, nvrtc
+    from fusionstitching.codegen import nvrtc
+    from fusionstitching.runtime import kernel_call
 
     _, captured = capture_workload("bert", train=True)
     compiled = CompiledGraph(explore(captured.backward))
@@ -432,8 +433,8 @@ def test_widened_weight_gradient_runs_as_its_f32_accumulator(rows):
     dot with an f32 result, whether the code generator fuses it or the GEMM library runs it."""
     import ml_dtypes
 
+    from fusionstitching.codegen.nvrtc import compile_cuda
     from fusionstitching.graph.transforms import widen_dots
-    from fusionstitching.runtime.nvrtc import compile_cuda
 
     b = GraphBuilder("weight_grad")
     x = b.parameter((rows, 32), DType.BF16, "x")

@@ -127,7 +127,7 @@ def test_check_raises_with_call_and_error_name():
 def test_test_kernels_compile(tmp_path):
     """The GPU tests' sources compile (NVRTC needs no GPU), so a GPU run fails only on launch."""
     pytest.importorskip("cuda.bindings.nvrtc")
-    from fusionstitching.runtime.nvrtc import compile_cuda
+    from fusionstitching.codegen.nvrtc import compile_cuda
 
     for source, name in [(AFFINE, b"affine"), (SMEM_COPY, b"smem_copy")]:
         module = compile_cuda(with_sizes(source, N), "sm_90", cache_dir=tmp_path)
@@ -143,7 +143,7 @@ def device_arch() -> str:
 
 
 def build(source: str, name: str, n: int, cache_dir, dynamic_smem: int = 0) -> LoadedKernel:
-    from fusionstitching.runtime.nvrtc import compile_cuda
+    from fusionstitching.codegen.nvrtc import compile_cuda
 
     module = compile_cuda(with_sizes(source, n), device_arch(), cache_dir=cache_dir)
     return LoadedKernel(module.cubin, name, 2, blocks_for(n), THREADS, dynamic_smem)

@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
-from fusionstitching.runtime import nvrtc
-from fusionstitching.runtime.nvrtc import cache_root, compile_cuda
+from fusionstitching.codegen import nvrtc
+from fusionstitching.codegen.nvrtc import cache_root, compile_cuda
 
 KERNEL = """\
 extern "C" __global__ void k(float* __restrict__ y, const float* __restrict__ x, int n) {

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
-from fusionstitching.runtime import nvrtc
-from fusionstitching.runtime.nvrtc import (
+from fusionstitching.codegen import nvrtc
+from fusionstitching.codegen.nvrtc import (
     NvrtcError,
     ResourceReport,
     compile_cuda,
@@ -256,7 +256,7 @@ def test_missing_cuda_bindings_names_the_packages(monkeypatch, tmp_path):
 
 
 def test_module_imports_without_cuda_bindings():
-    code = "import sys; sys.modules['cuda'] = None; import fusionstitching.runtime.nvrtc"
+    code = "import sys; sys.modules['cuda'] = None; import fusionstitching.codegen.nvrtc"
     subprocess.run(
         [sys.executable, "-c", code], check=True, cwd=nvrtc.__file__.rsplit("/fusionstitching/", 1)[0]
     )
