@@ -35,7 +35,6 @@ KNOWN_CYCLES = {
     frozenset({"fusionstitching.codegen.compose", "fusionstitching.codegen.reductions",
                "fusionstitching.codegen.registers"}),
     frozenset({"fusionstitching.schedule.grouping", "fusionstitching.schedule.propagate"}),
-    frozenset({"fusionstitching.cost.bandwidth", "fusionstitching.cost.measured"}),
 }
 
 

@@ -38,8 +38,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fusionstitching.cost.bandwidth import Measurement, achieved_gbs, fit
+from fusionstitching.cost.bandwidth import achieved_gbs, fit
 from fusionstitching.cost.gpu_spec import gpu_spec, spec_key
+from fusionstitching.cost.measurement import Measurement
 
 MIN_BYTES = 4 * 1024
 MAX_BYTES = 1024**3
@@ -55,7 +56,7 @@ what is measured and how); edit by re-running it, not by hand. One entry per ``c
 A GPU without an entry gets the datasheet estimate.
 """
 
-from fusionstitching.cost.bandwidth import Measurement
+from fusionstitching.cost.measurement import Measurement
 
 '''
 

@@ -2,7 +2,7 @@
 costs (M(V) of [B §4.3]) and how long a kernel's waves of warps take (the latency evaluator of
 [C §4.3], with the fixed-register simplification of [C §5.4])."""
 
-from fusionstitching.cost.bandwidth import BandwidthModel, Measurement, bandwidth_model, fit
+from fusionstitching.cost.bandwidth import BandwidthModel, bandwidth_model, fit
 from fusionstitching.cost.gpu_spec import SPECS, GpuSpec, gpu_spec, spec_key
 from fusionstitching.cost.latency import (
     CYCLES_PER_ELEMENT,
@@ -13,6 +13,7 @@ from fusionstitching.cost.latency import (
     occupancy,
     waves,
 )
+from fusionstitching.cost.measurement import Measurement
 
 __all__ = [
     "CYCLES_PER_ELEMENT",

@@ -26,28 +26,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from fusionstitching.cost.gpu_spec import gpu_spec
+from fusionstitching.cost.measured import MEASUREMENTS
+from fusionstitching.cost.measurement import Measurement
 
 DATASHEET_EFFICIENCY = 0.9  # saturated bandwidth of a streaming kernel, as a fraction of the peak
 DATASHEET_FLOOR_US = 2.0
 DATASHEET = "datasheet estimate"
 BYTES_PER_US_PER_GBS = 1e3  # 1 GB/s = 10^9 bytes/s = 10^3 bytes/µs
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """One device's recorded bandwidth curve: the fitted constants and the points they came from.
-
-    ``points`` are (bytes moved, median µs) of a device-to-device copy; ``launch_us`` is the host
-    wall time per launch of a tiny kernel launched back to back.
-    """
-
-    device_name: str  # as the GPU reports it, e.g. "NVIDIA H200"
-    spec_key: str  # the cost.gpu_spec key, e.g. "H200"
-    date: str  # ISO date of the measurement
-    floor_us: float
-    bandwidth_gbs: float
-    launch_us: float
-    points: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -119,9 +104,6 @@ def bandwidth_model(device: str, measurements: Mapping[str, Measurement] | None 
     """
     spec = gpu_spec(device)
     if measurements is None:
-        # Imported here: measured.py is generated data that itself imports Measurement from here.
-        from fusionstitching.cost.measured import MEASUREMENTS
-
         measurements = MEASUREMENTS
     entry = measurements.get(spec.name)
     if entry is None:

@@ -7,7 +7,7 @@ what is measured and how); edit by re-running it, not by hand. One entry per ``c
 A GPU without an entry gets the datasheet estimate.
 """
 
-from fusionstitching.cost.bandwidth import Measurement
+from fusionstitching.cost.measurement import Measurement
 
 MEASUREMENTS: dict[str, Measurement] = {
     "H100": Measurement(
