@@ -37,9 +37,9 @@ def test_a_graph_gets_one_plan_in_every_process():
     import sys
 
     script = ("from fusionstitching.fuzz.fingerprints import read, fingerprints\n"
-              "from fusionstitching.graph.graph import Graph\n"
+              "from fusionstitching.graph.serialize import from_json\n"
               f"e = next(x for x in read({str(DATA)!r}) if x.program == '2024:52' and x.part == 'backward')\n"
-              "print(*fingerprints(Graph.from_json(e.graph), e.solver, e.generators))\n")
+              "print(*fingerprints(from_json(e.graph), e.solver, e.generators))\n")
     root = Path(__file__).resolve().parent.parent
     runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=root,
                            env={**os.environ, "PYTHONPATH": str(root), "PYTHONHASHSEED": seed}).stdout.split()[-2:]

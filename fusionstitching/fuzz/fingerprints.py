@@ -66,7 +66,7 @@ def collect(seed: int, count: int) -> Iterator[Entry]:
     from fusionstitching.fuzz.generate import generate
     from fusionstitching.fuzz.programs import build
     from fusionstitching.fuzz.run import config_for
-    from fusionstitching.graph.graph import Graph
+    from fusionstitching.graph.serialize import from_json
 
     for k in range(count):
         program = generate(seed, k)
@@ -84,7 +84,7 @@ def collect(seed: int, count: int) -> Iterator[Entry]:
                 if graph is None:
                     continue
                 text = graph.to_json()  # fingerprinted as the check reads it back (no FX origins)
-                plan, cuda = fingerprints(Graph.from_json(text), config.solver, config.generators)
+                plan, cuda = fingerprints(from_json(text), config.solver, config.generators)
                 entries.append(Entry(program.ident, part, config.solver, tuple(config.generators), text, plan, cuda))
         except Exception:  # noqa: BLE001, S112 -- programs that do not compile are not part of the net
             continue
@@ -104,12 +104,12 @@ def read(path: str | Path) -> list[Entry]:
 
 def check(entries: Sequence[Entry]) -> list[str]:
     """One line per stored graph whose plan or CUDA differs now (or that no longer compiles)."""
-    from fusionstitching.graph.graph import Graph
+    from fusionstitching.graph.serialize import from_json
 
     changed = []
     for e in entries:
         try:
-            plan, cuda = fingerprints(Graph.from_json(e.graph), e.solver, e.generators)
+            plan, cuda = fingerprints(from_json(e.graph), e.solver, e.generators)
         except Exception as err:  # noqa: BLE001 -- reported, not raised: the check lists every change
             changed.append(f"{e.program} {e.part}: {type(err).__name__}: {err}")
             continue

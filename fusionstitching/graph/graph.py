@@ -31,6 +31,7 @@ from fusionstitching.graph.ops import (
     op_info,
 )
 from fusionstitching.graph.order import topological
+from fusionstitching.graph.text import to_json, to_text
 
 Shape = tuple[int, ...]
 
@@ -126,20 +127,11 @@ class Graph:
         self.checks = 0
 
     def __str__(self) -> str:
-        from fusionstitching.graph.serialize import to_text
-
         return to_text(self)
 
     def to_json(self) -> str:
-        from fusionstitching.graph.serialize import to_json
-
+        """The graph as JSON (``graph.serialize.from_json`` rebuilds it)."""
         return to_json(self)
-
-    @staticmethod
-    def from_json(text: str) -> Graph:
-        from fusionstitching.graph.serialize import from_json
-
-        return from_json(text)
 
     def node(self, name: str) -> Node:
         node = self.index.by_name.get(name)

@@ -16,6 +16,7 @@ from fusionstitching.fusion import baseline, explore
 from fusionstitching.graph import reference
 from fusionstitching.graph.graph import Graph, GraphBuilder
 from fusionstitching.graph.ops import DType
+from fusionstitching.graph.serialize import from_json
 
 from .helpers import assert_close, check_baseline_rules, check_plan, fusable_names, run_plan, same_plan
 
@@ -60,7 +61,7 @@ def test_plans_are_disjoint_covering_acyclic_feasible_and_deterministic(graph):
     covered = {n for p in plan.patterns for n in p.nodes} | set(plan.views)
     assert covered == set(fusable_names(plan.graph)), plan.explain()  # no library calls here
     assert same_plan(plan, explore(graph))
-    assert same_plan(plan, explore(Graph.from_json(graph.to_json())))  # fresh node objects, same plan
+    assert same_plan(plan, explore(from_json(graph.to_json())))  # fresh node objects, same plan
     rules = baseline(graph)
     check_plan(rules)
     check_baseline_rules(rules)
@@ -90,7 +91,7 @@ def test_every_generator_and_selector_gives_valid_deterministic_plans(generators
     check_plan(plan)
     covered = {n for p in plan.patterns for n in p.nodes} | set(plan.views)
     assert covered == set(fusable_names(plan.graph)), plan.explain()
-    assert same_plan(plan, explore(Graph.from_json(graph.to_json()), solver=solver, generators=generators))
+    assert same_plan(plan, explore(from_json(graph.to_json()), solver=solver, generators=generators))
     assert plan.estimated_us is not None and plan.estimated_us > 0
     arrays = _arrays(graph)
     for k, (got, want) in enumerate(zip(run_plan(plan, arrays), reference.evaluate(graph, arrays))):

@@ -177,7 +177,7 @@ def test_json_round_trip(make):
     again = from_json(text)
     assert to_json(again) == text
     assert to_text(again) == to_text(graph)
-    assert Graph.from_json(graph.to_json()).to_json() == text
+    assert from_json(graph.to_json()).to_json() == text
     assert [n.name for n in again.nodes] == [n.name for n in graph.nodes]
     assert again.mutations == graph.mutations
     assert again.output_layouts == graph.output_layouts
