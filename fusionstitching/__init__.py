@@ -10,6 +10,7 @@ from fusionstitching.frontend.torch_fx import Captured, capture
 from fusionstitching.graph.graph import Graph, GraphBuilder, Layout, Node
 from fusionstitching.graph.ops import Category, DType
 from fusionstitching.options import Options
+from fusionstitching.schedule.grouping import register_lowering_check
 
 __all__ = ["Captured", "Category", "CompileFailure", "DType", "FallbackWarning", "Graph", "GraphBuilder", "Layout",
            "Node", "Options", "capture", "compile", "explain", "stats"]
@@ -27,4 +28,13 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'fusionstitching' has no attribute {name!r}")
 
 
+def _lowering_refusal(*args: object) -> object:
+    """The code generator's answer to ``schedule.feasible`` (``codegen.generate.lowering_refusal``),
+    loaded when first asked: schedule and fusion stand below codegen and cannot import it."""
+    from fusionstitching.codegen.generate import lowering_refusal
+
+    return lowering_refusal(*args)
+
+
+register_lowering_check(_lowering_refusal)
 register()  # torch.compile(..., backend="fusionstitching") works once the package is imported

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from fusionstitching.codegen import default_template, generate
-from fusionstitching.codegen.lower import resolve_pattern
 from fusionstitching.codegen.values import CodegenError
 from fusionstitching.frontend.torch_fx import capture
+from fusionstitching.graph.pattern import resolve_pattern
 from fusionstitching.runtime.kernel_call import allocate_outputs, call_generated
 
 

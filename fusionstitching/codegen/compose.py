@@ -120,18 +120,6 @@ def decompose(em: ValueEmitter, fs: list[Factor], linear: K.Expr, ranges: dict[s
     return stmts
 
 
-def needs_composition(schedules: Sequence[Schedule], outputs: dict[str, Node], nodes: dict[str, Node]) -> bool:
-    for sched in schedules:
-        if sched.root not in outputs or sched.shared:
-            return True
-        root = nodes[sched.root]
-        if is_reduction(root):
-            reduced = set(reduced_dims(root))
-            if any(t.level != Level.THREAD for d, tiles in enumerate(sched.dims) if d in reduced for t in tiles):
-                return True
-    return False
-
-
 def make_groups(schedules: Sequence[Schedule], nodes: dict[str, Node], outputs: dict[str, tuple[str, Layout]],
                 order: dict[str, int]) -> list[Group]:
     groups = []

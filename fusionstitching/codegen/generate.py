@@ -11,9 +11,12 @@ from typing import Any
 import numpy as np
 
 from fusionstitching.codegen import cuda_c
-from fusionstitching.codegen.lower import LoweredKernel, lower, resolve_pattern
+from fusionstitching.codegen.lower import LoweredKernel, lower
 from fusionstitching.codegen.simulate import simulate
+from fusionstitching.codegen.values import CodegenError, FootprintError
 from fusionstitching.graph.graph import Graph, Layout, Node
+from fusionstitching.graph.pattern import Pattern, resolve_pattern
+from fusionstitching.schedule.refusals import Reason
 from fusionstitching.schedule.template import KernelSchedule, parse_template
 
 
@@ -155,3 +158,22 @@ def default_template(graph: Graph, nodes: Iterable[Node | str]) -> KernelSchedul
     from fusionstitching.schedule.grouping import choose_template
 
     return choose_template(resolve_pattern(graph, nodes))
+
+
+def lowering_refusal(graph: Graph, nodes: list[Node], pattern: Pattern, template: KernelSchedule,
+                     smem_limit: int) -> Reason | None:
+    """Why ``generate`` would refuse ``template`` for the pattern (its ``CodegenError``), or None:
+    the ``schedule.grouping.LoweringCheck`` the package registers. A probe lowering (the
+    register-composed copies of a body lowered once, symbolically) goes first: what it accepts, the
+    full lowering accepts. Its refusals of ops, dtypes, tilings and shared memory do not depend on
+    the copies' indices and stand; a read it cannot prove inside the footprint (``FootprintError``:
+    an index that may be affine only once the THREAD indices are constants) is confirmed by the
+    full lowering."""
+    try:
+        try:
+            lower(graph, nodes, template, vectorize_access=False, smem_limit=smem_limit, probe=True, pattern=pattern)
+        except FootprintError:
+            lower(graph, nodes, template, vectorize_access=False, smem_limit=smem_limit, pattern=pattern)
+    except CodegenError as err:
+        return Reason(str(err))
+    return None

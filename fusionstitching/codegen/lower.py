@@ -20,12 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fusionstitching.codegen import kernel_ir as K
-from fusionstitching.codegen.compose import (
-    Composer,
-    iteration_space,
-    make_groups,
-    needs_composition,
-)
+from fusionstitching.codegen.compose import Composer, iteration_space, make_groups
 from fusionstitching.codegen.packed import lower_packed
 from fusionstitching.codegen.values import (
     CodegenError,
@@ -36,19 +31,10 @@ from fusionstitching.codegen.values import (
 )
 from fusionstitching.codegen.vectorize import ITEM_BYTES as _ITEM_BYTES
 from fusionstitching.graph.graph import Graph, Layout, Node, contiguous_strides
-from fusionstitching.graph.ops import VIEW_OPS, Category
+from fusionstitching.graph.ops import VIEW_OPS
+from fusionstitching.graph.pattern import Pattern, resolve_pattern
+from fusionstitching.schedule.packing import needs_composition
 from fusionstitching.schedule.template import KernelSchedule, Level, tile_extents
-
-_NOT_COMPUTED = (Category.PARAMETER, Category.LIBRARY)
-
-
-@dataclass(frozen=True)
-class Pattern:
-    """The nodes a kernel computes, its external inputs and its outputs, in graph order."""
-
-    nodes: tuple[Node, ...]
-    inputs: tuple[Node, ...]
-    outputs: tuple[Node, ...]
 
 
 @dataclass(frozen=True)
@@ -67,37 +53,6 @@ class LoweredKernel:
         ins = [n for n in names if n.startswith("in")]
         _check_in_place(self.kernel, self.aliases, ins, outs)
         return self
-
-
-def resolve_pattern(graph: Graph, nodes: Iterable[Node | str]) -> Pattern:
-    index = graph.index
-    chosen: set[Node] = set()
-    for item in nodes:
-        node = index.by_name.get(item) if isinstance(item, str) else item
-        if node is None or index.by_name.get(node.name) is not node:
-            raise CodegenError(f"{item!r} is not a node of graph {graph.name}")
-        if node.category in _NOT_COMPUTED:
-            raise CodegenError(f"node {node.name} ({node.op}) cannot be computed inside a kernel")
-        chosen.add(node)
-    if not chosen:
-        raise CodegenError("empty pattern")
-    ordered = sorted(chosen, key=index.position.__getitem__)
-    used_outside = {id(n) for n in ordered
-                    if id(n) in index.output_ids or any(u not in chosen for u in index.users[n])}
-    inputs: list[Node] = []
-    seen: set[int] = set()
-    for node in ordered:
-        for operand in node.operands:
-            if operand in chosen or id(operand) in seen:
-                continue
-            if operand.op == "constant" and operand.attrs["value"].ndim == 0:
-                continue  # scalar constants are inlined
-            inputs.append(operand)
-            seen.add(id(operand))
-    outputs = [n for n in ordered if id(n) in used_outside]
-    if not outputs:
-        raise CodegenError("the pattern has no output")
-    return Pattern(tuple(ordered), tuple(inputs), tuple(outputs))
 
 
 def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *,

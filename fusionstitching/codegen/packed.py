@@ -15,7 +15,6 @@ one nest (same dims, a common input) share that loop, an accumulator each.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 from fusionstitching.codegen import kernel_ir as K
 from fusionstitching.codegen.compose import Factor, decompose
@@ -33,6 +32,7 @@ from fusionstitching.codegen.values import (
 from fusionstitching.codegen.vectorize import pack_lanes
 from fusionstitching.graph.graph import Node
 from fusionstitching.graph.pattern import iteration_space
+from fusionstitching.schedule.packing import packed_groups
 from fusionstitching.schedule.template import KernelSchedule, Level, Schedule, tile_extents
 
 
@@ -75,94 +75,6 @@ def _group_schedules(schedule: KernelSchedule, outputs: dict[str, Node], inside:
                                f"{list(space)} has {len(space)}")
         roots.append((sched, root))
     return packed_groups(roots, inside)
-
-
-def packed_groups(roots: Sequence[tuple[Schedule, Node]], inside: set[int]) -> list[tuple[Schedule, list[Node]]]:
-    """Roots of a packed kernel in loop nests: roots with one iteration space and tiling share a nest
-    when they read a common value (an AdamW tensor's new parameter, first and second moments all
-    read its gradient: each element is loaded once); unrelated roots keep their own nests, and so
-    their own block ranges (AdamW over 147 tensors of one shape in a single nest ran on the blocks
-    of one tensor, at a fraction of the bandwidth). ``inside``: ids of the
-    pattern's nodes; the values a root reads are its pattern inputs and nodes, less single
-    elements (a step count or learning rate every tensor's update reads relates nothing)."""
-    reads: dict[int, set[int]] = {}
-
-    def ancestry(root: Node) -> set[int]:
-        found: set[int] = set()
-        seen: set[int] = set()
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            if id(node) in seen or node.op == "constant":
-                continue
-            seen.add(id(node))
-            if id(node) in reads:
-                found |= reads[id(node)]
-                continue
-            if node.size > 1:
-                found.add(id(node))
-            if id(node) in inside:
-                stack.extend(node.operands)
-        reads[id(root)] = found
-        return found
-
-    groups: list[list] = []  # [lead's schedule, members (the lead first), values they read]
-    alike: dict[tuple, list[int]] = {}  # tiling key (``_nest_key``) → the groups a root of it may join
-    for sched, root in roots:
-        mine = ancestry(root)
-        candidates = alike.setdefault(_nest_key(sched, root), [])
-        for k in candidates:
-            group = groups[k]
-            members, theirs = group[1], group[2]
-            if (_nest_alike(members[0], root) and not sched.shared and not mine.isdisjoint(theirs)):
-                members.append(root)
-                theirs |= mine
-                if len(root.shape) < len(members[0].shape):  # the coarsest shape leads (``_nest_key``)
-                    members.insert(0, members.pop())
-                    group[0] = sched
-                break
-        else:
-            candidates.append(len(groups))
-            groups.append([sched, [root], set(mine)])
-    return [(sched, members) for sched, members, _ in groups]
-
-
-def _nest_key(sched: Schedule, root: Node) -> tuple:
-    """Roots with equal keys may share a loop nest. A reduction's key is its tiling and iteration
-    space. An elementwise root's key is its tiling read along the row-major order of its elements:
-    the (level, extent) of every tile, dims in order, runs of one level merged, together with its
-    size and last dim. Two shapes that one reshape relates (BERT's bias add [4096, 3072], saved for
-    the backward, and the GELU of its [32, 128, 3072] view) then put the same elements on the same
-    thread, and one nest computes both (``_element`` maps the lead's index to each root's shape):
-    as separate sub-kernels the GELU's read the GEMM output a second time. The root of fewest dims
-    leads: the others' indices split its own, and where their values come back through a reshape
-    to it, the merge of the split parts folds to the lead's index register (``reshape_index``), so
-    the values it computed are reused."""
-    space = iteration_space(root)
-    exact = True
-    flat: list[list] = []
-    for size, tiles in zip(space, sched.dims):
-        extents = tile_extents(size, tiles)
-        exact = exact and math.prod(extents) == size
-        for tile, extent in zip(tiles, extents):
-            if extent == 1:
-                continue
-            if flat and flat[-1][0] == tile.level:
-                flat[-1][1] *= extent
-            else:
-                flat.append([tile.level, extent])
-    if is_reduction(root) or not exact or not space:
-        return ("tiling", sched.dims, space)
-    return ("flat", tuple((level, extent) for level, extent in flat), math.prod(space), space[-1])
-
-
-def _nest_alike(first: Node, root: Node) -> bool:
-    """Whether ``root`` can share the loop nest of ``first`` (same iteration space and tiling): both
-    elementwise, or both reductions over the same dims, which then run in one loop with an
-    accumulator each (a LayerNorm's dγ and dβ partial sums read the normalized input once)."""
-    if is_reduction(first) != is_reduction(root):
-        return False
-    return not is_reduction(root) or reduced_dims(first) == reduced_dims(root)
 
 
 def _grid_extent(sched: Schedule, root: Node) -> int:

@@ -25,10 +25,16 @@ from fusionstitching.codegen import kernel_ir as K
 from fusionstitching.codegen.reshape import reshape_index
 from fusionstitching.graph.graph import Node
 from fusionstitching.graph.ops import DType
-from fusionstitching.graph.pattern import is_reduction, reduced_dims, reduction_kind, reduction_space
+from fusionstitching.graph.pattern import (
+    PatternError,
+    is_reduction,
+    reduced_dims,
+    reduction_kind,
+    reduction_space,
+)
 
 
-class CodegenError(ValueError):
+class CodegenError(PatternError):
     """A pattern or schedule that this code generator cannot lower; names the node."""
 
 

@@ -631,7 +631,7 @@ def kernel_info(kernel: Any) -> KernelInfo:
     in shared memory), ``sub-root`` (a template root that is not a kernel output), ``packed``
     (several roots, no composition between them); ``tile:LEVEL`` for every tiling attribute of its
     template and ``multi-level tile`` for a dim split over several levels."""
-    from fusionstitching.codegen.compose import needs_composition
+    from fusionstitching.schedule.packing import needs_composition
 
     pattern = kernel.lowered.pattern
     schedules = kernel.template.schedules

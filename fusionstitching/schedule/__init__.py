@@ -29,12 +29,13 @@ __all__ = [
 ]
 
 
-def feasible(graph, nodes, smem_limit: int = 48 * 1024):
-    """A KernelSchedule that ``codegen.generate`` builds for ``nodes`` of ``graph`` within ``smem_limit``
-    bytes of shared memory per block, or a falsy Reason."""
+def feasible(graph, nodes, smem_limit: int = 48 * 1024, lowers=None):
+    """A KernelSchedule that the code generator builds for ``nodes`` of ``graph`` within ``smem_limit``
+    bytes of shared memory per block, or a falsy Reason (``schedule/grouping.py``: ``lowers`` is the
+    code generator's check, by default the one the package registers)."""
     from fusionstitching.schedule.grouping import feasible as _feasible
 
-    return _feasible(graph, nodes, smem_limit)
+    return _feasible(graph, nodes, smem_limit, lowers)
 
 
 def check_block_locality(graph, nodes, template, smem_limit: int = 48 * 1024):

@@ -38,13 +38,14 @@ parallelism: a large result fused into the one block of a full reduction).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
-from fusionstitching.graph.pattern import is_reduction, reduced_dims
+from fusionstitching.graph.pattern import Pattern, PatternError, is_reduction, reduced_dims, resolve_pattern
 from fusionstitching.graph.pattern import iteration_space as _space
 from fusionstitching.schedule.packing import MAX_BLOCKS, _packed_template
+from fusionstitching.schedule.propagate import check_block_locality
 from fusionstitching.schedule.refusals import Reason, refusal
 from fusionstitching.schedule.template import (
     WARP_SIZE,
@@ -356,55 +357,58 @@ def _has_expensive(node: Node, inside: set[int]) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1024) -> KernelSchedule | Reason:
-    """A template that ``generate`` builds for this pattern, or the Reason there is none. A candidate
-    that ``propagate.check_block_locality`` proves non-local is refused without lowering it."""
-    from fusionstitching.codegen.lower import resolve_pattern
-    from fusionstitching.codegen.values import CodegenError
-    from fusionstitching.schedule.propagate import check_block_locality
+LoweringCheck = Callable[[Graph, list[Node], Pattern, KernelSchedule, int], "Reason | None"]
+"""``(graph, nodes, pattern, template, smem_limit) -> Reason | None``: why the code generator
+cannot build ``template`` for the pattern within ``smem_limit`` bytes of shared memory, or None.
+Raises ``ValueError`` for a template the tiling rules refuse."""
 
+_LOWERING: list[LoweringCheck] = []
+
+
+def register_lowering_check(check: LoweringCheck | None) -> None:
+    """The check ``feasible`` asks last by default. Schedule analysis cannot see every refusal of
+    the code generator (an op or dtype it does not lower, a footprint it cannot prove, shared
+    memory over the limit), and the code generator stands above this package: the package
+    registers its check when it is imported (``fusionstitching/__init__.py``), as a compiler's
+    scheduler asks its backend whether a fusion can be built. None unregisters it."""
+    _LOWERING[:] = [check] if check is not None else []
+
+
+def feasible(graph: Graph, nodes: Iterable[Node | str], smem_limit: int = 48 * 1024,
+             lowers: LoweringCheck | None = None) -> KernelSchedule | Reason:
+    """A template that the code generator builds for this pattern, or the Reason there is none.
+    Candidate templates are tried in order (``_candidate_templates``); each is refused by the
+    schedule's own analysis (``refusal``, ``propagate.check_block_locality``, which cost far less
+    than lowering) or by ``lowers`` (default: the registered ``LoweringCheck``)."""
+    if lowers is None and _LOWERING:
+        lowers = _LOWERING[0]
     nodes = list(nodes)
     try:
         pattern = resolve_pattern(graph, nodes)
-    except CodegenError as err:
+    except PatternError as err:
         return Reason(str(err))
     reasons: list[Reason] = []
+    tried: set[KernelSchedule] = set()
     for make in _candidate_templates(pattern):
         try:
             template = make()
-            crowded = refusal(pattern, template)
-            if crowded is not None:
-                reasons.append(crowded)
+            if template in tried:  # another candidate's template again: its answer stands
                 continue
-            refused = check_block_locality(graph, nodes, template, smem_limit, pattern=pattern)
-            if refused is not None:  # lowering would refuse it too; the pre-check costs far less
-                reasons.append(refused)
-                continue
-            _lowers(graph, nodes, pattern, template, smem_limit)
-        except CodegenError as err:
-            reasons.append(Reason(str(err)))
-            continue
+            tried.add(template)
+            refused = refusal(pattern, template)  # a Reason is falsy: tested against None, not chained by `or`
+            if refused is None:
+                refused = check_block_locality(graph, nodes, template, smem_limit, pattern=pattern)
+            if refused is None and lowers is not None:
+                refused = lowers(graph, nodes, pattern, template, smem_limit)
+        except PatternError as err:
+            refused = Reason(str(err))
         except ValueError as err:  # a template the tiling rules refuse
-            reasons.append(Reason(f"no valid template: {err}"))
+            refused = Reason(f"no valid template: {err}")
+        if refused is not None:
+            reasons.append(refused)
             continue
         return template
     return reasons[0]  # the default template's reason
-
-
-def _lowers(graph: Graph, nodes: list[Node], pattern, template: KernelSchedule, smem_limit: int) -> None:
-    """Raise the CodegenError that ``generate`` would raise for this template, if any. A probe
-    lowering (register-composed copies of a body lowered once, symbolically) goes first: what it
-    accepts, the full lowering accepts. Its refusals of ops, dtypes, tilings and shared memory do
-    not depend on the copies' indices and stand; a read it cannot prove inside the footprint
-    (``FootprintError``: an index that may be affine only once the THREAD indices are constants)
-    is confirmed by the full lowering."""
-    from fusionstitching.codegen.lower import lower
-    from fusionstitching.codegen.values import FootprintError
-
-    try:
-        lower(graph, nodes, template, vectorize_access=False, smem_limit=smem_limit, probe=True, pattern=pattern)
-    except FootprintError:
-        lower(graph, nodes, template, vectorize_access=False, smem_limit=smem_limit, pattern=pattern)
 
 
 def is_stitched_partial(node: Node) -> bool:

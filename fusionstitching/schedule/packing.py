@@ -5,15 +5,17 @@ the threads of a block as 16-byte vectors where the rows allow (a long row: ``GR
 THREAD_v``; a row of up to a block of vectors: its vectors across lanes and the rest of the block
 on the dims before it), the rest to the grid; a root that reads a transposed input gets 32×32
 tiles; the reduced dims of a reduction root are THREAD loops. Roots of one shape that read a
-common value share a loop nest (``codegen/packed.packed_groups``); packed sub-kernels get blocks in
+common value share a loop nest (``packed_groups``); packed sub-kernels get blocks in
 proportion to their size.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 from fusionstitching.graph.graph import Node
-from fusionstitching.graph.pattern import is_reduction, reduced_dims
-from fusionstitching.graph.pattern import iteration_space as _space
+from fusionstitching.graph.pattern import is_reduction, iteration_space, reduced_dims
 from fusionstitching.schedule.template import (
     WARP_SIZE,
     KernelSchedule,
@@ -22,14 +24,13 @@ from fusionstitching.schedule.template import (
     Schedule,
     Tile,
     level_extent,
+    tile_extents,
 )
 
 MAX_BLOCKS = 65535
 
 
 def _packed_template(pattern, threads: int) -> KernelSchedule:
-    from fusionstitching.codegen.packed import packed_groups
-
     transposed = _reads_transposed(pattern)
     widest: dict[tuple[int, int], int] = {}  # (size, last dim) → the widest item of such elementwise roots
     for root in pattern.outputs:
@@ -40,7 +41,7 @@ def _packed_template(pattern, threads: int) -> KernelSchedule:
                                 None if is_reduction(root) or not root.shape else widest[(root.size, root.shape[-1])])
                  for root in pattern.outputs]
     groups = packed_groups(list(zip(schedules, pattern.outputs)), {id(n) for n in pattern.nodes})
-    total = sum(level_extent(sched, _space(members[0]), Level.GRID) for sched, members in groups)
+    total = sum(level_extent(sched, iteration_space(members[0]), Level.GRID) for sched, members in groups)
     blocks = max(len(groups), min(total, MAX_BLOCKS))
     return KernelSchedule(tuple(schedules), Launch(blocks, threads))
 
@@ -127,10 +128,10 @@ def _short_vector_rows(space, kept: list[int], threads: int, vector: int) -> dic
 def _root_schedule(root: Node, threads: int, transposed: bool = False, item: int | None = None) -> Schedule:
     """``item``: the bytes per element that size the vectors (default: the root's own). Elementwise
     roots of one size and last dim are all tiled by the widest of their types, so that related ones
-    share a loop nest (``codegen/packed._nest_key``): BERT's first dropout mask (bool) and the bf16
+    share a loop nest (``_nest_key``): BERT's first dropout mask (bool) and the bf16
     probabilities it masks were two sub-kernels of 16 and 8 lanes per thread, each drawing the
     random numbers and the second reading the f32 softmax numerators again."""
-    space = _space(root)
+    space = iteration_space(root)
     reduced = set(reduced_dims(root)) if is_reduction(root) else set()
     across = _transposed_dim(root) if transposed and not reduced and len(space) >= 2 else None
     if across is not None and threads == 256 and space[across] >= 32 and space[-1] >= 32 and space[-1] % 4 == 0:
@@ -199,8 +200,6 @@ def recomputed_work(pattern, template: KernelSchedule) -> str | None:
     bandwidth. Recomputing from one input (an exp of x summed next to the exp itself)
     reads no more than the value would, and stays allowed; so do row sums (a softmax's, each
     thread along its contiguous row), which measured near a copy's rate in BERT's attention."""
-    from fusionstitching.codegen.packed import packed_groups
-
     roots = {s.root for s in template.schedules}
     if len(roots) < 2 or roots != {o.name for o in pattern.outputs} \
             or not any(is_reduction(o) for o in pattern.outputs):
@@ -258,3 +257,111 @@ def _inputs_of(nodes, inside: set[int]) -> set[int]:
         elif node.size > 1 and node.op != "constant":
             found.add(id(node))
     return found
+
+
+def needs_composition(schedules: Sequence[Schedule], outputs: dict[str, Node], nodes: dict[str, Node]) -> bool:
+    """Whether a template's roots need warp or block composition: a root that is no output (its
+    value is read by other groups), one cached in shared memory, or a reduction tiled across
+    threads. Otherwise every root runs in its own threads, packed (``codegen/packed.py``)."""
+    for sched in schedules:
+        if sched.root not in outputs or sched.shared:
+            return True
+        root = nodes[sched.root]
+        if is_reduction(root):
+            reduced = set(reduced_dims(root))
+            if any(t.level != Level.THREAD for d, tiles in enumerate(sched.dims) if d in reduced for t in tiles):
+                return True
+    return False
+
+
+# ----------------------------------------------------------------------------------------------
+# Loop nests of a packed kernel (codegen/packed.py lowers them)
+# ----------------------------------------------------------------------------------------------
+
+
+def packed_groups(roots: Sequence[tuple[Schedule, Node]], inside: set[int]) -> list[tuple[Schedule, list[Node]]]:
+    """Roots of a packed kernel in loop nests: roots with one iteration space and tiling share a nest
+    when they read a common value (an AdamW tensor's new parameter, first and second moments all
+    read its gradient: each element is loaded once); unrelated roots keep their own nests, and so
+    their own block ranges (AdamW over 147 tensors of one shape in a single nest ran on the blocks
+    of one tensor, at a fraction of the bandwidth). ``inside``: ids of the
+    pattern's nodes; the values a root reads are its pattern inputs and nodes, less single
+    elements (a step count or learning rate every tensor's update reads relates nothing)."""
+    reads: dict[int, set[int]] = {}
+
+    def ancestry(root: Node) -> set[int]:
+        found: set[int] = set()
+        seen: set[int] = set()
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            if id(node) in seen or node.op == "constant":
+                continue
+            seen.add(id(node))
+            if id(node) in reads:
+                found |= reads[id(node)]
+                continue
+            if node.size > 1:
+                found.add(id(node))
+            if id(node) in inside:
+                stack.extend(node.operands)
+        reads[id(root)] = found
+        return found
+
+    groups: list[list] = []  # [lead's schedule, members (the lead first), values they read]
+    alike: dict[tuple, list[int]] = {}  # tiling key (``_nest_key``) → the groups a root of it may join
+    for sched, root in roots:
+        mine = ancestry(root)
+        candidates = alike.setdefault(_nest_key(sched, root), [])
+        for k in candidates:
+            group = groups[k]
+            members, theirs = group[1], group[2]
+            if (_nest_alike(members[0], root) and not sched.shared and not mine.isdisjoint(theirs)):
+                members.append(root)
+                theirs |= mine
+                if len(root.shape) < len(members[0].shape):  # the coarsest shape leads (``_nest_key``)
+                    members.insert(0, members.pop())
+                    group[0] = sched
+                break
+        else:
+            candidates.append(len(groups))
+            groups.append([sched, [root], set(mine)])
+    return [(sched, members) for sched, members, _ in groups]
+
+
+def _nest_key(sched: Schedule, root: Node) -> tuple:
+    """Roots with equal keys may share a loop nest. A reduction's key is its tiling and iteration
+    space. An elementwise root's key is its tiling read along the row-major order of its elements:
+    the (level, extent) of every tile, dims in order, runs of one level merged, together with its
+    size and last dim. Two shapes that one reshape relates (BERT's bias add [4096, 3072], saved for
+    the backward, and the GELU of its [32, 128, 3072] view) then put the same elements on the same
+    thread, and one nest computes both (``_element`` maps the lead's index to each root's shape):
+    as separate sub-kernels the GELU's read the GEMM output a second time. The root of fewest dims
+    leads: the others' indices split its own, and where their values come back through a reshape
+    to it, the merge of the split parts folds to the lead's index register (``reshape_index``), so
+    the values it computed are reused."""
+    space = iteration_space(root)
+    exact = True
+    flat: list[list] = []
+    for size, tiles in zip(space, sched.dims):
+        extents = tile_extents(size, tiles)
+        exact = exact and math.prod(extents) == size
+        for tile, extent in zip(tiles, extents):
+            if extent == 1:
+                continue
+            if flat and flat[-1][0] == tile.level:
+                flat[-1][1] *= extent
+            else:
+                flat.append([tile.level, extent])
+    if is_reduction(root) or not exact or not space:
+        return ("tiling", sched.dims, space)
+    return ("flat", tuple((level, extent) for level, extent in flat), math.prod(space), space[-1])
+
+
+def _nest_alike(first: Node, root: Node) -> bool:
+    """Whether ``root`` can share the loop nest of ``first`` (same iteration space and tiling): both
+    elementwise, or both reductions over the same dims, which then run in one loop with an
+    accumulator each (a LayerNorm's dγ and dβ partial sums read the normalized input once)."""
+    if is_reduction(first) != is_reduction(root):
+        return False
+    return not is_reduction(root) or reduced_dims(first) == reduced_dims(root)

@@ -46,11 +46,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
-from fusionstitching.codegen.compose import needs_composition
-from fusionstitching.codegen.lower import resolve_pattern
 from fusionstitching.graph.graph import Graph, Node
-from fusionstitching.graph.pattern import is_reduction, iteration_space, reduced_dims
-from fusionstitching.schedule.grouping import Reason
+from fusionstitching.graph.pattern import is_reduction, iteration_space, reduced_dims, resolve_pattern
+from fusionstitching.schedule.packing import needs_composition
+from fusionstitching.schedule.refusals import Reason
 from fusionstitching.schedule.template import WARP_SIZE, KernelSchedule, Level, Schedule, tile_extents
 
 # -- A's view of a schedule ----------------------------------------------------------------------------------
