@@ -1,20 +1,22 @@
-"""The compiler's stages, in order (DESIGN.md "Pipeline").
+"""The compiler's stages, in order (DESIGN.md "Pipeline"); ``STAGES`` names them.
 
-    capture   frontend/torch_fx.py     PyTorch function or module   → Graph (forward, backward)
-    explore   fusion/explore.py        Graph                        → FusionPlan
-    schedule  schedule/grouping.py     pattern                      → KernelSchedule (asked by explore)
-    lower     codegen/lower.py         pattern + KernelSchedule     → Kernel IR
-    render    codegen/cuda_c.py        Kernel IR                    → CUDA C
-    compile   codegen/nvrtc.py         CUDA C                       → CUBIN (disk cache)
-    run       runtime/executor.py      CUBINs + tensors             → outputs (CompiledGraph)
+    capture   frontend/torch_fx.py   PyTorch function or module   → Graph (forward, backward)
+    explore   fusion/explore.py      Graph                        → FusionPlan: patterns, each with
+                                                                    the KernelSchedule the schedule
+                                                                    stage chose (``schedule.feasible``)
+    generate  codegen/generate.py    pattern + KernelSchedule     → Kernel IR (lower) → CUDA C (render)
+    order     runtime/executor.py    kernels, library calls, views → steps in dependence order
+    compile   codegen/nvrtc.py       CUDA C                       → CUBIN per device arch (disk cache)
+    run       runtime/executor.py    steps + tensors              → outputs (``CompiledGraph``)
 
-``compile_graph`` runs explore → schedule → lower → render for one graph and returns the
-``CompiledGraph`` (CUBINs are compiled on the first GPU call). With ``dump_dir`` (or the
-``FUSIONSTITCHING_DUMP_DIR`` environment variable, which only switches on this debug dump) every
-stage's output is written as text: the graph, the plan with its reasons, and each kernel's template,
-shared-memory plan and CUDA C. ``explain(fn, *example_inputs, out=DIR)`` (``fusionstitching.explain``)
-writes the same for any callable's graphs, and ``fusionstitching explain WORKLOAD --out DIR`` for a
-workload's, both with ptxas's resource report of every kernel.
+``compile_graph`` runs explore, generate and order for one graph and returns the ``CompiledGraph``,
+which only runs what it is given (CUBINs are compiled on its first GPU call); ``compile_plan`` starts
+from a plan. With ``dump_dir`` (or the ``FUSIONSTITCHING_DUMP_DIR`` environment variable, which only
+switches on this debug dump) every stage's output is written as text: the graph, the plan with its
+reasons, and each kernel's template, shared-memory plan and CUDA C. ``explain(fn, *example_inputs,
+out=DIR)`` (``fusionstitching.explain``) writes the same for any callable's graphs, and
+``fusionstitching explain WORKLOAD --out DIR`` for a workload's, both with ptxas's resource report
+of every kernel (the compile stage).
 """
 
 from __future__ import annotations
@@ -25,16 +27,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusionstitching._host import collector_paused
+from fusionstitching.codegen.generate import GeneratedKernel, generate
 from fusionstitching.fusion import explore
 from fusionstitching.fusion.explore import DEFAULT_GENERATORS
-from fusionstitching.graph.graph import Graph
+from fusionstitching.fusion.plan import FusionPlan
+from fusionstitching.graph.analysis import in_place_outputs, pattern_structure
+from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.options import Options
-from fusionstitching.runtime.executor import CompiledGraph
+from fusionstitching.runtime.executor import CompiledGraph, InPlaceCycle, Step, order_steps
+from fusionstitching.schedule.template import KernelSchedule
 
 if TYPE_CHECKING:
     from fusionstitching.frontend.torch_fx import Captured
 
-STAGES = ("capture", "explore", "schedule", "lower", "render", "compile", "run")
+STAGES = ("capture", "explore", "generate", "order", "compile", "run")
 DUMP_VARIABLE = "FUSIONSTITCHING_DUMP_DIR"
 
 
@@ -47,11 +53,79 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
     options = options or Options()
     plan = explore(graph, solver=options.solver, options=options,
                    generators=options.generators or DEFAULT_GENERATORS)
-    compiled = CompiledGraph(plan, mode=mode, options=options, device=device, output_devices=output_devices)
+    compiled = compile_plan(plan, mode=mode, options=options, device=device, output_devices=output_devices)
     directory = dump_dir if dump_dir is not None else os.environ.get(DUMP_VARIABLE)
     if directory:
         dump(compiled, graph, Path(directory))
     return compiled
+
+
+def compile_plan(plan: FusionPlan, mode: str | None = None, options: Options | None = None, device: Any = None,
+                 output_devices: Sequence[Any] | None = None) -> CompiledGraph:
+    """The generate and order stages for ``plan``, handed to the ``CompiledGraph`` that runs them."""
+    return CompiledGraph(plan, ordered_steps(plan), mode=mode, options=options, device=device,
+                         output_devices=output_devices)
+
+
+def ordered_steps(plan: FusionPlan) -> list[Step]:
+    """The plan's steps, generated (``generate_steps``) and in dependence order (``order_steps``).
+    A kernel whose in-place update no order allows (a reader of the input's old value would have to
+    run after it) is generated again to write a new buffer, which the runtime copies into the input
+    after the call."""
+    not_in_place: frozenset[str] = frozenset()
+    while True:
+        try:
+            return order_steps(plan.graph, generate_steps(plan, not_in_place))
+        except InPlaceCycle as refused:
+            if refused.writers <= not_in_place:
+                raise RuntimeError(f"plan for {plan.graph.name}: {refused}") from None
+            not_in_place |= refused.writers
+
+
+def generate_steps(plan: FusionPlan, not_in_place: frozenset[str] = frozenset()) -> list[Step]:
+    """A step per pattern, library call and view. A pattern with the structure and template of an
+    earlier one (up to names) gets that kernel's twin: one lowering, one compile, one module. The
+    patterns whose first node is in ``not_in_place`` write their input updates to new buffers."""
+    graph = plan.graph
+    position = graph.index.position
+    aliased = in_place_outputs(graph)
+    made: dict[tuple, GeneratedKernel] = {}
+    steps = []
+    for pattern in plan.patterns:
+        nodes = sorted((graph.node(n) for n in pattern.nodes), key=position.__getitem__)
+        in_place = nodes[0].name not in not_in_place
+        key = (pattern_structure(graph, nodes, aliased, scalar_values=True), _template_key(pattern.schedule, nodes),
+               in_place)
+        first = made.get(key)
+        if first is not None:
+            kernel = first.twin(graph, nodes, pattern.schedule)
+        else:
+            kernel = made[key] = generate(graph, nodes, pattern.schedule, in_place=in_place)
+        steps.append(Step("kernel", tuple(nodes), kernel))
+    steps += _library_steps([graph.node(n) for n in plan.library])
+    steps += [Step("view", (graph.node(n),)) for n in plan.views]
+    return steps
+
+
+def _library_steps(nodes: Sequence[Node]) -> list[Step]:
+    """A step per library call: the outputs of one call of a multi-output op (an attention
+    forward's output and log-sum-exp, its backward's three gradients) are one step, so the op runs
+    once per graph call, as in eager, not once per output read."""
+    calls: dict[tuple, list[Node]] = {}
+    for node in nodes:
+        if node.op == "library" and node.attrs["out_index"] >= 0:
+            key = (node.attrs["target"], repr(node.attrs["call"]), tuple(id(x) for x in node.operands))
+        else:
+            key = (id(node),)
+        calls.setdefault(key, []).append(node)
+    return [Step("library", tuple(sorted(group, key=lambda n: n.attrs.get("out_index", -1))))
+            for group in calls.values()]
+
+
+def _template_key(schedule: KernelSchedule, nodes: Sequence[Node]) -> tuple:
+    """``schedule`` with each group root named by its position in ``nodes``."""
+    local = {node.name: i for i, node in enumerate(nodes)}
+    return (tuple((local[s.root], s.dims, s.shared) for s in schedule.schedules), schedule.launch)
 
 
 def dump(compiled: CompiledGraph, graph: Graph, directory: Path, arch: str | None = None) -> list[Path]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import fusionstitching
@@ -32,3 +33,27 @@ def test_explain_of_a_module_without_train_writes_its_one_graph(tmp_path):
     assert not (tmp_path / "Sequential" / "4-resources.txt").exists()
     graph = (tmp_path / "Sequential" / "1-graph.txt").read_text()
     assert "rsqrt" in graph and "erf" in graph  # the layer norm and the exact GELU, captured
+
+
+def test_the_compiled_graph_runs_the_steps_the_pipeline_generated_and_ordered():
+    from fusionstitching.cli import capture_workload
+    from fusionstitching.fusion import explore
+    from fusionstitching.graph import reference
+    from fusionstitching.pipeline import STAGES, ordered_steps
+    from fusionstitching.runtime.executor import CompiledGraph
+
+    assert STAGES == ("capture", "explore", "generate", "order", "compile", "run")
+    _, captured = capture_workload("layernorm", train=True)
+    graph = captured.backward
+    plan = explore(graph)
+    steps = ordered_steps(plan)
+    compiled = CompiledGraph(plan, steps)
+    assert compiled.steps == steps and all(a.kernel is b.kernel for a, b in zip(compiled.steps, steps))
+    produced = set()
+    for step in steps:  # every step after the steps making its inputs
+        assert all(x in produced or x.op in ("parameter", "constant") for x in step.inputs), step.nodes[0].name
+        produced.update(step.outputs)
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(p.shape).astype(p.dtype.numpy) for p in graph.parameters]
+    for got, want in zip(compiled.run_numpy(inputs), reference.evaluate(graph, inputs)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -14,7 +14,7 @@ from fusionstitching.bench.workloads import make
 from fusionstitching.frontend.torch_fx import capture
 from fusionstitching.fusion import baseline, explore
 from fusionstitching.graph import reference
-from fusionstitching.pipeline import compile_graph
+from fusionstitching.pipeline import compile_graph, compile_plan
 from fusionstitching.runtime.executor import CompiledGraph
 
 
@@ -107,7 +107,7 @@ def plan_demo(name: str, show_source: bool = False) -> float:
         captured = capture(workload.fn, *workload.inputs, train=workload.train, name=name)
     graph = captured.forward
     plan = explore(graph)
-    compiled = CompiledGraph(plan)
+    compiled = compile_plan(plan)
     registers = []
     for kernel in compiled.kernels:
         module = kernel.compile("sm_90")

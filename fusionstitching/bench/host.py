@@ -43,20 +43,20 @@ def main() -> int:
         return 2
     import fusionstitching  # registers the backend
     from fusionstitching.fusion import baseline, explore
-    from fusionstitching.runtime.executor import CompiledGraph
+    from fusionstitching.pipeline import compile_plan
     from fusionstitching.runtime.launch import host_overhead_us
 
     x = torch.randn(256, device="cuda")
-    single = CompiledGraph(explore(_chain_graph(1)))
+    single = compile_plan(explore(_chain_graph(1)))
     single.run([x])
     kernel = single.kernels[0]
     launcher = kernel._launchers[x.device]
     out = torch.empty_like(x)
     bare = host_overhead_us(launcher, [out, x])
-    chain = CompiledGraph(baseline(_chain_graph(CHAIN)))
+    chain = compile_plan(baseline(_chain_graph(CHAIN)))
     kernels = chain.plan.kernel_count
     per_kernel = _per_call_us(functools.partial(chain.run, [x], True)) / kernels
-    graphed = CompiledGraph(baseline(_chain_graph(CHAIN)), mode="reduce-overhead")
+    graphed = compile_plan(baseline(_chain_graph(CHAIN)), mode="reduce-overhead")
     per_kernel_graphed = _per_call_us(functools.partial(graphed.run, [x], True)) / kernels
     one = _per_call_us(functools.partial(single.run, [x], True))
 

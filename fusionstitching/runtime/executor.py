@@ -1,11 +1,12 @@
 """CompiledGraph: a whole FusionPlan, run (DESIGN.md "Runtime").
 
-A plan becomes a list of steps in an order that respects every dependence of the contracted graph
-(Kahn's algorithm over the steps):
+It runs what the pipeline's generate and order stages made (``pipeline.compile_plan``): a list of
+steps in an order that respects every dependence of the contracted graph (``order_steps``, Kahn's
+algorithm over the steps, with in-place updates after every reader of the old value):
 
 - *kernel*: one generated kernel per pattern (``codegen.generate`` with the schedule the plan
-  carries); on a GPU it is launched through ``GeneratedKernel.__call__`` on the current stream, on
-  a CPU it runs in the NumPy simulator, so CI exercises the same plan and the same kernels;
+  carries); on a GPU it is launched on the current stream (``runtime/program.py``), on a CPU it
+  runs in the NumPy simulator, so CI exercises the same plan and the same kernels;
 - *library*: a GEMM above the small-dot threshold (``torch.matmul`` on the operands permuted to
   batch × M × K and batch × K × N, i.e. cuBLAS on a GPU), a library op (its ``torch.ops``
   callable), or a node no kernel could be built for; on a CPU all of them go through
@@ -32,16 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from fusionstitching.codegen.generate import GeneratedKernel, generate
+from fusionstitching.codegen.generate import GeneratedKernel
 from fusionstitching.fusion.plan import FusionPlan
 from fusionstitching.graph import reference
-from fusionstitching.graph.analysis import in_place_outputs, pattern_structure
 from fusionstitching.graph.graph import Graph, Node, contiguous_strides
 from fusionstitching.graph.ops import Category
 from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 from fusionstitching.options import Options
 from fusionstitching.runtime.program import GpuProgram, GraphedProgram, dot_function, view_function
-from fusionstitching.schedule.template import KernelSchedule
 
 
 @dataclass(frozen=True)
@@ -66,12 +65,14 @@ class Step:
 class CompiledGraph:
     """The steps of a plan, runnable on NumPy arrays (``run_numpy``) or torch tensors (call)."""
 
-    def __init__(self, plan: FusionPlan, mode: str | None = None, options: Options | None = None,
-                 device: Any = None, output_devices: Sequence[Any] | None = None) -> None:
-        """``device``: where the graph runs (a ``torch.device``), whatever its inputs' devices; by
-        default where its inputs with dims are. ``output_devices``: per output, the device the
-        caller expects it on (None: where the graph runs); an output computed elsewhere is moved
-        there after the call."""
+    def __init__(self, plan: FusionPlan, steps: Sequence[Step], mode: str | None = None,
+                 options: Options | None = None, device: Any = None,
+                 output_devices: Sequence[Any] | None = None) -> None:
+        """``steps``: the plan's steps, generated and in an order that ``order_steps`` accepts
+        (``pipeline.compile_plan`` makes them). ``device``: where the graph runs (a
+        ``torch.device``), whatever its inputs' devices; by default where its inputs with dims are.
+        ``output_devices``: per output, the device the caller expects it on (None: where the graph
+        runs); an output computed elsewhere is moved there after the call."""
         if mode not in (None, "default", "reduce-overhead"):
             raise ValueError(f"CompiledGraph: unknown mode {mode!r}; known: None, 'reduce-overhead'")
         self.mode = mode
@@ -82,15 +83,7 @@ class CompiledGraph:
         self._lock = threading.Lock()
         self.plan = plan
         self.graph: Graph = plan.graph
-        not_in_place: frozenset[str] = frozenset()
-        while True:
-            try:
-                self.steps = _order_steps(self.graph, _make_steps(plan, not_in_place))
-                break
-            except _InPlaceCycle as refused:  # those kernels write new buffers, copied into the inputs after
-                if refused.writers <= not_in_place:
-                    raise RuntimeError(f"plan for {self.graph.name}: {refused}") from None
-                not_in_place |= refused.writers
+        self.steps = list(steps)
         self._cpu_counts: Counter[str] = Counter()
         self._constants: dict[Any, Any] = {}
         self._programs: dict[Any, GpuProgram | GraphedProgram] = {}
@@ -320,53 +313,10 @@ def _layout_checks(graph: Graph, steps: Sequence[Step]) -> list[tuple[int, tuple
     return checks
 
 
-def _make_steps(plan: FusionPlan, not_in_place: frozenset[str] = frozenset()) -> list[Step]:
-    """A step per pattern, library call and view. A pattern with the structure and template of an
-    earlier one (up to names) gets that kernel's twin: one lowering, one compile, one module. The
-    patterns whose first node is in ``not_in_place`` write their input updates to new buffers."""
-    graph = plan.graph
-    position = graph.index.position
-    aliased = in_place_outputs(graph)
-    made: dict[tuple, GeneratedKernel] = {}
-    steps = []
-    for pattern in plan.patterns:
-        nodes = sorted((graph.node(n) for n in pattern.nodes), key=position.__getitem__)
-        in_place = nodes[0].name not in not_in_place
-        key = (pattern_structure(graph, nodes, aliased, scalar_values=True), _template_key(pattern.schedule, nodes),
-               in_place)
-        first = made.get(key)
-        if first is not None:
-            kernel = first.twin(graph, nodes, pattern.schedule)
-        else:
-            kernel = made[key] = generate(graph, nodes, pattern.schedule, in_place=in_place)
-        steps.append(Step("kernel", tuple(nodes), kernel))
-    steps += _library_steps([graph.node(n) for n in plan.library])
-    steps += [Step("view", (graph.node(n),)) for n in plan.views]
-    return steps
+class InPlaceCycle(Exception):
+    """In-place updates ``order_steps`` cannot order: the kernels of ``writers`` must write new
+    buffers, copied into their inputs after them (``pipeline.ordered_steps`` generates them again)."""
 
-
-def _library_steps(nodes: Sequence[Node]) -> list[Step]:
-    """A step per library call: the outputs of one call of a multi-output op (an attention
-    forward's output and log-sum-exp, its backward's three gradients) are one step, so the op runs
-    once per graph call, as in eager, not once per output read."""
-    calls: dict[tuple, list[Node]] = {}
-    for node in nodes:
-        if node.op == "library" and node.attrs["out_index"] >= 0:
-            key = (node.attrs["target"], repr(node.attrs["call"]), tuple(id(x) for x in node.operands))
-        else:
-            key = (id(node),)
-        calls.setdefault(key, []).append(node)
-    return [Step("library", tuple(sorted(group, key=lambda n: n.attrs.get("out_index", -1))))
-            for group in calls.values()]
-
-
-def _template_key(schedule: KernelSchedule, nodes: Sequence[Node]) -> tuple:
-    """``schedule`` with each group root named by its position in ``nodes``."""
-    local = {node.name: i for i, node in enumerate(nodes)}
-    return (tuple((local[s.root], s.dims, s.shared) for s in schedule.schedules), schedule.launch)
-
-
-class _InPlaceCycle(Exception):  # a signal between _order_steps and CompiledGraph
     def __init__(self, writers: frozenset[str], why: str = "in cycles") -> None:
         super().__init__(f"in-place updates {why}: {sorted(writers)}")
         self.writers = writers
@@ -391,7 +341,7 @@ def _old_value_outputs(graph: Graph, steps: Sequence[Step]) -> list[int]:
             if out in base and base[out] in updated and graph.mutations.get(k) != updated[base[out]]]
 
 
-def _order_steps(graph: Graph, steps: list[Step]) -> list[Step]:
+def order_steps(graph: Graph, steps: list[Step]) -> list[Step]:
     """Steps in an order where every step runs after the steps producing its inputs."""
     producer: dict[Node, int] = {}
     for k, step in enumerate(steps):
@@ -421,7 +371,7 @@ def _order_steps(graph: Graph, steps: list[Step]) -> list[Step]:
                     needs[w].add(r)
                     writers.add(writer.nodes[0].name)
     if refused:
-        raise _InPlaceCycle(frozenset(refused), "whose input's old value is an output")
+        raise InPlaceCycle(frozenset(refused), "whose input's old value is an output")
     for k, deps in enumerate(needs):
         for d in deps:
             users[d].append(k)
@@ -437,7 +387,7 @@ def _order_steps(graph: Graph, steps: list[Step]) -> list[Step]:
                 ready.append(u)
     if len(order) != len(steps):
         if writers:  # an in-place update must wait for a reader of the old value that waits for it
-            raise _InPlaceCycle(frozenset(writers))
+            raise InPlaceCycle(frozenset(writers))
         raise RuntimeError(f"plan for {graph.name}: the steps have a cyclic dependence")
     missing = [n.name for n in graph.nodes if n not in producer
                and n.category not in (Category.PARAMETER, Category.CONSTANT)]

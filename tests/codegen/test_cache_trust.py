@@ -360,15 +360,15 @@ def test_precompile_uses_the_cache_root_it_is_given(monkeypatch, tmp_path):
     from fusionstitching.fusion import explore
     from fusionstitching.graph.graph import GraphBuilder
     from fusionstitching.graph.ops import DType
+    from fusionstitching.pipeline import compile_plan
     from fusionstitching.runtime import kernel_call
-    from fusionstitching.runtime.executor import CompiledGraph
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "default"))
     b = GraphBuilder("cache_root")
     x = b.parameter((64, 32), DType.F32, "x")
     y = b.parameter((64, 32), DType.F32, "y")
     total = b.reduce(b.unary("exp", b.binary("mul", x, y)), [1], "sum")
-    compiled = CompiledGraph(explore(b.build([total])))
+    compiled = compile_plan(explore(b.build([total])))
     assert compiled.kernels
     kernel_call.precompile(compiled.kernels, "sm_90", cache_dir=tmp_path / "mine", cache_max_bytes=1 << 20)
     assert len(entries(tmp_path / "mine")) == len({k.cuda_source for k in compiled.kernels})

@@ -540,10 +540,10 @@ def test_layernorm_training_forward_keeps_rows_in_registers_and_stores_mean_and_
     from fusionstitching.cli import capture_workload
     from fusionstitching.fusion import explore
     from fusionstitching.graph import reference
-    from fusionstitching.runtime.executor import CompiledGraph
+    from fusionstitching.pipeline import compile_plan
 
     _, captured = capture_workload("layernorm_train", train=True)
-    compiled = CompiledGraph(explore(captured.forward))
+    compiled = compile_plan(explore(captured.forward))
     (kernel,) = compiled.kernels
     assert any(n.shape[-1] == 1 for n in kernel.lowered.pattern.outputs)
     source = kernel.cuda_source

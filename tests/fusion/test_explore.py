@@ -14,7 +14,7 @@ from fusionstitching.graph import reference
 from fusionstitching.graph.graph import Graph, GraphBuilder, Node
 from fusionstitching.graph.ops import DType
 from fusionstitching.options import Options
-from fusionstitching.runtime.executor import CompiledGraph
+from fusionstitching.pipeline import compile_plan
 
 from .helpers import (
     assert_close,
@@ -227,7 +227,7 @@ def test_column_reduction_is_split_unless_options_say_no():
     check_plan(plan)
     assert plan.kernel_count == 2, plan.explain()
     arrays = random_arrays(plan.graph)
-    (got,) = CompiledGraph(plan).run_numpy(arrays)
+    (got,) = compile_plan(plan).run_numpy(arrays)
     assert_close(got, reference.evaluate(plan.graph, arrays)[0], "split bf16 bias gradient")
     assert any(note.startswith("split reduce") for note in plan.notes)
     assert len(plan.graph.nodes) > len(graph.nodes)
@@ -318,7 +318,7 @@ def test_column_sum_with_an_epilogue_is_one_kernel():
     plan = explore(graph)
     assert plan.kernel_count == 1, plan.explain()
     arrays = random_arrays(plan.graph)
-    (got,) = CompiledGraph(plan).run_numpy(arrays)
+    (got,) = compile_plan(plan).run_numpy(arrays)
     assert_close(got, reference.evaluate(plan.graph, arrays)[0], "column sum + exp, planned")
 
 
@@ -330,7 +330,7 @@ def test_split_bf16_bias_gradient_is_two_kernels():
     assert any(note.startswith("split reduce") for note in plan.notes)
     assert plan.kernel_count == 2, plan.explain()
     arrays = random_arrays(plan.graph)
-    (got,) = CompiledGraph(plan).run_numpy(arrays)
+    (got,) = compile_plan(plan).run_numpy(arrays)
     assert_close(got, reference.evaluate(plan.graph, arrays)[0], "split bf16 bias gradient")
 
 

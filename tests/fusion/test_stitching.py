@@ -15,7 +15,7 @@ from fusionstitching.fusion import explore
 from fusionstitching.graph import reference
 from fusionstitching.graph.graph import GraphBuilder
 from fusionstitching.graph.ops import DType
-from fusionstitching.runtime.executor import CompiledGraph
+from fusionstitching.pipeline import compile_plan
 
 
 def _inputs(graph, seed: int = 0) -> list[np.ndarray]:
@@ -41,7 +41,7 @@ def test_layernorm_backward_is_dx_with_stitched_partials_and_a_final_sum():
     template = str(big.schedule)
     assert "_partial[GRID,WARP_8," in template and "GRID-WARP_8" in template, template
     inputs = _inputs(graph)
-    got = CompiledGraph(plan).run_numpy(inputs)
+    got = compile_plan(plan).run_numpy(inputs)
     want = reference.evaluate(graph, inputs)
     for g, w in zip(got, want):
         assert _relative(g, w) < 1e-5

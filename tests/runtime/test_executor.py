@@ -11,7 +11,7 @@ from fusionstitching.fusion import explore
 from fusionstitching.graph import reference
 from fusionstitching.graph.graph import GraphBuilder, Layout
 from fusionstitching.graph.ops import DType
-from fusionstitching.runtime.executor import CompiledGraph
+from fusionstitching.pipeline import compile_plan
 from fusionstitching.runtime.program import dot_function, view_function
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -41,7 +41,7 @@ def _relative(got: np.ndarray, want: np.ndarray) -> float:
 def test_whole_plans_match_the_reference_on_cpu(name):
     _, captured = capture_workload(name)
     for graph in filter(None, (captured.forward, captured.backward)):
-        compiled = CompiledGraph(explore(graph))
+        compiled = compile_plan(explore(graph))
         inputs = _inputs(graph)
         got, want = compiled.run_numpy(inputs), reference.evaluate(graph, inputs)
         for g, w in zip(got, want):
@@ -52,7 +52,7 @@ def test_whole_plans_match_the_reference_on_cpu(name):
 
 def test_steps_respect_dependences_and_cover_every_node():
     _, captured = capture_workload("bert")
-    compiled = CompiledGraph(explore(captured.forward))
+    compiled = compile_plan(explore(captured.forward))
     done = set(compiled.graph.parameters)
     done |= {n for n in compiled.graph.nodes if n.op == "constant"}
     for step in compiled.steps:
@@ -70,7 +70,7 @@ def test_torch_call_on_cpu_writes_mutations_in_place():
     half = b.broadcast(b.constant(0.5, DType.F32), (64,), ())
     new = b.binary("sub", p, b.binary("mul", g, half))
     graph = b.build([new], mutations={0: 0})
-    compiled = CompiledGraph(explore(graph))
+    compiled = compile_plan(explore(graph))
     params, grads = torch.randn(64), torch.randn(64)
     expected = params - 0.5 * grads
     (out,) = compiled(params, grads)
@@ -107,7 +107,7 @@ def test_an_update_reads_the_old_value_of_an_input_updated_in_the_same_call_on_g
 
 def _check_swap(view: bool, device: str) -> None:
     for chooser in ("ilp", "beam"):
-        compiled = CompiledGraph(explore(_swap_graph(view), solver=chooser))
+        compiled = compile_plan(explore(_swap_graph(view), solver=chooser))
         a = torch.zeros(6, 8, dtype=torch.int64, device=device)
         b0 = torch.arange(48, device=device).reshape(6, 8)
         b = b0.clone()
@@ -116,7 +116,7 @@ def _check_swap(view: bool, device: str) -> None:
         assert outs[0] is b and outs[1] is a
         # on a GPU a kernel writing b in place would overwrite the old value before a is written
         assert not any(s.kernel.lowered.aliases for s in compiled.steps if s.kernel is not None)
-    in_place = CompiledGraph(explore(_plain_update()))
+    in_place = compile_plan(explore(_plain_update()))
     assert any(s.kernel.lowered.aliases for s in in_place.steps if s.kernel is not None)
 
 
@@ -144,7 +144,7 @@ def test_an_input_laid_out_other_than_contiguously_is_not_updated_in_place():
     generated for (4, 2, 1)" (fuzz 1126201:819, ``x.mul_(0.5)`` on a transposed input). The
     simulator gives each value its own array, so only a GPU shows the crash."""
     def in_place(layout):
-        compiled = CompiledGraph(explore(_strided_update(layout)))
+        compiled = compile_plan(explore(_strided_update(layout)))
         return any(s.kernel.lowered.aliases for s in compiled.steps if s.kernel is not None)
 
     assert not in_place(Layout((1, 256)))
@@ -154,7 +154,7 @@ def test_an_input_laid_out_other_than_contiguously_is_not_updated_in_place():
 @pytest.mark.gpu
 @gpu_only
 def test_an_update_of_a_transposed_input_on_gpu():
-    compiled = CompiledGraph(explore(_strided_update(Layout((1, 256)))))
+    compiled = compile_plan(explore(_strided_update(Layout((1, 256)))))
     x, w = torch.randn(512, 256, device="cuda").t(), torch.randn(512, 256, device="cuda")
     want = x * 0.5
     updated, product = compiled(x, w)
@@ -170,7 +170,7 @@ def test_an_output_goes_to_the_device_its_caller_expects():
     x = b.parameter((3, 4), DType.F32, "x")
     doubled = b.binary("mul", x, b.broadcast(b.constant(2.0, DType.F32), (3, 4), ()))
     graph = b.build([doubled, x])
-    compiled = CompiledGraph(explore(graph), device=torch.device("cpu"),
+    compiled = compile_plan(explore(graph), device=torch.device("cpu"),
                              output_devices=[torch.device("meta"), None])
     moved, kept = compiled(torch.ones(3, 4))
     assert moved.device.type == "meta" and moved.shape == (3, 4) and kept.device.type == "cpu"
@@ -207,7 +207,7 @@ def test_view_and_dot_functions_match_the_reference():
 def test_whole_plans_match_the_reference_on_gpu(name):
     _, captured = capture_workload(name)
     for graph in filter(None, (captured.forward, captured.backward)):
-        compiled = CompiledGraph(explore(graph))
+        compiled = compile_plan(explore(graph))
         inputs = _inputs(graph)
         want = reference.evaluate(graph, inputs)
         tensors = [torch.from_numpy(np.asarray(a)).cuda() for a in inputs]
@@ -224,7 +224,7 @@ def test_whole_plans_match_the_reference_on_gpu(name):
 def test_reduce_overhead_replays_the_plan_with_new_inputs():
     _, captured = capture_workload("mlp_train")
     graph = captured.forward
-    compiled = CompiledGraph(explore(graph), mode="reduce-overhead")
+    compiled = compile_plan(explore(graph), mode="reduce-overhead")
     for seed in range(4):
         inputs = _inputs(graph, seed)
         want = reference.evaluate(graph, inputs)
@@ -240,7 +240,7 @@ def test_gpu_program_numbers_every_value_and_keeps_only_call_internal_buffers():
     from fusionstitching.runtime.program import CallOp, GpuProgram, KernelOp
 
     _, captured = capture_workload("bert")
-    compiled = CompiledGraph(explore(captured.forward))
+    compiled = compile_plan(explore(captured.forward))
     program = GpuProgram(compiled.graph, compiled.steps, torch.device("cpu"),
                          lambda node, device: torch.from_numpy(np.asarray(node.attrs["value"])),
                          lambda node: (lambda *args: None))
@@ -273,7 +273,7 @@ def test_views_fold_into_the_library_calls_reading_them():
     wt = b.transpose(w, (1, 0))
     d = b.node("dot_general", [flat, wt], lhs_batch=(), rhs_batch=(), lhs_contract=(1,), rhs_contract=(0,))
     graph = b.build([d])
-    compiled = CompiledGraph(explore(graph))
+    compiled = compile_plan(explore(graph))
     program = GpuProgram(graph, compiled.steps, torch.device("cpu"), lambda node, device: None, _library_function)
     assert program.folded == {flat, flat.operands[0], wt}
     assert len(program.ops) == 1
@@ -292,7 +292,7 @@ def _split_column_sum():
     b = GraphBuilder("split_sum")
     x = b.parameter((4096, 512), DType.F32, "x")
     graph = b.build([b.reduce(x, (0,), "sum")])
-    return graph, CompiledGraph(explore(graph))
+    return graph, compile_plan(explore(graph))
 
 
 def test_reshape_views_read_only_by_kernels_take_no_step():
@@ -386,7 +386,7 @@ def test_structurally_equal_patterns_share_one_kernel_and_keep_their_own_nodes()
     are twins (one source, no second lowering), each with its own pattern; the plan still
     simulates to the reference (test_whole_plans_match_the_reference_on_cpu)."""
     _, captured = capture_workload("bert", train=True)
-    compiled = CompiledGraph(explore(captured.backward))
+    compiled = compile_plan(explore(captured.backward))
     twins = [k for k in compiled.kernels if k._twin is not None]
     assert twins and len(twins) < len(compiled.kernels)
     for kernel in twins:
@@ -403,7 +403,7 @@ def test_precompile_compiles_each_distinct_source_once(monkeypatch):
     from fusionstitching.runtime import kernel_call
 
     _, captured = capture_workload("bert", train=True)
-    compiled = CompiledGraph(explore(captured.backward))
+    compiled = compile_plan(explore(captured.backward))
     seen = []
     real = nvrtc.compile_cuda
 
@@ -443,9 +443,9 @@ def test_widened_weight_gradient_runs_as_its_f32_accumulator(rows):
     graph = b.build([b.convert(dot, DType.F32)])
     from fusionstitching.options import Options
 
-    assert [n.op for n in CompiledGraph(explore(graph, options=Options(widen_dots=False))).plan.graph.nodes
+    assert [n.op for n in compile_plan(explore(graph, options=Options(widen_dots=False))).plan.graph.nodes
             if n.op in ("dot_general", "convert")] == ["dot_general", "convert"]
-    compiled = CompiledGraph(explore(graph))
+    compiled = compile_plan(explore(graph))
     assert [n.op for n in compiled.plan.graph.nodes if n.op in ("dot_general", "convert")] == ["dot_general"]
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal(p.shape).astype(ml_dtypes.bfloat16) for p in graph.parameters]
@@ -559,6 +559,6 @@ def test_a_0d_input_only_library_calls_read_stays_where_the_caller_has_it():
     shifted = b.node("library", [x, seed], shape=(4,), dtype=DType.F32, name="shifted",
                      target="aten.add.Tensor", call=call, out_index=-1)
     out = b.binary("mul", shifted, b.broadcast(scale, (4,), ()))
-    compiled = CompiledGraph(explore(b.build([out])))
+    compiled = compile_plan(explore(b.build([out])))
     tensors = [torch.ones(4), torch.tensor(3), torch.tensor(2.0)]
     assert compiled._to_move(tensors, torch.device("meta")) == [0, 2]
