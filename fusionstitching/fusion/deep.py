@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fusionstitching.fusion.legality import Legality, Roles
-from fusionstitching.fusion.patterns import Candidate, Rejection
+from fusionstitching.fusion.patterns import Candidate, Rejection, first_proposal
 from fusionstitching.graph.graph import Graph, Node
 
 ELEMENTWISE_MAX_BYTES = 64 << 20
@@ -169,12 +169,9 @@ class DeepFusion:
                 frontier.setdefault(span[operand], set()).add(operand)
 
     def _propose(self, nodes: set[Node], origin: str) -> None:
-        if len(nodes) < 2:
+        """``check``, cycles included: a deep pattern spans graph order wherever its paths lead."""
+        if len(nodes) < 2 or not first_proposal(self.seen, nodes):
             return
-        key = frozenset(nodes)
-        if key in self.seen:
-            return
-        self.seen.add(key)
         ordered = sorted(nodes, key=self.graph.index.position.__getitem__)
         verdict = self.legality.check(ordered)
         if verdict:

@@ -36,7 +36,7 @@ All of them share ``_propose_union``'s or ``Legality``'s checks and the ``seen``
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from fusionstitching.fusion.legality import Legality, Roles, Verdict
@@ -196,12 +196,11 @@ class SubstitutionFusion:
             self._propose(component, origin)
 
     def _propose(self, nodes: Sequence[Node], origin: str) -> None:
-        if len(nodes) < 2:
+        """Only ``buildable`` is asked: a component of a segment (a run of graph order) cannot close a
+        cycle, every path between two of its nodes runs through nodes between them in that order.
+        Refused, it is asked again without its boundary reshapes, which then run as views."""
+        if len(nodes) < 2 or not first_proposal(self.seen, nodes):
             return
-        key = frozenset(nodes)
-        if key in self.seen:
-            return
-        self.seen.add(key)
         verdict = self.legality.buildable(list(nodes))
         if verdict:
             self.candidates.append(Candidate(tuple(nodes), verdict, origin))
@@ -210,9 +209,7 @@ class SubstitutionFusion:
         if len(trimmed) < len(nodes):
             retry = self.legality.buildable(trimmed) if len(trimmed) >= 2 else verdict
             if retry:
-                key = frozenset(trimmed)
-                if key not in self.seen:
-                    self.seen.add(key)
+                if first_proposal(self.seen, trimmed):
                     self.candidates.append(Candidate(tuple(trimmed), retry, origin + ", boundary reshapes as views"))
                 return
         self.rejections.append(Rejection(tuple(nodes), verdict.reason, origin))
@@ -271,13 +268,21 @@ def _lone_reshape(group: Sequence[Node]) -> bool:
     return len(group) == 1 and group[0].op == "reshape"
 
 
+def first_proposal(seen: set[frozenset[Node]], nodes: Iterable[Node]) -> bool:
+    """Whether no generator proposed this node set yet (``seen`` is shared between generators: each
+    pattern is checked once); marks it proposed."""
+    key = frozenset(nodes)
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
+
+
 def _propose_union(union: list[Node], seen: set[frozenset[Node]], legality: Legality, origin: str
                    ) -> Candidate | None:
     """A candidate for ``union`` (nodes in graph order) if it is new and legal (cycles included)."""
-    key = frozenset(union)
-    if key in seen:
+    if not first_proposal(seen, union):
         return None
-    seen.add(key)
     verdict = legality.check(union)
     return Candidate(tuple(union), verdict, origin) if verdict else None
 
