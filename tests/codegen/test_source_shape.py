@@ -1,0 +1,55 @@
+"""The shape of generated code where it decides speed, checked on ``cuda_source`` in the manner of
+LLVM's FileCheck: patterns that must appear in order, and counts of what must appear once."""
+
+from __future__ import annotations
+
+import re
+
+from fusionstitching.codegen import default_template, generate
+from fusionstitching.graph.graph import GraphBuilder
+from fusionstitching.graph.ops import DType
+
+
+def check_in_order(source: str, *patterns: str) -> None:
+    """Each regular expression of ``patterns`` matches after the previous one's match."""
+    at = 0
+    for pattern in patterns:
+        found = re.compile(pattern).search(source, at)
+        assert found, f"{pattern!r} not found after:\n{source[at:at + 1500]}"
+        at = found.end()
+
+
+def _softmax_rows(rows: int, width: int):
+    b = GraphBuilder("softmax_rows")
+    x = b.parameter((rows, width), DType.F32, "x")
+    top = b.reduce(x, [1], "max")
+    e = b.unary("exp", b.binary("sub", x, b.broadcast(top, (rows, width), [0])))
+    y = b.binary("div", e, b.broadcast(b.reduce(e, [1], "sum"), (rows, width), [0]))
+    graph = b.build([y])
+    return graph, [n for n in graph.nodes if n.op != "parameter"]
+
+
+def test_a_softmax_row_is_read_once_into_registers_and_reduced_by_warp_then_block():
+    graph, nodes = _softmax_rows(8, 1024)
+    source = generate(graph, nodes, default_template(graph, nodes)).cuda_source.split('extern "C"')[1]
+    body = source.split(") {", 1)[1]
+    # One 16-byte load of the row per thread, and nothing else read from global memory.
+    assert len(re.findall(r"\bin0\[", body)) == 1 and "float4" in body.split("in0[")[0].splitlines()[-1]
+    # exp once per element: the division reuses the values the sum computed.
+    assert body.count("expf(") == 4
+    check_in_order(body,
+                   r"fs_maxf\(acc\d+, ld\d+\)",               # the max over the thread's four elements
+                   r"__shfl_xor_sync\(0xffffffffu, acc\d+, \(16\)",  # across the warp
+                   r"__syncthreads\(\);",                      # then across the block's warps
+                   r"expf\(",                                  # the sum of exps reads the registers
+                   r"__shfl_xor_sync",
+                   r"__syncthreads\(\);",
+                   r"\*reinterpret_cast<float4\*>\(&out0\[")   # one 16-byte store per thread
+    assert body.count("out0[") == 1
+
+
+def test_a_narrow_row_is_reduced_within_a_warp_without_a_block_barrier():
+    graph, nodes = _softmax_rows(64, 32)
+    kernel = generate(graph, nodes, default_template(graph, nodes))
+    body = kernel.cuda_source.split('extern "C"')[1]
+    assert "__shfl_xor_sync" in body and "__syncthreads" not in body, kernel.template
