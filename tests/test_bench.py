@@ -154,3 +154,18 @@ def test_the_performance_page_is_rendered_from_bench_json(tmp_path):
     assert "fusionstitching / Inductor: bert_infer 0.72." in text
     with pytest.raises(ValueError, match="markers"):
         report.write(tmp_path / "a.json", [h100])
+
+
+def test_the_performance_page_is_what_the_report_renders_from_the_kept_runs():
+    """docs/performance.md's tables are generated, never edited: they equal ``bench.report``'s
+    rendering of the ``bench --json`` files in docs/bench."""
+    from pathlib import Path
+
+    from fusionstitching.bench import report
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    runs = sorted((docs / "bench").glob("*.json"))
+    assert runs
+    page = (docs / "performance.md").read_text()
+    generated = page.split(report.BEGIN, 1)[1].split(report.END, 1)[0]
+    assert generated.strip() == report.render(runs).strip()
