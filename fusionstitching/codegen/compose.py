@@ -38,12 +38,12 @@ both nodes, so whatever lowers is correct by construction.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fusionstitching.codegen import kernel_ir as K
+from fusionstitching.codegen.groups import Factor, Group, decompose
 from fusionstitching.codegen.reductions import Reductions
 from fusionstitching.codegen.registers import RegisterComposition
 from fusionstitching.codegen.values import (
@@ -51,45 +51,12 @@ from fusionstitching.codegen.values import (
     DataDependentRead,
     FootprintError,
     ValueEmitter,
-    is_reduction,
-    reduced_dims,
     register_type,
     shared_value,
 )
 from fusionstitching.codegen.vectorize import affine
-from fusionstitching.graph.graph import Layout, Node
-from fusionstitching.graph.pattern import iteration_space
 from fusionstitching.schedule.template import WARP_SIZE as WARP
-from fusionstitching.schedule.template import Level, Schedule, tile_extents
-
-
-@dataclass
-class Factor:
-    dim: int
-    level: Level
-    extent: int
-    var: K.Expr | None = None
-
-
-@dataclass
-class Group:
-    sched: Schedule
-    root: Node
-    space: tuple[int, ...]
-    factors: list[Factor]
-    reduced: set[int]
-    output: tuple[str, Layout] | None
-    shared: bool
-
-    @functools.cached_property
-    def cross_thread(self) -> bool:
-        """Reduced across the lanes of a warp or the threads of a block (CTA tiles on reduced dims)."""
-        return any(f.dim in self.reduced and f.level == Level.CTA for f in self.factors)
-
-    @functools.cached_property
-    def cross_warp(self) -> bool:
-        """Reduced across the warps of a block (WARP tiles on reduced dims), kept dims on the lanes."""
-        return not self.cross_thread and any(f.dim in self.reduced and f.level == Level.WARP for f in self.factors)
+from fusionstitching.schedule.template import Level
 
 
 @dataclass
@@ -99,66 +66,32 @@ class ComposedKernel:
     smem_plan: object = None
 
 
-def decompose(em: ValueEmitter, fs: list[Factor], linear: K.Expr, ranges: dict[str, int] | None = None
-              ) -> list[K.Stmt]:
-    """Split a level's linear index into its factors' indices (mixed radix, first factor most
-    significant), binding each to a register; ``ranges`` records each register's extent."""
-    stmts: list[K.Stmt] = []
-    remaining = linear
-    for k in range(len(fs) - 1, -1, -1):
-        f = fs[k]
-        if f.extent == 1:
-            f.var = em.idx(0)
-            continue
-        value = remaining if k == 0 else K.rem(remaining, em.idx(f.extent))
-        var = em.fresh("f", em.index_type)
-        stmts.append(K.Let(var, value))
-        if ranges is not None:
-            ranges[var.name] = f.extent
-        f.var = var
-        remaining = K.div(remaining, em.idx(f.extent))
-    return stmts
-
-
-def make_groups(schedules: Sequence[Schedule], nodes: dict[str, Node], outputs: dict[str, tuple[str, Layout]],
-                order: dict[str, int]) -> list[Group]:
-    groups = []
-    for sched in sorted(schedules, key=lambda s: order[s.root]):
-        root = nodes[sched.root]
-        space = iteration_space(root)
-        if len(sched.dims) != len(space):
-            raise CodegenError(f"{root.name}: schedule has {len(sched.dims)} dims, its iteration space "
-                               f"{list(space)} has {len(space)}")
-        factors = []
-        for d, (size, tiles) in enumerate(zip(space, sched.dims)):
-            try:
-                extents = tile_extents(size, tiles)
-            except ValueError as err:
-                raise CodegenError(f"{root.name}: dim {d}: {err}") from None
-            factors += [Factor(d, t.level, e) for t, e in zip(tiles, extents)]
-        reduced = set(reduced_dims(root)) if is_reduction(root) else set()
-        groups.append(Group(sched, root, space, factors, reduced, outputs.get(root.name), sched.shared))
-    return groups
-
-
 def _level_extents(group: Group, level: Level) -> list[int]:
     """The extents of a group's tiles at ``level``, but those of 1 (a [1, 128, 768] epilogue of a
     [128, 768] column sum shares its grid)."""
     return [f.extent for f in group.factors if f.level == level and f.extent > 1]
 
 
-class Composer(Reductions, RegisterComposition):
+class Composer:
+    """The loop nest of one composed kernel: the grid and warp loops its groups share, each group's
+    thread loops and index expressions, and the shared-memory tiles of ``S`` groups. Its reductions
+    (``reductions.Reductions``) and register composition (``registers.RegisterComposition``) are
+    objects of their own that it hands the emitter, the groups and itself as their loop nest."""
+
     def __init__(self, em: ValueEmitter, groups: list[Group], threads: int, blocks: int, guard_tails: bool,
                  vectorize: bool = True, probe: bool = False) -> None:
         self.em, self.groups, self.threads, self.blocks = em, groups, threads, blocks
         self.vectorize = vectorize
-        self.probe = probe  # lower register copies once, symbolically (``RegisterComposition._combos``)
+        self.probe = probe  # lower register copies once, symbolically (``RegisterComposition.combos``)
         self.guard_tails = guard_tails
         self.warp_mode = any(_level_extents(g, Level.WARP) for g in groups)
         self.ranges: dict[str, int] = {}  # register → exclusive upper bound (factor registers)
         self.shared: list[K.Buffer] = []
         self.placement: dict[str, K.Buffer] = {}  # S sub-root → its (possibly shared) buffer
         self._layouts: dict[int, tuple] = {}  # id(group) → (footprint, tile layout): factors never change
+        self.reductions = Reductions(em, self, self.shared, threads, self.warp_mode, guard_tails)
+        self.registers = RegisterComposition(em, groups, self, self.reductions, self.ranges, threads, self.warp_mode,
+                                             probe, vectorize)
         self._check_common_tiling()
 
     # -- structure -------------------------------------------------------------------------------
@@ -186,7 +119,7 @@ class Composer(Reductions, RegisterComposition):
                 raise CodegenError(f"{g.root.name}: block reductions need a power-of-two thread count")
 
     def lower(self) -> list[K.Stmt]:
-        return self._level_loop(Level.GRID, self._special("bid"), self.blocks, "grid_stride", self._block_body)
+        return self._level_loop(Level.GRID, self.special("bid"), self.blocks, "grid_stride", self._block_body)
 
     def _block_body(self) -> list[K.Stmt]:
         stmts = self._warp_level()
@@ -198,7 +131,7 @@ class Composer(Reductions, RegisterComposition):
     def _warp_level(self) -> list[K.Stmt]:
         if not self.warp_mode:
             return self._groups()
-        return self._level_loop(Level.WARP, self._special("warp"), self.threads // WARP, "warp_stride",
+        return self._level_loop(Level.WARP, self.special("warp"), self.threads // WARP, "warp_stride",
                                 self._groups)
 
     def _level_loop(self, level: Level, first: K.Expr, count: int, kind: str, inner) -> list[K.Stmt]:
@@ -208,15 +141,15 @@ class Composer(Reductions, RegisterComposition):
         factors = [f for f in self.groups[0].factors if f.level == level]
         total = math.prod(f.extent for f in factors)
         var = em.fresh(level.value.lower(), em.index_type)
-        decompose = self._decompose(factors, var)
+        decompose = self.decompose_index(factors, var)
         for group in self.groups[1:]:
-            self._share(group, level, factors)
+            self.share_factors(group, level, factors)
         body = decompose + inner()
         if count >= total:
             return [K.Let(var, first), K.If(K.lt(var, em.idx(total)), tuple(body))]
         return [K.For(var, first, em.idx(total), em.idx(count), tuple(body), kind)]
 
-    def _share(self, group: Group, level: Level, source: list[Factor]) -> None:
+    def share_factors(self, group: Group, level: Level, source: list[Factor]) -> None:
         mine = [f for f in group.factors if f.level == level]
         for f in mine:
             if f.extent == 1:
@@ -224,61 +157,61 @@ class Composer(Reductions, RegisterComposition):
         for f, s in zip([f for f in mine if f.extent > 1], [s for s in source if s.extent > 1]):
             f.var = s.var
 
-    def _special(self, name: str) -> K.Expr:
+    def special(self, name: str) -> K.Expr:
         s = K.Special(name)
         return K.Cast(s, self.em.index_type) if self.em.index_type != "i32" else s
 
-    def _decompose(self, fs: list[Factor], linear: K.Expr) -> list[K.Stmt]:
+    def decompose_index(self, fs: list[Factor], linear: K.Expr) -> list[K.Stmt]:
         return decompose(self.em, fs, linear, self.ranges)
 
     def _groups(self) -> list[K.Stmt]:
-        if self._can_fuse():
-            return self._fused_groups()
+        if self.registers.can_fuse():
+            return self.registers.lower()
         out: list[K.Stmt] = []
         for group in self.groups:
             self.em.stmts = []
             self.em.current = group.root.name
             out.append(K.Comment(f"group {group.root.name}: {group.sched}"))
             if group.cross_thread:
-                out.extend(self._cross_thread(group))
+                out.extend(self.reductions.cross_thread(group))
             elif group.cross_warp:
-                out.extend(self._cross_warp(group))
+                out.extend(self.reductions.cross_warp(group))
             else:
                 out.extend(self._parallel(group))
         return out
 
     # -- per-thread loops ----------------------------------------------------------------------------
-    def _thread_loops(self, group: Group, body, skip_dims: frozenset[int] = frozenset()) -> list[K.Stmt]:
+    def thread_loops(self, group: Group, body, skip_dims: frozenset[int] = frozenset()) -> list[K.Stmt]:
         """The CTA (or lane) loop and the THREAD loops of ``group`` (but those of ``skip_dims``)
         around ``body()``."""
         em = self.em
         cta = [f for f in group.factors if f.level == Level.CTA]
         total = math.prod(f.extent for f in cta)
         c_var = em.fresh("cta", em.index_type)
-        first, step, count = ((self._special("lane"), em.idx(WARP), WARP) if self.warp_mode
-                              else (self._special("tid"), self._special("ntid"), self.threads))
+        first, step, count = ((self.special("lane"), em.idx(WARP), WARP) if self.warp_mode
+                              else (self.special("tid"), self.special("ntid"), self.threads))
         serial = [f for f in group.factors if f.level == Level.THREAD and f.dim not in skip_dims]
-        inner = self._decompose(cta, c_var) + self._serial(serial, body)
+        inner = self.decompose_index(cta, c_var) + self.serial(serial, body)
         if count >= total:
             return [K.Let(c_var, first), K.If(K.lt(c_var, em.idx(total)), tuple(inner))]
         return [K.For(c_var, first, em.idx(total), step, tuple(inner), "block_stride")]
 
-    def _serial(self, fs: list[Factor], body) -> list[K.Stmt]:
+    def serial(self, fs: list[Factor], body) -> list[K.Stmt]:
         if not fs:
             stmts, _ = self.em.nested(body)
             return stmts
         f = fs[0]
         if f.extent == 1:
             f.var = self.em.idx(0)
-            return self._serial(fs[1:], body)
+            return self.serial(fs[1:], body)
         var = self.em.fresh("t", self.em.index_type)
         f.var = var
         self.ranges[var.name] = f.extent
-        inner = self._serial(fs[1:], body)
+        inner = self.serial(fs[1:], body)
         return [K.For(var, self.em.idx(0), self.em.idx(f.extent), self.em.idx(1), tuple(inner),
                       "unroll" if f.extent <= 8 else "serial")]
 
-    def _index(self, group: Group, dims: Sequence[int] | None = None) -> tuple[list[K.Expr], K.Expr | None]:
+    def index(self, group: Group, dims: Sequence[int] | None = None) -> tuple[list[K.Expr], K.Expr | None]:
         em = self.em
         index, guard = [], None
         for d, size in enumerate(group.space):
@@ -300,16 +233,16 @@ class Composer(Reductions, RegisterComposition):
     def _parallel(self, group: Group) -> list[K.Stmt]:
         em = self.em
         root = group.root
-        buffer = self._shared_buffer(group) if group.shared else None
+        buffer = self.shared_buffer(group) if group.shared else None
 
         kept = [d for d in range(len(group.space)) if d not in group.reduced]
 
         def body() -> None:
-            index, guard = self._index(group, kept)
+            index, guard = self.index(group, kept)
 
             def compute() -> None:
                 if group.reduced:
-                    value = self._serial_reduction(group, index)
+                    value = self.reductions.serial_reduction(group, index)
                     out_index = [index[d] for d in kept]
                 else:
                     value, out_index = em.value(root, tuple(index)), index
@@ -317,7 +250,7 @@ class Composer(Reductions, RegisterComposition):
                     name, layout = group.output
                     em.stmts.append(K.Store(name, em.linear(out_index, layout.strides), em.stored(value, root.dtype)))
                 if buffer is not None:
-                    em.stmts.append(K.Store(buffer.name, self._local_index(group, index), shared_value(value)))
+                    em.stmts.append(K.Store(buffer.name, self.local_index(group, index), shared_value(value)))
 
             stmts, _ = em.nested(compute)
             if guard is not None:
@@ -325,10 +258,10 @@ class Composer(Reductions, RegisterComposition):
             else:
                 em.stmts.extend(stmts)
 
-        stmts = self._thread_loops(group, body, frozenset(group.reduced))
+        stmts = self.thread_loops(group, body, frozenset(group.reduced))
         if buffer is not None:
             stmts.append(K.Barrier())
-            self._register_shared_reader(group, buffer)
+            self.register_shared_reader(group, buffer)
         return stmts
 
     # -- shared memory -------------------------------------------------------------------------------
@@ -366,7 +299,7 @@ class Composer(Reductions, RegisterComposition):
         self.placement = {node: buffers[name] for node, name in plan.placement.items()}
         return plan
 
-    def _footprint(self, group: Group) -> list[tuple[list[Factor], list[Factor]]]:
+    def footprint(self, group: Group) -> list[tuple[list[Factor], list[Factor]]]:
         """Per dim: (GRID factors, the local factors below them); GRID must come first in a dim."""
         return self._layout(group)[0]
 
@@ -395,7 +328,7 @@ class Composer(Reductions, RegisterComposition):
             result.append((grid, fs[len(grid):]))
         return result
 
-    def _shared_buffer(self, group: Group) -> K.Buffer:
+    def shared_buffer(self, group: Group) -> K.Buffer:
         return self.placement[group.root.name]
 
     @staticmethod
@@ -411,20 +344,20 @@ class Composer(Reductions, RegisterComposition):
                 size += 1
         return list(zip(extents, strides)), size
 
-    def _local_index(self, group: Group, index: Sequence[K.Expr]) -> K.Expr:
+    def local_index(self, group: Group, index: Sequence[K.Expr]) -> K.Expr:
         em = self.em
         linear: K.Expr = em.idx(0)
         kept = [i for d, i in enumerate(index) if d not in group.reduced]
-        for (grid, local), (_, stride), i in zip(self._footprint(group), self._tile_layout(group)[0], kept):
+        for (grid, local), (_, stride), i in zip(self.footprint(group), self._tile_layout(group)[0], kept):
             part: K.Expr = em.idx(0)
             for f in local:
                 part = K.add(K.mul(part, em.idx(f.extent)), f.var)
             linear = K.add(linear, K.mul(part, em.idx(stride)))
         return linear
 
-    def _register_shared_reader(self, group: Group, buffer: K.Buffer) -> None:
+    def register_shared_reader(self, group: Group, buffer: K.Buffer) -> None:
         bases = []
-        for (grid, _), (extent, stride) in zip(self._footprint(group), self._tile_layout(group)[0]):
+        for (grid, _), (extent, stride) in zip(self.footprint(group), self._tile_layout(group)[0]):
             base: K.Expr = self.em.idx(0)
             for f in grid:
                 base = K.add(K.mul(base, self.em.idx(f.extent)), f.var)

@@ -20,7 +20,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fusionstitching.codegen import kernel_ir as K
-from fusionstitching.codegen.compose import Composer, iteration_space, make_groups
+from fusionstitching.codegen.compose import Composer
+from fusionstitching.codegen.groups import make_groups
 from fusionstitching.codegen.packed import lower_packed
 from fusionstitching.codegen.values import (
     CodegenError,
@@ -32,7 +33,7 @@ from fusionstitching.codegen.values import (
 from fusionstitching.codegen.vectorize import ITEM_BYTES as _ITEM_BYTES
 from fusionstitching.graph.graph import Graph, Layout, Node, contiguous_strides
 from fusionstitching.graph.ops import VIEW_OPS
-from fusionstitching.graph.pattern import Pattern, resolve_pattern
+from fusionstitching.graph.pattern import Pattern, iteration_space, resolve_pattern
 from fusionstitching.schedule.packing import needs_composition
 from fusionstitching.schedule.template import KernelSchedule, Level, tile_extents
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from fusionstitching.codegen import kernel_ir as K
-from fusionstitching.codegen.compose import Factor, decompose
+from fusionstitching.codegen.groups import Factor, decompose
 from fusionstitching.codegen.values import (
     CodegenError,
     ValueEmitter,

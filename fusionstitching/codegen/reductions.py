@@ -8,13 +8,13 @@
 - across warps (WARP tiles on reduced dims, kept dims on the lanes): each warp writes its slice
   for every kept element to shared memory and, after a barrier, the block's threads sum the slices
   (per-block partial column sums, e.g. LayerNorm backward's dgamma and dbeta). The slots skip a
-  cell after every 32 (``_skewed``), so lanes holding vectors of adjacent slots hit distinct banks.
+  cell after every 32 (``skewed``), so lanes holding vectors of adjacent slots hit distinct banks.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from fusionstitching.codegen import kernel_ir as K
 from fusionstitching.codegen.values import (
@@ -28,17 +28,42 @@ from fusionstitching.schedule.template import WARP_SIZE as WARP
 from fusionstitching.schedule.template import Level
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
-    from fusionstitching.codegen.compose import Group
+    from fusionstitching.codegen.groups import Factor, Group
+    from fusionstitching.codegen.values import ValueEmitter
     from fusionstitching.graph.graph import Node
 
 
 
-class Reductions:
-    """Mixin of ``compose.Composer``."""
+class LoopNest(Protocol):
+    """What a reduction asks of the kernel's loop nest (``compose.Composer``): a group's index
+    expressions and tail guard, its THREAD loops and serial loops, the footprint of a block, and
+    the CUDA special registers in the kernel's index type."""
 
-    def _serial_reduction(self, group: Group, index: list[K.Expr]) -> K.Expr:
+    def index(self, group: Group, dims: Sequence[int] | None = None) -> tuple[list[K.Expr], K.Expr | None]: ...
+
+    def thread_loops(self, group: Group, body: Callable[[], None],
+                     skip_dims: frozenset[int] = frozenset()) -> list[K.Stmt]: ...
+
+    def serial(self, fs: list[Factor], body: Callable[[], None]) -> list[K.Stmt]: ...
+
+    def footprint(self, group: Group) -> list[tuple[list[Factor], list[Factor]]]: ...
+
+    def special(self, name: str) -> K.Expr: ...
+
+
+class Reductions:
+    """The reductions of one composed kernel. It emits through ``em``, asks ``nest`` for indices and
+    loops, and adds the shared arrays it needs (warp results, cross-warp slots) to ``shared``, the
+    kernel's list of shared buffers."""
+
+    def __init__(self, em: ValueEmitter, nest: LoopNest, shared: list[K.Buffer], threads: int, warp_mode: bool,
+                 guard_tails: bool) -> None:
+        self.em, self.nest, self.shared = em, nest, shared
+        self.threads, self.warp_mode, self.guard_tails = threads, warp_mode, guard_tails
+
+    def serial_reduction(self, group: Group, index: list[K.Expr]) -> K.Expr:
         """A reduction whose reduced dims are all THREAD tiled: each thread loops over them."""
         em = self.em
         root = group.root
@@ -48,39 +73,39 @@ class Reductions:
         reduced = [f for f in group.factors if f.dim in group.reduced and f.level == Level.THREAD]
 
         def body() -> None:
-            inner, guard = self._index(group, sorted(group.reduced))
+            inner, guard = self.nest.index(group, sorted(group.reduced))
             point = [inner[d] if d in group.reduced else index[d] for d in range(len(group.space))]
             stmts, value = em.nested(lambda: em.term(root, point))
             update = tuple(stmts) + (K.Assign(acc, combine(kind, acc, value, rtype)),)
             em.stmts.extend([K.If(guard, update)] if guard is not None else update)
 
-        em.stmts.extend(self._serial(reduced, body))
+        em.stmts.extend(self.nest.serial(reduced, body))
         if root.dtype.is_half:
             return em.let("v", K.Cast(K.Cast(acc, root.dtype.value), "f32"))
         return acc
 
-    def _cross_warp(self, group: Group) -> list[K.Stmt]:
+    def cross_warp(self, group: Group) -> list[K.Stmt]:
         """Each warp folds its slice of the reduced dims for every kept element its lanes hold and
         writes it to shared memory; after a barrier the block's threads sum the warps' slices."""
         em = self.em
-        buffer, count, warp_index = self._cross_warp_slots(group)
+        buffer, count, warp_index = self.cross_warp_slots(group)
         kept = [d for d in range(len(group.space)) if d not in group.reduced]
 
         def body() -> None:
-            index, guard = self._index(group, kept)
+            index, guard = self.nest.index(group, kept)
 
             def compute() -> None:
-                value = self._serial_reduction(group, index)
-                slot = K.add(K.mul(warp_index, em.idx(count)), self._slot(group, index))
-                em.stmts.append(K.Store(buffer.name, self._skewed(slot), value))
+                value = self.serial_reduction(group, index)
+                slot = K.add(K.mul(warp_index, em.idx(count)), self.slot(group, index))
+                em.stmts.append(K.Store(buffer.name, self.skewed(slot), value))
 
             stmts, _ = em.nested(compute)
             em.stmts.extend([K.If(guard, tuple(stmts))] if guard is not None else stmts)
 
-        stmts = self._thread_loops(group, body, frozenset(group.reduced))
-        return stmts + self._sum_cross_warp(group, buffer, count)
+        stmts = self.nest.thread_loops(group, body, frozenset(group.reduced))
+        return stmts + self.sum_cross_warp(group, buffer, count)
 
-    def _cross_warp_slots(self, group: Group) -> tuple[K.Buffer, int, K.Expr]:
+    def cross_warp_slots(self, group: Group) -> tuple[K.Buffer, int, K.Expr]:
         """The shared buffer of a reduction across warps, the slots of one warp (the kept elements
         of the block) and this warp's index among the WARP tiles."""
         em = self.em
@@ -93,7 +118,7 @@ class Reductions:
         if group.output is None:
             raise CodegenError(f"{root.name}: a reduction across warps must be an output of the kernel; "
                                "other groups cannot read it")
-        count = math.prod(math.prod(f.extent for f in local) for _, local in self._footprint(group))
+        count = math.prod(math.prod(f.extent for f in local) for _, local in self.nest.footprint(group))
         slots = (self.threads // WARP) * count
         buffer = self._cross_warp_buffer(slots + slots // WARP, register_type(root.dtype))
         warp_index: K.Expr = em.idx(0)
@@ -101,26 +126,26 @@ class Reductions:
             warp_index = K.add(K.mul(warp_index, em.idx(f.extent)), f.var)
         return buffer, count, warp_index
 
-    def _slot(self, group: Group, index: Sequence[K.Expr]) -> K.Expr:
+    def slot(self, group: Group, index: Sequence[K.Expr]) -> K.Expr:
         """The kept element's slot among a warp's ``count`` slots: row-major over the local extents
         of the kept dims, unpadded, as ``_sum_slots`` reads them back (the padded layout of a
-        shared tile, ``_local_index``, would reach past them)."""
+        shared tile, ``Composer.local_index``, would reach past them)."""
         em = self.em
         linear: K.Expr = em.idx(0)
         kept = [i for d, i in enumerate(index) if d not in group.reduced]
-        for (_, local), _i in zip(self._footprint(group), kept):
+        for (_, local), _i in zip(self.nest.footprint(group), kept):
             for f in local:
                 linear = K.add(K.mul(linear, em.idx(f.extent)), f.var)
         return linear
 
-    def _skewed(self, slot: K.Expr) -> K.Expr:
+    def skewed(self, slot: K.Expr) -> K.Expr:
         """A slot of the cross-warp buffer with one cell skipped after every 32: lanes that write
         slots 8 apart (a THREAD_8 vector each, LayerNorm backward's partials) hit 32 banks instead
         of 4, and consecutive slots stay in distinct banks for the readers."""
         return K.add(slot, K.Binary("shr", slot, self.em.idx(WARP.bit_length() - 1), slot.dtype))  # slot / 32, slots >= 0
 
-    def _sum_cross_warp(self, group: Group, buffer: K.Buffer, count: int) -> list[K.Stmt]:
-        footprint = self._footprint(group)
+    def sum_cross_warp(self, group: Group, buffer: K.Buffer, count: int) -> list[K.Stmt]:
+        footprint = self.nest.footprint(group)
         local_extents = [math.prod(f.extent for f in local) for _, local in footprint]
         stmts: list[K.Stmt] = [K.Barrier()]
         stmts += self._sum_slots(group, buffer, self.threads // WARP, count, footprint, local_extents)
@@ -134,7 +159,7 @@ class Reductions:
         v = em.fresh("w", em.index_type)
         acc = em.accumulator("acc", rtype)
         fold = K.For(v, em.idx(0), em.idx(slots), em.idx(1), (K.Assign(acc, combine(
-            kind, acc, K.Load(buffer.name, self._skewed(K.add(K.mul(v, em.idx(count)), j)), rtype), rtype)),),
+            kind, acc, K.Load(buffer.name, self.skewed(K.add(K.mul(v, em.idx(count)), j)), rtype), rtype)),),
             "unroll")
         body: list[K.Stmt] = [K.Let(acc, reduce_identity(kind, root.dtype)), fold]
         # j → kept index: per kept dim, the grid part of this block plus the local offset.
@@ -162,7 +187,7 @@ class Reductions:
         name, layout = group.output
         store = K.Store(name, em.linear(index, layout.strides), value)
         body.append(K.If(guard, (store,)) if guard is not None else store)
-        return [K.For(j, self._special("tid"), em.idx(count), self._special("ntid"), tuple(body), "block_stride")]
+        return [K.For(j, self.nest.special("tid"), em.idx(count), self.nest.special("ntid"), tuple(body), "block_stride")]
 
     def _cross_warp_buffer(self, size: int, rtype: str) -> K.Buffer:
         name = f"xw_{rtype}"
@@ -178,7 +203,7 @@ class Reductions:
         self.em.shared_buffers.add(name)
         return buffer
 
-    def _cross_thread(self, group: Group) -> list[K.Stmt]:
+    def cross_thread(self, group: Group) -> list[K.Stmt]:
         em = self.em
         root = group.root
         for f in group.factors:
@@ -191,15 +216,15 @@ class Reductions:
         stmts: list[K.Stmt] = [K.Let(acc, reduce_identity(kind, root.dtype))]
 
         def body() -> None:
-            index, guard = self._index(group)
+            index, guard = self.nest.index(group)
             inner, value = em.nested(lambda: em.term(root, index))
             update = tuple(inner) + (K.Assign(acc, combine(kind, acc, value, rtype)),)
             em.stmts.extend([K.If(guard, update)] if guard is not None else update)
 
-        stmts += self._thread_loops(group, body)
-        return stmts + self._finish_reduction(group, acc)
+        stmts += self.nest.thread_loops(group, body)
+        return stmts + self.finish_reduction(group, acc)
 
-    def _finish_reduction(self, group: Group, acc: K.Var) -> list[K.Stmt]:
+    def finish_reduction(self, group: Group, acc: K.Var) -> list[K.Stmt]:
         """Combine the threads' partial results; every thread (lane) ends with the result."""
         em = self.em
         root = group.root
@@ -221,7 +246,7 @@ class Reductions:
             name, layout = group.output
             value = K.Cast(acc, root.dtype.value) if root.dtype.is_half else result  # rounded once
             storer = "lane" if self.warp_mode and not across else "tid"
-            first: K.Expr = K.Binary("eq", self._special(storer), em.idx(0), "bool")
+            first: K.Expr = K.Binary("eq", self.nest.special(storer), em.idx(0), "bool")
             for d, i in zip(kept, kept_index):
                 covered = math.prod(f.extent for f in group.factors if f.dim == d)
                 if covered > group.space[d] and self.guard_tails:
@@ -274,9 +299,9 @@ class Reductions:
         rtype = register_type(root.dtype)
         warps = self.threads // WARP
         buffer = self._reduction_buffer(rtype)
-        lane = self._special("lane")
+        lane = self.nest.special("lane")
         stmts: list[K.Stmt] = [
-            K.If(K.Binary("eq", lane, em.idx(0), "bool"), (K.Store(buffer.name, self._special("warp"), acc),)),
+            K.If(K.Binary("eq", lane, em.idx(0), "bool"), (K.Store(buffer.name, self.nest.special("warp"), acc),)),
             K.Barrier(),
             K.Assign(acc, K.Select(K.lt(lane, em.idx(warps)), K.Load(buffer.name, lane, rtype),
                                    reduce_identity(reduction_kind(root), root.dtype), rtype)),

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from fusionstitching.codegen import kernel_ir as K
+from fusionstitching.codegen.reductions import LoopNest, Reductions
 from fusionstitching.codegen.values import (
     combine,
     reduce_identity,
@@ -28,17 +29,44 @@ from fusionstitching.schedule.template import WARP_SIZE as WARP
 from fusionstitching.schedule.template import Level
 
 if TYPE_CHECKING:
-    from fusionstitching.codegen.compose import Group
+    from collections.abc import Sequence
 
+    from fusionstitching.codegen.groups import Factor, Group
+    from fusionstitching.codegen.values import ValueEmitter
+
+
+
+class RegisterNest(LoopNest, Protocol):
+    """What register composition asks of the kernel's loop nest (``compose.Composer``) beyond a
+    reduction's questions: factor registers decomposed from a linear index and shared between
+    groups, and the shared-memory buffer, local index and readers of a group cached there."""
+
+    def decompose_index(self, fs: list[Factor], linear: K.Expr) -> list[K.Stmt]: ...
+
+    def share_factors(self, group: Group, level: Level, source: list[Factor]) -> None: ...
+
+    def shared_buffer(self, group: Group) -> K.Buffer: ...
+
+    def local_index(self, group: Group, index: Sequence[K.Expr]) -> K.Expr: ...
+
+    def register_shared_reader(self, group: Group, buffer: K.Buffer) -> None: ...
 
 
 class RegisterComposition:
-    """Mixin of ``compose.Composer``."""
+    """Register composition of one composed kernel's ``groups`` (``can_fuse``, then ``lower``). It
+    emits through ``em``, asks ``nest`` for indices, factor registers and shared buffers, and
+    ``reductions`` for the reductions across threads and warps; ``ranges`` (register → exclusive
+    upper bound) gains the symbolic registers of a probe lowering (``probe``)."""
+
+    def __init__(self, em: ValueEmitter, groups: list[Group], nest: RegisterNest, reductions: Reductions,
+                 ranges: dict[str, int], threads: int, warp_mode: bool, probe: bool, vectorize: bool) -> None:
+        self.em, self.groups, self.nest, self.reductions, self.ranges = em, groups, nest, reductions, ranges
+        self.threads, self.warp_mode, self.probe, self.vectorize = threads, warp_mode, probe, vectorize
 
     def _local(self, group: Group) -> list[tuple[int, Level, int]]:
         return [(f.dim, f.level, f.extent) for f in group.factors if f.level in (Level.CTA, Level.THREAD)]
 
-    def _can_fuse(self) -> bool:
+    def can_fuse(self) -> bool:
         """Whether every group tiles its thread-level dims identically, with no tails, one CTA
         iteration per thread and few THREAD elements: then each thread keeps its elements in
         registers from one group to the next (a row is read from memory once)."""
@@ -77,13 +105,13 @@ class RegisterComposition:
         return size // width
 
     def _register_index(self, group: Group) -> tuple[list[K.Expr], K.Expr | None]:
-        """``_index`` for a register body (only dims the tiles cover exactly, or with a vector tail:
-        ``_can_fuse``): a tail dim has its vector slot clamped to the last vector, and the guard
+        """``nest.index`` for a register body (only dims the tiles cover exactly, or with a vector tail:
+        ``can_fuse``): a tail dim has its vector slot clamped to the last vector, and the guard
         says whether the slot is real."""
         em = self.em
         tails = {d: self._vector_tail(group, d) for d, size in enumerate(group.space)
                  if math.prod(f.extent for f in group.factors if f.dim == d) != size}
-        index, _ = self._index(group, [d for d in range(len(group.space)) if d not in tails])
+        index, _ = self.nest.index(group, [d for d in range(len(group.space)) if d not in tails])
         guard = None
         for d, vectors in tails.items():
             fs = [f for f in group.factors if f.dim == d]
@@ -112,7 +140,7 @@ class RegisterComposition:
         write the kernel's outputs, so nothing in the register body waits for them)."""
         return [g for g in self.groups if not g.cross_warp]
 
-    def _combos(self, extents: list[int]) -> list[tuple[K.Expr, ...]]:
+    def combos(self, extents: list[int]) -> list[tuple[K.Expr, ...]]:
         """The values of a thread's THREAD factors, one tuple per register copy of the body: every
         combination of constants; when probing (``feasible``), one tuple of registers ranging over
         the extents, so the body is lowered once and its reads are checked for all copies at once
@@ -131,17 +159,17 @@ class RegisterComposition:
             symbolic.append(var)
         return [tuple(symbolic)]
 
-    def _fused_groups(self) -> list[K.Stmt]:
+    def lower(self) -> list[K.Stmt]:
         em = self.em
         groups = self._register_groups()
         lead = groups[0]
         c_var = em.fresh("cta", em.index_type)
-        em.stmts = [K.Let(c_var, self._special("lane" if self.warp_mode else "tid"))]
-        em.stmts += self._decompose([f for f in lead.factors if f.level == Level.CTA], c_var)
+        em.stmts = [K.Let(c_var, self.nest.special("lane" if self.warp_mode else "tid"))]
+        em.stmts += self.nest.decompose_index([f for f in lead.factors if f.level == Level.CTA], c_var)
         for g in groups[1:]:
-            self._share(g, Level.CTA, [f for f in lead.factors if f.level == Level.CTA])
+            self.nest.share_factors(g, Level.CTA, [f for f in lead.factors if f.level == Level.CTA])
         serial = [(f.dim, f.extent) for f in lead.factors if f.level == Level.THREAD]
-        combos = self._combos([e for _, e in serial])
+        combos = self.combos([e for _, e in serial])
         for group in groups:
             em.current = group.root.name
             em.stmts.append(K.Comment(f"group {group.root.name}: {group.sched} (registers)"))
@@ -169,20 +197,20 @@ class RegisterComposition:
                 for key, acc in accs.items():
                     for f, value in zip(kept_thread, key):
                         f.var = value
-                    em.stmts.extend(self._finish_reduction(group, acc))
+                    em.stmts.extend(self.reductions.finish_reduction(group, acc))
                 continue
             if self._row_value(group):
                 rows = [f for f in thread_factors if group.space[f.dim] > 1]  # e.g. two rows per warp
                 if self.probe:  # the rows' registers of the body above, so that reads of it match
                     row_combos = [tuple(v for f, v in zip(thread_factors, combos[0]) if group.space[f.dim] > 1)]
                 else:
-                    row_combos = self._combos([f.extent for f in rows])
+                    row_combos = self.combos([f.extent for f in rows])
                 for combo in row_combos:
                     for f in thread_factors:
                         f.var = em.idx(0)
                     for f, value in zip(rows, combo):
                         f.var = value
-                    index, guard = self._index(group)
+                    index, guard = self.nest.index(group)
                     name, layout = group.output
 
                     def store(group=group, index=index, name=name, layout=layout) -> K.Stmt:
@@ -195,7 +223,7 @@ class RegisterComposition:
                         inner, stmt = em.nested(store)
                         em.stmts.append(K.If(guard, tuple(inner) + (stmt,)))
                 continue
-            buffer = self._shared_buffer(group) if group.shared else None
+            buffer = self.nest.shared_buffer(group) if group.shared else None
             kept = [d for d in range(len(group.space)) if d not in group.reduced]
             done: set[tuple] = set()
             for combo in combos:
@@ -208,7 +236,7 @@ class RegisterComposition:
                     done.add(key)
                 index, guard = self._register_index(group)
                 if group.reduced:  # its index is the output's: the kept dims of the iteration space
-                    value, out_index = self._serial_reduction(group, index), [index[d] for d in kept]
+                    value, out_index = self.reductions.serial_reduction(group, index), [index[d] for d in kept]
                 else:
                     value, out_index = em.value(group.root, tuple(index)), index
                 stores = []
@@ -217,11 +245,11 @@ class RegisterComposition:
                     stores.append(K.Store(name, em.linear(out_index, layout.strides),
                                           em.stored(value, group.root.dtype)))
                 if buffer is not None:
-                    stores.append(K.Store(buffer.name, self._local_index(group, index), shared_value(value)))
+                    stores.append(K.Store(buffer.name, self.nest.local_index(group, index), shared_value(value)))
                 em.stmts.extend([K.If(guard, tuple(stores))] if guard is not None and stores else stores)
             if buffer is not None:
                 em.stmts.append(K.Barrier())
-                self._register_shared_reader(group, buffer)
+                self.nest.register_shared_reader(group, buffer)
         partials = {id(g): self._register_partials(g, lead, combos) for g in self.groups
                     if g.cross_warp and self._tiles_like(g, lead)}
         lanes = serial[-1][1] if serial and serial[-1][0] == len(lead.space) - 1 else 1
@@ -236,7 +264,7 @@ class RegisterComposition:
                 if id(group) in partials:
                     stmts += self._store_partials(group, partials[id(group)])
                 else:
-                    stmts += self._cross_warp(group)
+                    stmts += self.reductions.cross_warp(group)
         return stmts
 
     def _tiles_like(self, group: Group, lead: Group) -> bool:
@@ -261,23 +289,23 @@ class RegisterComposition:
         em = self.em
         root = group.root
         em.current = root.name
-        self._share(group, Level.CTA, [f for f in lead.factors if f.level == Level.CTA])
+        self.nest.share_factors(group, Level.CTA, [f for f in lead.factors if f.level == Level.CTA])
         thread_factors = [f for f in group.factors if f.level == Level.THREAD]
         values = []
         for combo in combos:
             for f, value in zip(thread_factors, combo):
                 f.var = value
-            index, _ = self._index(group)
+            index, _ = self.nest.index(group)
             value = em.term(root, index)
             if root.dtype.is_half:  # rounded as a fold of one element is
                 value = em.let("v", K.Cast(K.Cast(value, root.dtype.value), "f32"))
-            values.append((self._slot(group, index), value))
+            values.append((self.reductions.slot(group, index), value))
         return values
 
     def _store_partials(self, group: Group, values: list[tuple[K.Expr, K.Expr]]) -> list[K.Stmt]:
         em = self.em
-        buffer, count, warp_index = self._cross_warp_slots(group)
-        stmts: list[K.Stmt] = [K.Store(buffer.name, self._skewed(K.add(K.mul(warp_index, em.idx(count)), slot)), value)
+        buffer, count, warp_index = self.reductions.cross_warp_slots(group)
+        stmts: list[K.Stmt] = [K.Store(buffer.name, self.reductions.skewed(K.add(K.mul(warp_index, em.idx(count)), slot)), value)
                                for slot, value in values]
-        return stmts + self._sum_cross_warp(group, buffer, count)
+        return stmts + self.reductions.sum_cross_warp(group, buffer, count)
 
