@@ -50,6 +50,8 @@ from fusionstitching.codegen.values import (
     CodegenError,
     DataDependentRead,
     FootprintError,
+    InRegisters,
+    InShared,
     ValueEmitter,
     register_type,
     shared_value,
@@ -362,19 +364,19 @@ class Composer:
             for f in grid:
                 base = K.add(K.mul(base, self.em.idx(f.extent)), f.var)
             bases.append((K.mul(base, self.em.idx(extent)), extent, stride))
-        self.em.sub_roots[id(group.root)] = ("shared", group.root, bases, buffer)
+        self.em.sub_roots[id(group.root)] = InShared(group.root, tuple(bases), buffer)
 
     # -- reads of sub-roots (called by the value emitter) -----------------------------------------------
-    def read(self, entry, index: Sequence[K.Expr], consumer: str) -> K.Expr:
+    def read(self, result: InRegisters | InShared, index: Sequence[K.Expr], consumer: str) -> K.Expr:
         em = self.em
-        kind, root = entry[0], entry[1]
-        if kind == "register":
-            for kept_index, result in entry[2]:
+        root = result.root
+        if isinstance(result, InRegisters):
+            for kept_index, value in result.values:
                 if self._same_element(kept_index, index, root.shape, consumer):
-                    return result
+                    return value
             raise FootprintError(f"block locality: {consumer} reads {root.name} at an element outside the "
                                "block's footprint (its kept index is not one this thread reduced)")
-        _, _, bases, buffer = entry
+        bases, buffer = result.bases, result.buffer
         linear: K.Expr = em.idx(0)
         for d, ((base, extent, stride), i) in enumerate(zip(bases, index)):
             local = K.Binary("sub", i, base, em.index_type)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from fusionstitching.codegen import kernel_ir as K
 from fusionstitching.codegen.values import (
     CodegenError,
+    InRegisters,
     combine,
     reduce_identity,
     reduction_kind,
@@ -253,8 +254,8 @@ class Reductions:
                     first = K.land(first, K.lt(i, em.idx(group.space[d])))
             stmts.append(K.If(first, (K.Store(name, em.linear(kept_index, layout.strides), value),)))
         previous = em.sub_roots.get(id(root))
-        candidates = previous[2] if previous is not None and previous[0] == "register" else []
-        em.sub_roots[id(root)] = ("register", root, candidates + [(kept_index, result)])
+        earlier = previous.values if isinstance(previous, InRegisters) else ()
+        em.sub_roots[id(root)] = InRegisters(root, (*earlier, (kept_index, result)))
         return stmts
 
     def _reduced_across_warps(self, group: Group) -> bool:

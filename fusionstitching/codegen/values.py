@@ -77,6 +77,25 @@ class InputBuffer:
     strides: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class InRegisters:
+    """A sub-root's result held in registers: each value this thread reduced, with its kept index
+    (a consumer reads the one whose index is provably its own)."""
+
+    root: Node
+    values: tuple[tuple[Sequence[K.Expr], K.Expr], ...]
+
+
+@dataclass(frozen=True)
+class InShared:
+    """A sub-root's result cached in shared memory: per dim, the block's base index, the extent and
+    the stride of its tile, and the buffer."""
+
+    root: Node
+    bases: tuple[tuple[K.Expr, int, int], ...]
+    buffer: K.Buffer
+
+
 @dataclass
 class ValueEmitter:
     inputs: dict[int, InputBuffer]  # id(node) → buffer, for pattern inputs
@@ -84,8 +103,8 @@ class ValueEmitter:
     index_type: str
     stmts: list[K.Stmt] = field(default_factory=list)
     definitions: dict[str, K.Expr] = field(default_factory=dict)  # register → its defining expression
-    sub_roots: dict[int, tuple] = field(default_factory=dict)  # results of earlier groups (composition)
-    reader: Callable | None = None  # reads a sub-root's result: reader(entry, index, consumer)
+    sub_roots: dict[int, InRegisters | InShared] = field(default_factory=dict)  # earlier groups' results
+    reader: Callable | None = None  # reads a sub-root's result: reader(result, index, consumer)
     current: str = ""  # the group being emitted, for error messages
     origins: dict[str, str] = field(default_factory=dict)  # node → its FX node and ATen op (``Graph.origins``)
     mutable: set[str] = field(default_factory=set)  # registers assigned after their Let (accumulators)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,6 +46,16 @@ except ImportError:
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
+class OutputSpec(NamedTuple):
+    """How a kernel's output is made: a new contiguous tensor of ``shape``, ``strides`` and
+    ``dtype``, or, where ``alias`` >= 0, the input at that position, written in place."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    alias: int
+
+
 class KernelOp:
     """One generated kernel of the program."""
 
@@ -64,8 +74,8 @@ class KernelOp:
         self.contiguous = contiguous  # input positions produced by library calls or views: checked
         self.device = device
         aliases = kernel.lowered.aliases
-        self.outputs = [(tuple(n.shape), contiguous_strides(n.shape), DTYPE_TO_TORCH[n.dtype],
-                         aliases.get(k, -1)) for k, n in enumerate(kernel.lowered.pattern.outputs)]
+        self.outputs = [OutputSpec(tuple(n.shape), contiguous_strides(n.shape), DTYPE_TO_TORCH[n.dtype],
+                                   aliases.get(k, -1)) for k, n in enumerate(kernel.lowered.pattern.outputs)]
         self.kept = [slot in kept and aliases.get(k, -1) < 0 for k, slot in enumerate(out_slots)]
         self.buffers: list[Any] = [None] * len(out_slots)  # kept outputs, allocated once
         self.fixed: list[Any] | None = None  # the outputs, once every one is a kept buffer
@@ -101,9 +111,9 @@ class KernelOp:
         """This call's output tensors: the inputs they overwrite, kept buffers, fresh allocations."""
         device, buffers = self.device, self.buffers
         outputs = []
-        for k, (shape, strides, dtype, a) in enumerate(self.outputs):
-            if a >= 0:
-                outputs.append(inputs[a])
+        for k, (shape, strides, dtype, alias) in enumerate(self.outputs):
+            if alias >= 0:
+                outputs.append(inputs[alias])
             elif buffers[k] is not None:
                 outputs.append(buffers[k])
             else:
