@@ -44,13 +44,14 @@ def main() -> int:
     import fusionstitching  # registers the backend
     from fusionstitching.fusion import baseline, explore
     from fusionstitching.pipeline import compile_plan
+    from fusionstitching.runtime.kernel_call import loaded
     from fusionstitching.runtime.launch import host_overhead_us
 
     x = torch.randn(256, device="cuda")
     single = compile_plan(explore(_chain_graph(1)))
     single.run([x])
     kernel = single.kernels[0]
-    launcher = kernel._launchers[x.device]
+    launcher = loaded(kernel).launchers[x.device]
     out = torch.empty_like(x)
     bare = host_overhead_us(launcher, [out, x])
     chain = compile_plan(baseline(_chain_graph(CHAIN)))

@@ -20,15 +20,16 @@ from fusionstitching.schedule.refusals import Reason
 from fusionstitching.schedule.template import KernelSchedule, parse_template
 
 
-@dataclass
+@dataclass(eq=False)
 class GeneratedKernel:
+    """A pattern's kernel: its lowered Kernel IR, the template it was lowered with and its CUDA C;
+    ``simulate`` runs it on NumPy, ``compile`` makes a CUBIN. Launching it on tensors, and what that
+    keeps per kernel, is the runtime's (``runtime/kernel_call.py``). Kernels compare by identity."""
+
     lowered: LoweredKernel
     template: KernelSchedule
     cuda_source: str
     _scalar_variant: GeneratedKernel | None = field(default=None, repr=False)
-    _modules: dict = field(default_factory=dict, repr=False)  # arch → loaded kernel
-    _launchers: dict = field(default_factory=dict, repr=False)  # device → loaded kernel, ready to launch
-    _checked_signature: list | None = field(default=None, repr=False)  # inputs' last checked metadata
     _twin: GeneratedKernel | None = field(default=None, repr=False)  # the kernel whose code this one shares
 
     def twin(self, graph: Graph, nodes: Iterable[Node], template: KernelSchedule) -> GeneratedKernel:

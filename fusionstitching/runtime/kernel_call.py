@@ -7,10 +7,15 @@ the input tensor whose storage they overwrite. A kernel with vector accesses run
 pointer is 16-byte aligned; otherwise its scalar variant runs. CUBINs are compiled once per
 device arch and cached on disk by ``nvrtc.py``, under the cache root the caller passes
 (``Options.cache_dir`` and ``Options.cache_max_bytes``, given to ``precompile`` and ``call_generated``).
+
+What the runtime keeps per kernel (its loaded module per arch, its launcher per device, the input
+metadata of the last checked call) lives here, in a table keyed weakly by the kernel (``loaded``):
+the generated kernel itself holds code, not runtime state.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from os import PathLike
 from typing import Any
@@ -19,6 +24,31 @@ from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 from fusionstitching.options import Options
 
 _ALIGNMENT = 16
+
+
+class Loaded:
+    """The runtime's state of one generated kernel: ``modules`` (arch → its LoadedKernel, compiled or
+    read from the disk cache), ``launchers`` (device → the LoadedKernel, its module loaded in that
+    device's context) and ``signature`` (the inputs' metadata at the last call that passed the full
+    check)."""
+
+    __slots__ = ("launchers", "modules", "signature")
+
+    def __init__(self) -> None:
+        self.modules: dict[str, Any] = {}
+        self.launchers: dict[Any, Any] = {}
+        self.signature: list | None = None
+
+
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def loaded(kernel: Any) -> Loaded:
+    """The runtime's state of ``kernel`` (made on first use, dropped with the kernel)."""
+    state = _LOADED.get(kernel)
+    if state is None:
+        state = _LOADED[kernel] = Loaded()
+    return state
 
 
 def device_arch(device: Any = None) -> str:
@@ -35,7 +65,8 @@ def _launcher(kernel, arch: str, cache_dir: str | PathLike | None, cache_max_byt
     from fusionstitching.codegen.nvrtc import compile_cuda
     from fusionstitching.runtime.launch import LoadedKernel
 
-    launcher = kernel._modules.get(arch)
+    modules = loaded(kernel).modules
+    launcher = modules.get(arch)
     if launcher is None:
         if kernel._twin is not None:
             launcher = _launcher(kernel._twin, arch, cache_dir, cache_max_bytes).twin()
@@ -44,7 +75,7 @@ def _launcher(kernel, arch: str, cache_dir: str | PathLike | None, cache_max_byt
             module = compile_cuda(kernel.cuda_source, arch, name=f"{ir.name}.cu", cache_dir=cache_dir,
                                   cache_max_bytes=cache_max_bytes)
             launcher = LoadedKernel(module.cubin, ir.name, len(ir.params), ir.blocks, ir.threads)
-        kernel._modules[arch] = launcher
+        modules[arch] = launcher
     return launcher
 
 
@@ -62,7 +93,7 @@ def precompile(kernels: Sequence[Any], arch: str, workers: int | None = None, *,
     for kernel in kernels:
         while kernel._twin is not None:
             kernel = kernel._twin
-        if arch not in kernel._modules:
+        if arch not in loaded(kernel).modules:  # made here, not in the pool's threads
             originals[id(kernel)] = kernel
     if not originals:
         return
@@ -116,9 +147,10 @@ def call_generated(kernel, tensors: Sequence[Any], outputs: Sequence[Any] | None
     are compared in one list comparison with those of the last call that passed the full check.
     """
     signature = _signature(tensors)
-    if signature != kernel._checked_signature:
+    state = loaded(kernel)
+    if signature != state.signature:
         check_inputs(kernel, tensors)
-        kernel._checked_signature = signature
+        state.signature = signature
     if outputs is None:
         outputs = allocate_outputs(kernel, tensors)
     arguments = list(outputs) + list(tensors)
@@ -127,11 +159,12 @@ def call_generated(kernel, tensors: Sequence[Any], outputs: Sequence[Any] | None
     if kernel._scalar_variant is not None and any(p & (_ALIGNMENT - 1) for p in pointers):
         variant = kernel._scalar_variant
     device = arguments[0].device
-    launcher = variant._launchers.get(device)
+    launchers = loaded(variant).launchers
+    launcher = launchers.get(device)
     if launcher is None:
         launcher = _launcher(variant, device_arch(device), cache_dir, cache_max_bytes)
         launcher.launch_tensors(arguments)  # loads the module in the device's context
-        variant._launchers[device] = launcher
+        launchers[device] = launcher
         return list(outputs)
     launcher.launch(pointers, _current_stream(device.index))
     return list(outputs)

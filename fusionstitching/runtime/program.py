@@ -31,7 +31,7 @@ import torch
 from fusionstitching.graph.graph import Graph, Node, contiguous_strides
 from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 from fusionstitching.options import Options
-from fusionstitching.runtime.kernel_call import call_generated
+from fusionstitching.runtime.kernel_call import call_generated, loaded
 from fusionstitching.runtime.launch import _current_stream as current_stream
 
 _ALIGNMENT_MASK = 15
@@ -92,7 +92,7 @@ class KernelOp:
         launcher = self.launcher
         if launcher is None:
             outputs = call_generated(self.kernel, self._viewed(inputs), **self.cache)
-            self.launcher = self.kernel._launchers.get(self.device)
+            self.launcher = loaded(self.kernel).launchers.get(self.device)
         else:
             outputs = self.fixed if self.fixed is not None else self._outputs(inputs, here)
             pointers = [t.data_ptr() for t in outputs] + [t.data_ptr() for t in inputs]
