@@ -210,6 +210,92 @@ class _Cells:
         self.reader.reshape(-1, extent)[rows] = _NONE
 
 
+class _Races:
+    """The memory model the simulator holds kernels to. Each buffer that is written (a parameter
+    written in place or as an output; parameters on one array share one history) and each shared
+    array keeps the owner of every cell's last write and reads: a block in global memory, a thread
+    in shared memory. A read of a cell another owner wrote, or a write of a cell another owner read
+    or wrote, is a race: across blocks within the launch, across threads between two barriers of
+    the block. Two lanes storing one cell in one statement is a conflict. Each check returns the
+    lane at fault and what it did, or None; the machine raises it with its statement."""
+
+    def __init__(self, kernel: K.Kernel, arrays: dict[str, np.ndarray], ids: np.ndarray, bid: np.ndarray) -> None:
+        self.threads, self.blocks = kernel.threads, kernel.blocks
+        self.ids, self.bid = ids, bid
+        self.shared = kernel.shared
+        self.cells: dict[str, _Cells] = {}
+        aliases: dict[tuple, list[K.Buffer]] = {}
+        for buf in kernel.params:  # params on one array share one history: in-place updates
+            aliases.setdefault(_alias_key(arrays[buf.name]), []).append(buf)
+        for group in aliases.values():
+            if not all(buf.readonly for buf in group):
+                if any(buf.readonly for buf in group):  # printed ``const __restrict__``: no alias allowed
+                    raise SimulationError(f"kernel {kernel.name}: buffers {[buf.name for buf in group]} share "
+                                          f"one array, but the read-only ones promise no aliasing")
+                shared_history = _Cells(max(buf.extent for buf in group))
+                self.cells.update((buf.name, shared_history) for buf in group)
+        for buf in kernel.shared:
+            self.cells[buf.name] = _Cells(self.blocks * buf.extent)
+
+    def read(self, buf: K.Buffer, cells: np.ndarray, lanes: np.ndarray) -> tuple[int, str] | None:
+        cells_of = self.cells.get(buf.name)
+        if cells_of is None:
+            return None
+        owners = self._owners(buf, lanes)
+        writer = cells_of.writer[cells]
+        foreign = (writer != _NONE) & (writer != owners)
+        if foreign.any():
+            j = int(np.argmax(foreign))
+            what = f"read of {self._element(buf, cells[j])}, written by {self._who(buf, writer[j])}"
+            return lanes[j], self._race(buf, what)
+        cells_of.note_read(cells, owners)
+        return None
+
+    def write(self, buf: K.Buffer, cells: np.ndarray, lanes: np.ndarray) -> tuple[int, str] | None:
+        """The check of a store; with none found, the store's lanes become the cells' writers."""
+        cells_of = self.cells[buf.name]
+        clash = cells_of.clash(cells, lanes)
+        if clash is not None:
+            j, other = clash
+            block, thread = divmod(other, self.threads)
+            scope = "cross-block " if block != self.bid[lanes[j]] else ""
+            return lanes[j], (f"{scope}write conflict: {self._element(buf, cells[j])} stored by two threads in "
+                              f"one statement (the other is block {block} thread {thread})")
+        owners = self._owners(buf, lanes)
+        for history, verb in ((cells_of.writer, "written"), (cells_of.reader, "read")):
+            seen = history[cells]
+            foreign = (seen != _NONE) & (seen != owners)
+            if foreign.any():
+                j = int(np.argmax(foreign))
+                what = f"write of {self._element(buf, cells[j])}, {verb} by {self._who(buf, seen[j])}"
+                return lanes[j], self._race(buf, what)
+        cells_of.writer[cells] = owners
+        return None
+
+    def barrier(self, complete: np.ndarray) -> None:
+        """The blocks ``complete`` (a bool mask) passed a barrier: their shared arrays' history ends."""
+        for buf in self.shared:
+            self.cells[buf.name].reset(complete, buf.extent)
+
+    def _owners(self, buf: K.Buffer, lanes: np.ndarray) -> np.ndarray:
+        return self.ids[lanes] if buf.space == "shared" else self.bid[lanes].astype(np.int64)
+
+    def _who(self, buf: K.Buffer, owner: int) -> str:
+        if owner == _SEVERAL:
+            return "several blocks" if buf.space == "global" else "several threads"
+        return f"block {owner}" if buf.space == "global" else f"thread {owner % self.threads}"
+
+    @staticmethod
+    def _element(buf: K.Buffer, cell: int) -> str:
+        return f"{buf.name}[{cell % buf.extent if buf.space == 'shared' else cell}]"
+
+    @staticmethod
+    def _race(buf: K.Buffer, what: str) -> str:
+        if buf.space == "global":
+            return f"cross-block {what} in this launch"
+        return f"shared-memory race: {what} since the last barrier"
+
+
 # ----------------------------------------------------------------------------------------------
 # The machine
 # ----------------------------------------------------------------------------------------------
@@ -230,20 +316,9 @@ class _Machine:
         }
         self.regs: dict[str, np.ndarray] = {}
         self.memory: dict[str, np.ndarray] = dict(arrays)
-        self.cells: dict[str, _Cells] = {}
-        aliases: dict[tuple, list[K.Buffer]] = {}
-        for buf in kernel.params:  # params on one array share one history: in-place updates
-            aliases.setdefault(_alias_key(arrays[buf.name]), []).append(buf)
-        for group in aliases.values():
-            if not all(buf.readonly for buf in group):
-                if any(buf.readonly for buf in group):  # printed ``const __restrict__``: no alias allowed
-                    raise SimulationError(f"kernel {kernel.name}: buffers {[buf.name for buf in group]} share "
-                                          f"one array, but the read-only ones promise no aliasing")
-                shared_history = _Cells(max(buf.extent for buf in group))
-                self.cells.update((buf.name, shared_history) for buf in group)
+        self.races = _Races(kernel, arrays, self.ids, self.bid)
         for buf in kernel.shared:
             self.memory[buf.name] = _garbage(buf.dtype, self.blocks * buf.extent)
-            self.cells[buf.name] = _Cells(self.blocks * buf.extent)
         self.stmt: K.Stmt | None = None
 
     def error(self, what: str, lane: int) -> SimulationError:
@@ -350,8 +425,7 @@ class _Machine:
             missing = block * self.threads + int(np.argmin(per_block[block]))
             raise self.error(f"barrier reached by {per_block[block].sum()} of {self.threads} threads of the block "
                              f"(this thread does not reach it)", missing)
-        for buf in self.kernel.shared:
-            self.cells[buf.name].reset(complete, buf.extent)
+        self.races.barrier(complete)
 
     def vector_index(self, name: str, index: K.Expr, width: int, act: np.ndarray) -> np.ndarray:
         buf = self.buffer(name)
@@ -381,36 +455,13 @@ class _Machine:
             idx = idx + self.bid[lanes].astype(np.int64) * buf.extent
         return idx
 
-    def owners(self, buf: K.Buffer, lanes: np.ndarray) -> np.ndarray:
-        return self.ids[lanes] if buf.space == "shared" else self.bid[lanes].astype(np.int64)
-
-    def who(self, buf: K.Buffer, owner: int) -> str:
-        if owner == _SEVERAL:
-            return "several blocks" if buf.space == "global" else "several threads"
-        return f"block {owner}" if buf.space == "global" else f"thread {owner % self.threads}"
-
-    def element(self, buf: K.Buffer, cell: int) -> str:
-        return f"{buf.name}[{cell % buf.extent if buf.space == 'shared' else cell}]"
-
-    def race(self, buf: K.Buffer, what: str) -> str:
-        if buf.space == "global":
-            return f"cross-block {what} in this launch"
-        return f"shared-memory race: {what} since the last barrier"
-
     def read(self, name: str, index: np.ndarray, act: np.ndarray) -> np.ndarray:
         buf = self.buffer(name)
         lanes = np.flatnonzero(act)
         cells = self.locate(buf, index, lanes)
-        cells_of = self.cells.get(name)
-        if cells_of is not None:
-            owners = self.owners(buf, lanes)
-            writer = cells_of.writer[cells]
-            foreign = (writer != _NONE) & (writer != owners)
-            if foreign.any():
-                j = int(np.argmax(foreign))
-                what = f"read of {self.element(buf, cells[j])}, written by {self.who(buf, writer[j])}"
-                raise self.error(self.race(buf, what), lanes[j])
-            cells_of.note_read(cells, owners)
+        fault = self.races.read(buf, cells, lanes)
+        if fault is not None:
+            raise self.error(fault[1], fault[0])
         data = self.memory[name]
         if lanes.size == self.n:
             return data[cells]
@@ -424,24 +475,10 @@ class _Machine:
             raise self.error(f"store to read-only buffer {name}", int(np.argmax(act)))
         lanes = np.flatnonzero(act)
         cells = self.locate(buf, index, lanes)
-        cells_of = self.cells[name]
-        clash = cells_of.clash(cells, lanes)
-        if clash is not None:
-            j, other = clash
-            block, thread = divmod(other, self.threads)
-            scope = "cross-block " if block != self.bid[lanes[j]] else ""
-            raise self.error(f"{scope}write conflict: {self.element(buf, cells[j])} stored by two threads in "
-                             f"one statement (the other is block {block} thread {thread})", lanes[j])
-        owners = self.owners(buf, lanes)
-        for history, verb in ((cells_of.writer, "written"), (cells_of.reader, "read")):
-            seen = history[cells]
-            foreign = (seen != _NONE) & (seen != owners)
-            if foreign.any():
-                j = int(np.argmax(foreign))
-                what = f"write of {self.element(buf, cells[j])}, {verb} by {self.who(buf, seen[j])}"
-                raise self.error(self.race(buf, what), lanes[j])
+        fault = self.races.write(buf, cells, lanes)
+        if fault is not None:
+            raise self.error(fault[1], fault[0])
         self.memory[name][cells] = self.full(_convert(value, buf.dtype))[lanes]
-        cells_of.writer[cells] = owners
 
     # -- expressions -----------------------------------------------------------------------------
 
