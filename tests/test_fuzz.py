@@ -251,6 +251,18 @@ def test_a_worker_past_the_time_limit_is_replaced_and_its_program_reported_as_ti
     assert Counted.started == 4  # two, and one for each program timed out while another waited
 
 
+def test_with_a_time_limit_even_one_worker_checks_programs_in_a_process_of_its_own(monkeypatch):
+    """``--jobs 1`` (the default) with a time limit: the limit is kept by killing the worker, never
+    by a signal in this process; only a single program (a replay) runs here."""
+    def here(job, settings, **kwargs):
+        raise AssertionError(f"program {job} checked in the parent process")
+
+    monkeypatch.setattr(run, "_one", here)
+    settings = dataclasses.replace(run.Settings(), out=None, shrink=None, plans="off", timeout_s=0.05)
+    summary = run.fuzz(run.programs(7, 2), settings, log=lambda line: None, progress_every=0, workers=1)
+    assert summary.graphs == 2 and summary.coverage.timeouts == ["7:0", "7:1"]
+
+
 def test_random_programs_compile_to_the_values_of_eager():
     """The CI fuzz run: FUZZ_GRAPHS programs of a fresh seed (printed: replay one failing program with
     ``fusionstitching fuzz --replay S:k``, the whole run with ``fusionstitching fuzz --seed S --count N``)."""

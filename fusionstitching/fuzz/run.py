@@ -136,10 +136,13 @@ class _Result:
 
 
 def _results(jobs: Sequence[tuple[int, int]], settings: Settings, workers: int) -> Iterator[_Result]:
-    if workers <= 1 or len(jobs) <= 1:
+    """Checked in this process only for a single program (a replay, where a traceback helps) or
+    with no time limit: a limit is kept by killing a worker (``_Workers``), so that even one worker
+    runs in a process of its own."""
+    if len(jobs) <= 1 or (workers <= 1 and not settings.timeout_s):
         yield from (_one(job, settings) for job in jobs)
         return
-    yield from _Workers(workers, settings).run(jobs)
+    yield from _Workers(max(1, workers), settings).run(jobs)
 
 
 class _Workers:
