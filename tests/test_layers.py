@@ -6,8 +6,8 @@ own package or from packages before it in the order
 
 ``frontend`` imports only ``graph`` and ``options``, and only ``pipeline`` and what stands above
 it import ``frontend``. Every import counts, at the top of a
-module or inside a function. No two modules import each other, directly or around a cycle (an
-import under ``if TYPE_CHECKING:`` never runs, and is left out of that check only).
+module or inside a function (or under ``if TYPE_CHECKING:``). No two modules import each other,
+directly or around a cycle.
 """
 
 from __future__ import annotations
@@ -33,28 +33,14 @@ def _unit(module: str) -> str:
     return parts[0]
 
 
-def _typing_only(tree: ast.Module) -> set[int]:
-    """Ids of the import statements under ``if TYPE_CHECKING:``: read by a type checker only."""
-    guarded = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            guarded.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return guarded
-
-
-def imports(typing_only: bool = True) -> dict[str, set[str]]:
+def imports() -> dict[str, set[str]]:
     """Module -> the package modules it imports (``from m import name`` counts ``m`` and, where
-    ``m.name`` is a module, that too). ``typing_only=False`` leaves out the imports under ``if
-    TYPE_CHECKING:``, which never run."""
+    ``m.name`` is a module, that too)."""
     modules = {_module(p): p for p in ROOT.rglob("*.py")}
     result: dict[str, set[str]] = {}
     for module, path in modules.items():
         targets: set[str] = set()
-        tree = ast.parse(path.read_text())
-        skipped = set() if typing_only else _typing_only(tree)
-        for node in ast.walk(tree):
-            if id(node) in skipped:
-                continue
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -81,11 +67,10 @@ def violations() -> set[tuple[str, str]]:
 
 
 def cycles() -> set[frozenset[str]]:
-    """Modules that import each other when they run, directly or around a cycle. An import under
-    ``if TYPE_CHECKING:`` names a type for annotations and never runs: it does not count here (it
-    does count against the layers)."""
+    """Modules that import each other, directly or around a cycle (imports for annotations under
+    ``if TYPE_CHECKING:`` included: two modules that name each other's types are one concept)."""
     graph = nx.DiGraph()
-    for a, targets in imports(typing_only=False).items():
+    for a, targets in imports().items():
         # a package's __init__ re-exports its modules: importing the package is not a cycle
         graph.add_edges_from((a, b) for b in targets if not (ROOT.parent / b.replace(".", "/")).is_dir())
     return {frozenset(c) for c in nx.strongly_connected_components(graph) if len(c) > 1}
@@ -108,8 +93,3 @@ def test_the_checker_sees_an_import_inside_a_function_and_against_the_order():
     assert _allowed("fusionstitching.backend", "fusionstitching.pipeline")
     assert _allowed("fusionstitching.codegen.lower", "fusionstitching.graph.ops")
     assert "fusionstitching.codegen.generate" in imports()["fusionstitching"]  # inside a function
-
-
-def test_an_import_for_annotations_only_counts_against_the_layers_but_not_as_a_cycle():
-    assert "fusionstitching.graph.graph" in imports()["fusionstitching.graph.order"]
-    assert "fusionstitching.graph.graph" not in imports(typing_only=False)["fusionstitching.graph.order"]

@@ -31,7 +31,8 @@ from fusionstitching.codegen.values import (
     reduced_dims,
 )
 from fusionstitching.codegen.vectorize import ITEM_BYTES as _ITEM_BYTES
-from fusionstitching.graph.graph import Graph, Layout, Node, contiguous_strides
+from fusionstitching.graph.graph import Graph, Layout, Node
+from fusionstitching.graph.node import contiguous_strides
 from fusionstitching.graph.ops import VIEW_OPS
 from fusionstitching.graph.pattern import Pattern, iteration_space, resolve_pattern
 from fusionstitching.schedule.packing import needs_composition

@@ -32,7 +32,7 @@ from fusionstitching.cost.measurement import Measurement
 DATASHEET_EFFICIENCY = 0.9  # saturated bandwidth of a streaming kernel, as a fraction of the peak
 DATASHEET_FLOOR_US = 2.0
 DATASHEET = "datasheet estimate"
-BYTES_PER_US_PER_GBS = 1e3  # 1 GB/s = 10^9 bytes/s = 10^3 bytes/µs
+BYTES_PER_US_PER_GBS = 1e3  # unit conversion: gigabytes per second to bytes per microsecond
 
 
 @dataclass(frozen=True)

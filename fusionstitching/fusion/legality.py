@@ -26,7 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from fusionstitching.graph.analysis import CycleChecker, in_place_outputs, pattern_structure
-from fusionstitching.graph.graph import Graph, Node, contiguous_strides
+from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.node import contiguous_strides
 from fusionstitching.graph.ops import Category
 from fusionstitching.options import Options
 from fusionstitching.schedule.grouping import Reason, feasible

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fusionstitching.graph.graph import Node
+    from fusionstitching.graph.node import Node
 
 
 def topological(parameters: Sequence[Node], outputs: Sequence[Node | None]) -> list[Node]:

@@ -28,14 +28,27 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from fusionstitching.graph.ops import OPS, DType
 
 if TYPE_CHECKING:
-    from fusionstitching.graph.graph import Graph, Layout, Node
+    from collections.abc import Sequence
+
+    from fusionstitching.graph.node import Layout, Node
+
+
+class _Graph(Protocol):
+    """What printing and encoding read of a ``graph.Graph`` (which imports this module)."""
+
+    name: str
+    parameters: Sequence[Node]
+    nodes: Sequence[Node]
+    outputs: Sequence[Node | None]
+    mutations: dict[int, int]
+    output_layouts: Sequence[Layout | None]
 
 FORMAT = "fusionstitching.graph"
 VERSION = 1
@@ -57,7 +70,7 @@ class GraphFormatError(ValueError):
 # ----------------------------------------------------------------------------------------------
 
 
-def to_text(graph: Graph) -> str:
+def to_text(graph: _Graph) -> str:
     params = ", ".join(f"%{p.name}: {_type(p)}" for p in graph.parameters)
     lines = [f"graph {graph.name}({params}) {{"]
     for node in graph.nodes:
@@ -75,7 +88,7 @@ def to_text(graph: Graph) -> str:
     return "\n".join(lines)
 
 
-def _param_name(graph: Graph, index: int) -> str:
+def _param_name(graph: _Graph, index: int) -> str:
     return graph.parameters[index].name if 0 <= index < len(graph.parameters) else f"<parameter {index}>"
 
 
@@ -166,7 +179,7 @@ def _float_text(value: float, dtype: np.dtype) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def to_json(graph: Graph) -> str:
+def to_json(graph: _Graph) -> str:
     """The graph as a JSON document: one line per node, keys in a fixed order."""
     nodes = [_encode_node(node) for node in graph.nodes]
     layouts = list(graph.output_layouts) + [None] * (len(graph.outputs) - len(graph.output_layouts))

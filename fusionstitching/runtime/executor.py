@@ -36,7 +36,8 @@ import numpy as np
 from fusionstitching.codegen.generate import GeneratedKernel
 from fusionstitching.fusion.plan import FusionPlan
 from fusionstitching.graph import reference
-from fusionstitching.graph.graph import Graph, Node, contiguous_strides
+from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.node import contiguous_strides
 from fusionstitching.graph.ops import Category
 from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 from fusionstitching.options import Options

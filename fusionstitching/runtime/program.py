@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fusionstitching.graph.graph import Graph, Node, contiguous_strides
+from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.node import contiguous_strides
 from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 from fusionstitching.options import Options
 from fusionstitching.runtime.kernel_call import call_generated, loaded

@@ -422,7 +422,7 @@ def test_precompile_compiles_each_distinct_source_once(monkeypatch):
 @pytest.mark.parametrize("shape", [(), (5,), (3, 4), (2, 0, 7), (1, 1, 9), (4, 3, 2, 8)])
 def test_preallocated_outputs_have_torch_contiguous_strides(shape):
     """Outputs allocated by strides (``_empty_strided_cuda``) match ``torch.empty``'s layout."""
-    from fusionstitching.graph.graph import contiguous_strides
+    from fusionstitching.graph.node import contiguous_strides
 
     assert contiguous_strides(shape) == torch.empty(shape).stride()
 
