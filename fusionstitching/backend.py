@@ -73,12 +73,21 @@ class CompileFailure(RuntimeError):
 
 def stats() -> dict[str, int]:
     """Counts since the process started: compiled graphs, kernels, library calls, views, fallbacks,
-    shape specializations and cache hits."""
-    return dict(_STATS)
+    shape specializations and cache hits; ``"tuned"`` (patterns whose schedules were measured) and
+    ``"perflib hits"`` (patterns whose schedule came from the performance library)."""
+    from fusionstitching.runtime.tuner import COUNTS
+
+    result = dict(_STATS)
+    result["tuned"] = COUNTS["tuned"]
+    result["perflib hits"] = COUNTS["perflib hits"]
+    return result
 
 
 def reset_stats() -> None:
+    from fusionstitching.runtime.tuner import COUNTS
+
     _STATS.clear()
+    COUNTS.clear()
 
 
 def _options(options: Options | dict | None) -> Options:

@@ -14,6 +14,10 @@ simulator (no GPU) or on the GPU, and on a GPU prints the bench table against ea
 then it plans each small workload, compiles every kernel with NVRTC and checks the simulated plan.
 ``fusionstitching fuzz --count N [--seed S] [--device cpu|cuda] [--out DIR] [--replay S:k] [--skip ...]``
 runs the differential fuzzer (``fuzz/``); its last line is ``fuzz: N graphs, M mismatches, K errors``.
+``fusionstitching tune WORKLOAD... [--exhaustive] [--candidates K]`` runs each bench workload's first
+call on the GPU with schedule tuning, filling the performance library (``runtime/tuner.py``);
+``fusionstitching perflib [--key K] [--prune-stale] [--older-than DAYS] [--device NAME]`` lists or
+prunes it.
 """
 
 from __future__ import annotations
@@ -185,6 +189,68 @@ def _fuzz_command(args: argparse.Namespace) -> int:
     return command(args)
 
 
+def _tune_command(args: argparse.Namespace) -> int:
+    """``fusionstitching tune``: run each workload's first call on the GPU with tuning on, which
+    measures every pattern the performance library does not know and stores the winners."""
+    import time
+
+    import torch
+
+    from fusionstitching.bench import suite
+    from fusionstitching.runtime.tuner import COUNTS
+
+    if not torch.cuda.is_available():
+        print("fusionstitching tune: no CUDA device; tuning measures kernels on the GPU", file=sys.stderr)
+        return 2
+    options = {"tune": "exhaustive" if args.exhaustive else "measure", "tune_candidates": args.candidates}
+    if args.cache_dir:
+        options["cache_dir"] = args.cache_dir
+    for name in args.workloads:
+        case = suite.make_case(name, small=args.small).to(torch.device("cuda"))
+        before = dict(COUNTS)
+        start = time.perf_counter()
+        suite.step_function(case, suite._compiled(case, "fusionstitching", options=options))()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        tuned = COUNTS["tuned"] - before.get("tuned", 0)
+        hits = COUNTS["perflib hits"] - before.get("perflib hits", 0)
+        right = COUNTS["model first won"] - before.get("model first won", 0)
+        print(f"{name}: {tuned} patterns measured ({right} won by the model's first choice), {hits} from the "
+              f"library, first call {seconds:.1f} s")
+    return 0
+
+
+def _perflib_command(args: argparse.Namespace) -> int:
+    """``fusionstitching perflib``: list the performance library's entries, or prune them."""
+    from fusionstitching.codegen.nvrtc import cache_root
+    from fusionstitching.cost.perflib import FILE_NAME, PerfLib
+    from fusionstitching.runtime.tuner import generator
+
+    library = PerfLib(cache_root(args.cache_dir) / FILE_NAME)
+    if args.prune_stale or args.older_than is not None or args.device:
+        removed = library.prune(generator=generator() if args.prune_stale else None,
+                                older_than_s=None if args.older_than is None else args.older_than * 86400,
+                                device=args.device)
+        print(f"{library.path}: {removed} entries removed")
+        return 0
+    winners = library.winners()
+    print(f"{library.path}: {len(winners)} patterns (generator {generator()})")
+    if not winners:
+        return 0
+    print("| key | GPU | pattern | chosen template | µs | model's µs | candidates | current |")
+    print("|---|---|---|---|---|---|---|---|")
+    for w in winners:
+        print(f"| {w.key[:12]} | {w.device} | {w.description} | {w.template} | {w.us:.1f} | {w.model_us:.1f} "
+              f"| {w.candidates} | {'yes' if w.generator == generator() else 'stale'} |")
+    right = sum(w.model_was_right for w in winners)
+    print(f"the model's first choice was the measured winner for {right} of {len(winners)} patterns")
+    if args.key:
+        for m in library.measurements(next((w.key for w in winners if w.key.startswith(args.key)), args.key)):
+            print(f"  {m.us:9.1f} µs  rank {m.model_rank}  {m.registers} registers  {m.shared_bytes} B shared  "
+                  f"{m.occupancy} blocks/SM  {m.template}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fusionstitching", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -248,6 +314,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     fuzz.add_argument("--timeout", type=float, default=30.0,
                       help="seconds per program (0: none); one still running is reported, not failed")
     fuzz.set_defaults(run=_fuzz_command)
+    tune = sub.add_parser("tune", help="measure the schedules of workloads' kernels on the GPU into the performance library")
+    tune.add_argument("workloads", nargs="+", help="bench workloads (bench/suite.py CASES)")
+    tune.add_argument("--exhaustive", action="store_true", help="time every template of the tuning space")
+    tune.add_argument("--candidates", type=int, default=6, help="templates timed per pattern (default 6)")
+    tune.add_argument("--small", action="store_true", help="the small test sizes instead of benchmark sizes")
+    tune.add_argument("--cache-dir", default=None, help="cache root (default: Options.cache_dir's default)")
+    tune.set_defaults(run=_tune_command)
+    perflib = sub.add_parser("perflib", help="list or prune the performance library")
+    perflib.add_argument("--cache-dir", default=None, help="cache root (default: Options.cache_dir's default)")
+    perflib.add_argument("--key", default=None, help="also list every measurement of the entry with this key prefix")
+    perflib.add_argument("--prune-stale", action="store_true", help="remove entries of other generator versions")
+    perflib.add_argument("--older-than", type=float, default=None, metavar="DAYS", help="remove entries older than this")
+    perflib.add_argument("--device", default=None, help="remove the entries of this GPU name")
+    perflib.set_defaults(run=_perflib_command)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

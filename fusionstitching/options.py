@@ -41,9 +41,19 @@ class Options:
     # Shape specializations compiled per graph; a graph called with more distinct shapes runs the
     # others in PyTorch (one FallbackWarning).
     max_specializations: int = 16
+    # Schedule tuning on a GPU (``runtime/tuner.py``): "measure" times the plan's template and the
+    # latency model's next best, ``tune_candidates`` in all, on each new pattern at the graph's first
+    # call and keeps the fastest in the performance library; "exhaustive" times every template of
+    # the tuning space; "off" runs the plan's templates (the model's choice) and measures nothing.
+    tune: str = "measure"
+    tune_candidates: int = 6
 
     def __post_init__(self) -> None:
         if self.solver not in ("ilp", "beam"):
             raise ValueError(f"Options.solver: unknown solver {self.solver!r}; known: 'ilp', 'beam'")
+        if self.tune not in ("off", "measure", "exhaustive"):
+            raise ValueError(f"Options.tune: unknown mode {self.tune!r}; known: 'off', 'measure', 'exhaustive'")
+        if type(self.tune_candidates) is not int or self.tune_candidates < 1:
+            raise ValueError(f"Options.tune_candidates must be an int >= 1, got {self.tune_candidates!r}")
         if self.score not in ("delta", "model"):
             raise ValueError(f"Options.score: unknown score {self.score!r}; known: 'delta', 'model'")

@@ -303,7 +303,7 @@ def fresh_caches(enabled: bool):
                     os.environ[name] = value
 
 
-def _compiled(case: Case, system: str, cache_dir: str | None = None) -> Callable[..., Any]:
+def _compiled(case: Case, system: str, cache_dir: str | None = None, options: dict | None = None) -> Callable[..., Any]:
     if system == "eager":
         return case.fn
     torch._dynamo.reset()
@@ -312,8 +312,10 @@ def _compiled(case: Case, system: str, cache_dir: str | None = None) -> Callable
     if system == "fusionstitching":
         import fusionstitching  # noqa: F401  (registers the backend)
 
-        return torch.compile(case.fn, backend="fusionstitching",
-                             options={"cache_dir": cache_dir} if cache_dir is not None else None)
+        chosen = dict(options or {})
+        if cache_dir is not None:
+            chosen["cache_dir"] = cache_dir
+        return torch.compile(case.fn, backend="fusionstitching", options=chosen or None)
     raise KeyError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
 
 

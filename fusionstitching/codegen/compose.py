@@ -132,6 +132,10 @@ class Composer:
 
     def _warp_level(self) -> list[K.Stmt]:
         if not self.warp_mode:
+            for group in self.groups:  # WARP tiles of extent 1 (one warp per block): index 0
+                for f in group.factors:
+                    if f.level == Level.WARP:
+                        f.var = self.em.idx(0)
             return self._groups()
         return self._level_loop(Level.WARP, self.special("warp"), self.threads // WARP, "warp_stride",
                                 self._groups)

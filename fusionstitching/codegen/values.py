@@ -181,6 +181,8 @@ class ValueEmitter:
             return False
         if kind is K.Load:
             return e.buffer not in self.shared_buffers and self._pure(e.index)
+        if not hasattr(e, "__dict__"):
+            raise TypeError(f"not an expression: {e!r} ({type(e).__name__})")
         for child in vars(e).values():
             children = child if isinstance(child, tuple) else (child,)
             if any(hasattr(c, "dtype") and not isinstance(c, str) and not self._pure(c) for c in children):

@@ -95,6 +95,8 @@ class CompiledGraph:
         self.calls = 0  # GPU calls
         self._layout_checks: list[tuple[int, tuple[int, ...]]] | None = None
         self._old_values = _old_value_outputs(self.graph, self.steps)
+        self._tuned = False  # whether the first GPU call chose the schedules (``_run_tuning``)
+        self.tuning: Any = None  # that call's Tuner: what was measured or read from the library
 
     @property
     def counts(self) -> Counter[str]:
@@ -196,7 +198,33 @@ class CompiledGraph:
             for k in self._elsewhere:
                 tensors[k] = tensors[k].to(program.device)
         self.calls += 1
-        return self._finish(originals, program.run(tensors))
+        if self._tuned or program.device.type != "cuda" or self.options.tune == "off" \
+                or torch.cuda.is_current_stream_capturing():
+            return self._finish(originals, program.run(tensors))
+        return self._finish(originals, self._run_tuning(program, tensors))
+
+    def _run_tuning(self, program: GpuProgram | GraphedProgram, tensors: Sequence[Any]) -> list[Any]:
+        """The first GPU call: each kernel's schedule is chosen as it comes (``runtime/tuner.py``),
+        then the steps hold the chosen kernels. A failure of tuning itself (not of a kernel's run)
+        leaves the plan's kernels, with a warning, unless the options are strict."""
+        import warnings
+
+        from fusionstitching.runtime.tuner import TuningWarning, gpu_tuner
+
+        self._tuned = True
+        try:
+            tuner = gpu_tuner(self.graph, self.options, program.device)
+        except Exception as err:
+            if self.options.strict:
+                raise
+            warnings.warn(f"{self.graph.name}: schedule tuning unavailable ({err}); running the plan's "
+                          f"templates", TuningWarning, stacklevel=3)
+            return program.run(tensors)
+        outputs = program.run(tensors, tuner)
+        chosen = iter(program.kernels)
+        self.steps = [Step(s.kind, s.nodes, next(chosen)) if s.kernel is not None else s for s in self.steps]
+        self.tuning = tuner
+        return outputs
 
     def _to_move(self, tensors: Sequence[Any], device: Any) -> list[int]:
         """The inputs on another device than the call's that steps need there: all but the 0-d ones

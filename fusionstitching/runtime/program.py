@@ -105,6 +105,18 @@ class KernelOp:
         for slot, tensor in zip(self.out_slots, outputs):
             slots[slot] = tensor
 
+    def retune(self, tuner: Any, slots: list[Any]) -> None:
+        """Let ``tuner`` (``runtime.tuner.Tuner``) choose this op's kernel with this call's inputs."""
+        inputs = [slots[i] for i in self.in_slots]
+        for k in self.contiguous:
+            if not inputs[k].is_contiguous():
+                inputs[k] = inputs[k].contiguous()
+        chosen = tuner.kernel_for(self.kernel, self._viewed(inputs))
+        if chosen is not self.kernel:
+            self.kernel = chosen
+            self.launcher = None
+            self.has_scalar_variant = chosen._scalar_variant is not None
+
     def _viewed(self, inputs: list[Any]) -> list[Any]:
         return [x.reshape(self.reshaped[k]) if k in self.reshaped else x for k, x in enumerate(inputs)]
 
@@ -243,7 +255,9 @@ class GpuProgram:
         self.output_slots = [None if out is None else slot[out] for out in graph.outputs]
         self.kinds = [step.kind for step in steps]
 
-    def run(self, tensors: Sequence[Any]) -> list[Any]:
+    def run(self, tensors: Sequence[Any], tuner: Any = None) -> list[Any]:
+        """The graph's outputs for ``tensors``. With ``tuner`` (``runtime.tuner.Tuner``, at the first
+        call) each kernel is chosen by it, with the call's inputs, just before it runs."""
         slots: list[Any] = [None] * self.size
         slots[: len(tensors)] = tensors
         for k, value in self.constants:
@@ -253,9 +267,20 @@ class GpuProgram:
             self._follow(stream)
         here = _empty_strided_cuda is not None and _current_device is not None \
             and _current_device() == self.device_index
-        for op in self.ops:
-            op(slots, stream, here)
+        if tuner is None:
+            for op in self.ops:
+                op(slots, stream, here)
+        else:
+            for op in self.ops:
+                if isinstance(op, KernelOp):
+                    op.retune(tuner, slots)
+                op(slots, stream, here)
         return [None if k is None else slots[k] for k in self.output_slots]
+
+    @property
+    def kernels(self) -> list[Any]:
+        """The generated kernel each kernel step runs, in step order."""
+        return [op.kernel for op in self.ops if isinstance(op, KernelOp)]
 
 
     def _follow(self, stream: int) -> None:
@@ -418,10 +443,14 @@ class GraphedProgram:
         self.static_outputs: list[Any] = []
         self.calls = 0
 
-    def run(self, tensors: Sequence[Any]) -> list[Any]:
+    @property
+    def kernels(self) -> list[Any]:
+        return self.program.kernels
+
+    def run(self, tensors: Sequence[Any], tuner: Any = None) -> list[Any]:
         self.calls += 1
         if self.calls == 1 or not self.program.capturable:
-            return self.program.run(tensors)
+            return self.program.run(tensors, tuner)
         if self.graph is None:
             self._capture(tensors)
         for static, tensor in zip(self.static_inputs, tensors):

@@ -1,0 +1,337 @@
+"""Schedule tuning at a graph's first GPU call, with the performance library [A §4.4, C §5.4].
+
+The plan gives every pattern one template, the default rule's (the model's first choice). At the
+first call of a graph on a GPU (``CompiledGraph``, unless ``Options(tune="off")``), each kernel of
+the program, in program order and with the call's own input values, goes through ``Tuner.kernel_for``:
+
+1. its key (``cost.perflib.entry_key``: the pattern's structure, shapes, dtypes and strides, the GPU,
+   the generator's version) is looked up, first among this process's decisions, then in the
+   performance library (``perflib.sqlite`` in the cache root): a hit gives the template, and
+   nothing is measured;
+2. otherwise the candidates are the plan's template and the tuning space's next best by the latency
+   model (``schedule.tune.ranked_templates``; ``Options.tune_candidates`` in all, every one with
+   ``tune="exhaustive"``). Each is generated and compiled (NVRTC, in parallel), run once on the
+   call's inputs and checked against the plan's kernel within the dtype's tolerance (a candidate
+   that disagrees is dropped with a warning, and is an error under ``strict``), then timed: CUDA
+   events around single launches, L2 flushed before each, candidates interleaved over rounds, the
+   median per candidate. Every measurement and the winner go to the library.
+
+Tuning never touches the user's tensors: inputs a kernel overwrites in place are replaced by
+scratch copies, and outputs are scratch buffers. Kernels draw random numbers from the seed and
+offset the graph reads from its inputs, so torch's generator is not advanced either. The program
+then runs the chosen kernel for the call itself. A candidate whose in-place updates differ from the
+plan's kernel is not considered: the order of the program's steps depends on them.
+
+``COUNTS`` holds this process's ``"tuned"`` (patterns measured) and ``"perflib hits"`` (patterns
+whose template came from the library), read by ``fusionstitching.stats()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from fusionstitching.codegen.generate import GeneratedKernel, generate
+from fusionstitching.cost.bandwidth import bandwidth_model
+from fusionstitching.cost.gpu_spec import gpu_spec, spec_key
+from fusionstitching.cost.latency import occupancy
+from fusionstitching.cost.perflib import FILE_NAME, Measured, PerfLib, entry_key, generator_version
+from fusionstitching.graph.analysis import in_place_outputs, pattern_structure
+from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.options import Options
+from fusionstitching.schedule.tune import canonical, ranked_templates, renamed
+
+logger = logging.getLogger(__name__)
+
+COUNTS: Counter[str] = Counter()
+ROUNDS = 10  # timed launches per candidate, interleaved
+
+# (kernels, inputs) -> per kernel its median µs, or None when it failed or disagreed
+Measure = Callable[[Sequence[GeneratedKernel], Sequence[Any]], list[float | None]]
+
+
+class TuningWarning(UserWarning):
+    """A candidate schedule was dropped (it failed to build or disagreed with the plan's kernel)."""
+
+
+@functools.cache
+def generator() -> str:
+    """The code generator's version: a hash of the code generation and schedule sources."""
+    package = Path(__file__).resolve().parent.parent
+    return generator_version([package / "codegen", package / "schedule", package / "graph" / "pattern.py"])
+
+
+class Tuner:
+    """Chooses the template of each kernel of one graph's program (see the module note).
+    ``measure`` times candidates (``GpuMeasure`` on a GPU); ``library`` is the performance library
+    or None; ``device`` and ``arch`` name the GPU (``torch.cuda.get_device_name``, ``sm_90``)."""
+
+    def __init__(self, graph: Graph, options: Options, device: str, arch: str, measure: Measure,
+                 library: PerfLib | None = None, resources: Callable[[GeneratedKernel], tuple[int, int]] | None = None,
+                 ) -> None:
+        self.graph = graph
+        self.options = options
+        self.device = device
+        self.arch = arch
+        self.measure = measure
+        self.library = library
+        self.resources = resources  # kernel -> (registers, shared bytes), from ptxas
+        key = spec_key(device) or options.device
+        self.spec = gpu_spec(key)
+        self.bandwidth = bandwidth_model(key)
+        self._aliased = in_place_outputs(graph)
+        self._decided: dict[str, str] = {}
+        self._made: dict[tuple, GeneratedKernel] = {}
+        self.tuned = 0
+        self.hits = 0
+        self.model_right = 0
+        self.seconds = 0.0
+
+    def _nodes(self, kernel: GeneratedKernel) -> list[Node]:
+        position = self.graph.index.position
+        return sorted(kernel.lowered.pattern.nodes, key=position.__getitem__)
+
+    def key(self, kernel: GeneratedKernel) -> str:
+        """The library key of ``kernel``'s pattern on this GPU."""
+        nodes = self._nodes(kernel)
+        structure = repr((pattern_structure(self.graph, nodes, self._aliased), sorted(kernel.lowered.aliases.items())))
+        return entry_key(structure, self.device, self.arch, generator())
+
+    def kernel_for(self, kernel: GeneratedKernel, inputs: Sequence[Any]) -> GeneratedKernel:
+        """The kernel to run for ``kernel``'s pattern: ``kernel`` itself, or one generated with the
+        measured or stored template. ``inputs``: the pattern's input tensors for this call."""
+        start = time.perf_counter()
+        try:
+            nodes = self._nodes(kernel)
+            key = self.key(kernel)
+            text = self._decided.get(key)
+            if text is None:
+                winner = self.library.winner(key) if self.library is not None else None
+                if winner is not None:
+                    text = winner.template
+                    self.hits += 1
+                    COUNTS["perflib hits"] += 1
+                else:
+                    text = self._tune(key, kernel, nodes, inputs)
+                self._decided[key] = text
+            if text == canonical(kernel.template, nodes):
+                return kernel
+            try:
+                chosen = self._generate(nodes, renamed(text, nodes), kernel)
+            except Exception as err:  # a stored template this code cannot build: keep the plan's
+                if self.options.strict:
+                    raise
+                warnings.warn(f"{kernel.name}: stored template {text} does not build ({err}); running the "
+                              f"plan's", TuningWarning, stacklevel=2)
+                return kernel
+            return chosen if chosen.lowered.aliases == kernel.lowered.aliases else kernel
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _generate(self, nodes: list[Node], template, like: GeneratedKernel) -> GeneratedKernel:
+        """The kernel for ``nodes`` under ``template`` (a pattern of the same structure and template
+        made earlier in this graph gives its twin: one compile, one module)."""
+        in_place = bool(like.lowered.aliases)
+        made_key = (pattern_structure(self.graph, nodes, self._aliased, scalar_values=True),
+                    canonical(template, nodes), in_place)
+        first = self._made.get(made_key)
+        if first is not None:
+            return first.twin(self.graph, nodes, template)
+        kernel = self._made[made_key] = generate(self.graph, nodes, template, name=like.name, in_place=in_place)
+        return kernel
+
+    def _tune(self, key: str, kernel: GeneratedKernel, nodes: list[Node], inputs: Sequence[Any]) -> str:
+        """Measure the candidates of ``kernel``'s pattern; store them; the winner's canonical text."""
+        current = canonical(kernel.template, nodes)
+        limit = None if self.options.tune == "exhaustive" else self.options.tune_candidates
+        ranked = ranked_templates(self.graph, nodes, self.spec, self.bandwidth, self.options.smem_limit,
+                                  limit=None if limit is None else limit + 1)
+        candidates: list[GeneratedKernel] = [kernel]
+        for template in ranked:
+            if limit is not None and len(candidates) >= limit:
+                break
+            if canonical(template, nodes) == current:
+                continue
+            try:
+                made = self._generate(nodes, template, kernel)
+            except Exception as err:
+                if self.options.strict:
+                    raise
+                warnings.warn(f"{kernel.name}: candidate {template} does not build ({err})", TuningWarning,
+                              stacklevel=3)
+                continue
+            if made.lowered.aliases == kernel.lowered.aliases:
+                candidates.append(made)
+        if len(candidates) == 1:
+            times: list[float | None] = [0.0]
+        else:
+            times = self.measure(candidates, inputs)
+        measured = []
+        for rank, (candidate, us) in enumerate(zip(candidates, times)):
+            if us is None:
+                continue
+            registers, shared = self.resources(candidate) if self.resources is not None else (0, 0)
+            blocks = occupancy(self.spec, candidate.template.launch.threads, shared, max(registers, 1)) \
+                if registers else 0
+            measured.append(Measured(canonical(candidate.template, nodes), float(us), registers, shared, blocks, rank))
+        if not measured or times[0] is None:
+            return current
+        self.tuned += 1
+        COUNTS["tuned"] += 1
+        best = min(measured, key=lambda m: m.us)
+        if best.template == current:
+            self.model_right += 1
+            COUNTS["model first won"] += 1
+        if len(candidates) > 1 and self.library is not None:
+            self.library.store(key, measured, description=_describe(nodes), device=self.device, arch=self.arch,
+                               generator=generator())
+        logger.info("tuned %s: %d candidates, %s %.1f µs (plan's %.1f µs)", kernel.name, len(measured),
+                    best.template, best.us, measured[0].us)
+        return best.template
+
+
+def _describe(nodes: Sequence[Node]) -> str:
+    """A short human description of a pattern for ``fusionstitching perflib``'s listing."""
+    ops = Counter(n.op for n in nodes)
+    shapes = sorted({n.shape for n in nodes if n.op == "reduce"} or {nodes[-1].shape}, key=len)
+    text = ", ".join(f"{op}×{n}" if n > 1 else op for op, n in ops.most_common(6))
+    return f"{text}; {nodes[-1].dtype.value}{list(shapes[-1])}"
+
+
+# ----------------------------------------------------------------------------------------------
+# On a GPU
+# ----------------------------------------------------------------------------------------------
+
+
+def gpu_tuner(graph: Graph, options: Options, device: Any) -> Tuner:
+    """The Tuner of ``graph`` on CUDA ``device``, with the library in the cache root."""
+    import torch
+
+    from fusionstitching.codegen.nvrtc import cache_root
+    from fusionstitching.runtime.kernel_call import device_arch
+
+    arch = device_arch(device)
+    name = torch.cuda.get_device_name(device)
+    library = PerfLib(cache_root(options.cache_dir) / FILE_NAME)
+    cache = {"cache_dir": options.cache_dir, "cache_max_bytes": options.cache_max_bytes}
+
+    def resources(kernel: GeneratedKernel) -> tuple[int, int]:
+        """(registers per thread, static shared bytes) from ptxas's report (NVRTC's disk cache)."""
+        report = kernel.compile(arch, **cache).resources.get(kernel.name)
+        return (report.registers, report.shared_bytes) if report is not None else (0, 0)
+
+    return Tuner(graph, options, name, arch, GpuMeasure(device, options), library, resources)
+
+
+class GpuMeasure:
+    """Times candidate kernels of one pattern on ``device`` (see the module note)."""
+
+    def __init__(self, device: Any, options: Options, rounds: int = ROUNDS) -> None:
+        self.device = device
+        self.options = options
+        self.rounds = rounds
+        self._flush: Any = None
+
+    def __call__(self, kernels: Sequence[GeneratedKernel], inputs: Sequence[Any]) -> list[float | None]:
+        import torch
+
+        from fusionstitching.runtime.kernel_call import (
+            allocate_outputs,
+            call_generated,
+            device_arch,
+            precompile,
+        )
+
+        cache = {"cache_dir": self.options.cache_dir, "cache_max_bytes": self.options.cache_max_bytes}
+        precompile(kernels, device_arch(self.device), cache_dir=self.options.cache_dir,
+                   cache_max_bytes=self.options.cache_max_bytes)
+        aliased = sorted(set(kernels[0].lowered.aliases.values()))
+        scratch = list(inputs)
+        for j in aliased:  # inputs overwritten in place: copies, never the user's tensors
+            scratch[j] = inputs[j].clone()
+        outputs = allocate_outputs(kernels[0], scratch)
+        ok: list[bool] = []
+        reference: list[Any] = []
+        for k, kernel in enumerate(kernels):
+            for j in aliased:
+                scratch[j].copy_(inputs[j])
+            try:
+                results = call_generated(kernel, scratch, outputs, **cache)
+                torch.cuda.synchronize(self.device)
+            except Exception as err:
+                if k == 0 or self.options.strict:
+                    raise
+                warnings.warn(f"{kernel.name}: candidate {kernel.template} failed to run ({err})", TuningWarning,
+                              stacklevel=3)
+                ok.append(False)
+                continue
+            if k == 0:
+                reference = [r.clone() for r in results]
+                ok.append(True)
+                continue
+            bad = next((n for n, (r, x) in enumerate(zip(reference, results)) if not _close(r, x)), None)
+            if bad is not None:
+                message = (f"{kernel.name}: candidate {kernel.template} disagrees with the plan's template "
+                           f"{kernels[0].template} on output {bad}")
+                if self.options.strict:
+                    raise RuntimeError(message)
+                warnings.warn(message + "; dropped", TuningWarning, stacklevel=3)
+            ok.append(bad is None)
+        live = [k for k, good in enumerate(ok) if good]
+        samples: dict[int, list[float]] = {k: [] for k in live}
+        flush = self._flush_buffer()
+        for _ in range(self.rounds):
+            for k in live:
+                flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                call_generated(kernels[k], scratch, outputs, **cache)
+                end.record()
+                samples[k].append((start, end))
+        torch.cuda.synchronize(self.device)
+        times: list[float | None] = [None] * len(kernels)
+        for k in live:
+            times[k] = statistics.median(1e3 * s.elapsed_time(e) for s, e in samples[k])
+        return times
+
+    def _flush_buffer(self) -> Any:
+        """A buffer twice the L2 cache: writing it evicts what a previous launch left in L2."""
+        import torch
+
+        if self._flush is None:
+            size = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 50 << 20)
+            self._flush = torch.empty(2 * max(size, 1 << 20), dtype=torch.uint8, device=self.device)
+        return self._flush
+
+
+def _close(expected: Any, actual: Any) -> bool:
+    """Whether two candidates' outputs agree within the dtype's tolerance (NaN where NaN; integers
+    and booleans exactly). Reductions in another order differ by rounding, relative to the
+    output's scale."""
+    import torch
+
+    if expected.dtype in (torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        return bool(torch.equal(expected, actual))
+    a, b = expected.double(), actual.double()
+    nan = torch.isnan(a)
+    if not torch.equal(nan, torch.isnan(b)):
+        return False
+    a, b = a[~nan], b[~nan]
+    if a.numel() == 0:
+        return True
+    inf = torch.isinf(a)
+    if not torch.equal(a[inf], b[inf]):
+        return False
+    a, b = a[~inf], b[~inf]
+    if a.numel() == 0:
+        return True
+    rtol = 1e-4 if expected.dtype in (torch.float32, torch.float64) else 2e-2
+    scale = max(1.0, float(a.abs().max()))
+    return bool(((a - b).abs() <= rtol * b.abs() + rtol * scale).all())

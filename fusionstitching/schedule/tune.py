@@ -1,0 +1,156 @@
+"""The tuning space of a pattern: every template the code generator builds for it, ranked by the
+latency evaluator [C §5.4], for the runtime to measure (``runtime/tuner.py``) [A §4.4].
+
+The space is the template grammar's knobs that the default rule (``grouping.choose_template``)
+fixes by heuristics:
+
+- thread composition and packing (no value crossing threads): threads per block (128 to 1024);
+- composed row reductions: warp mode with 1 to 32 rows (warps) per block and 1, 2 or 4 rows per warp
+  at a time (where the rows divide evenly, as the default requires), and block mode (a block per
+  row) with 128 to 1024 threads;
+- reductions only: a thread per column (``thread_serial_template``) at 128 to 512 threads;
+- everything ``grouping._candidate_templates`` tries when the default does not lower (shared-memory
+  transposes, recomputation instead of caching, packed reductions).
+
+``ranked_templates`` checks each as ``feasible`` does (the schedule's own refusals, block locality,
+then the registered lowering check) and returns the ones that pass, best model estimate first; the
+default rule's template is first among equal estimates. The runtime's tuner puts the plan's template
+(the default rule's, or the first that lowered) first of all: that is the model's first choice, the
+one ``Options(tune="off")`` runs. Templates print with their roots named by position (``canonical``),
+so a template measured on one pattern applies to every pattern of its structure (``renamed``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+from fusionstitching.cost.bandwidth import BandwidthModel
+from fusionstitching.cost.gpu_spec import GpuSpec
+from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us
+from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.pattern import PatternError, reduced_dims, resolve_pattern
+from fusionstitching.graph.pattern import iteration_space as _space
+from fusionstitching.schedule.grouping import (
+    _LOWERING,
+    DEFAULT_THREADS,
+    LoweringCheck,
+    _batched,
+    _candidate_templates,
+    _column_pattern,
+    _crossing,
+    composed_template,
+    thread_serial_template,
+)
+from fusionstitching.schedule.packing import _packed_template
+from fusionstitching.schedule.propagate import check_block_locality
+from fusionstitching.schedule.refusals import refusal
+from fusionstitching.schedule.template import WARP_SIZE, KernelSchedule, Schedule
+
+BLOCK_THREADS = (128, 256, 512, 1024)
+WARPS_PER_BLOCK = (1, 2, 4, 8, 16, 32)
+ROWS_PER_WARP = (1, 2, 4)
+
+
+def tuning_space(pattern) -> list[Callable[[], KernelSchedule]]:
+    """Makers of the candidate templates of ``pattern``, the default rule's first (each may raise
+    ``ValueError`` or ``PatternError`` for a tiling the rules refuse)."""
+    makes = list(_candidate_templates(pattern))
+    reductions = _crossing(pattern)
+    if not reductions:
+        makes += [lambda t=t: _packed_template(pattern, t) for t in BLOCK_THREADS]
+        return makes
+    if _batched(pattern, reductions):
+        return makes
+    if not _column_pattern(pattern, reductions):
+        space, reduced = _space(reductions[0]), set(reduced_dims(reductions[0]))
+        kept = [d for d in range(len(space)) if d not in reduced]
+        last_kept = space[kept[-1]] if kept else 1
+        for warps in WARPS_PER_BLOCK:
+            for rows in ROWS_PER_WARP:
+                if rows == 1 or last_kept % (rows * warps) == 0:
+                    makes.append(lambda w=warps, r=rows: composed_template(pattern, reductions, DEFAULT_THREADS,
+                                                                           w, rows_per_warp=r))
+        makes += [lambda t=t: composed_template(pattern, reductions, t, None) for t in BLOCK_THREADS]
+    if all(r.op == "reduce" for r in reductions):
+        makes += [lambda t=t: thread_serial_template(pattern, reductions, t) for t in BLOCK_THREADS[:3]]
+    return makes
+
+
+def model_estimate_us(pattern, template: KernelSchedule, spec: GpuSpec, bandwidth: BandwidthModel) -> float:
+    """The latency evaluator's time for ``template``: max(L, M(V)), L = N_wave × L_warp of its launch
+    (``cost.latency``), M(V) the pattern's DRAM traffic (inputs read once, outputs written once)."""
+    launch = template.launch
+    cycles = instructions_per_thread(pattern.nodes, launch.blocks, launch.threads)
+    latency = kernel_latency_us(spec, launch.blocks, launch.threads, cycles)
+    moved = sum(n.size * n.dtype.itemsize for n in list(pattern.inputs) + list(pattern.outputs))
+    return max(latency, bandwidth.time_us(moved))
+
+
+def ranked_templates(graph: Graph, nodes: Iterable[Node | str], spec: GpuSpec, bandwidth: BandwidthModel,
+                     smem_limit: int = 48 * 1024, limit: int | None = None,
+                     lowers: LoweringCheck | None = None) -> list[KernelSchedule]:
+    """Up to ``limit`` distinct templates that the code generator builds for the pattern, in the
+    model's order (``model_estimate_us``; ties in the order of ``tuning_space``, the default
+    first). Refused ones are skipped; an empty list means none of the space lowers."""
+    if lowers is None and _LOWERING:
+        lowers = _LOWERING[0]
+    nodes = list(nodes)
+    pattern = resolve_pattern(graph, nodes)
+    made: list[tuple[float, int, KernelSchedule]] = []
+    seen: set[KernelSchedule] = set()
+    for k, make in enumerate(tuning_space(pattern)):
+        try:
+            template = make()
+        except (ValueError, PatternError):
+            continue
+        if template in seen:
+            continue
+        seen.add(template)
+        try:
+            estimate = model_estimate_us(pattern, template, spec, bandwidth)
+        except ValueError:
+            continue
+        if math.isfinite(estimate):
+            # 5 % apart or less is a tie: the evaluator is no finer than that
+            made.append((round(math.log(max(estimate, 1e-3)) / math.log(1.05)), k, template))
+    made.sort(key=lambda item: (item[0], item[1]))
+    result: list[KernelSchedule] = []
+    for _, _, template in made:
+        if limit is not None and len(result) >= limit:
+            break
+        try:
+            refused = refusal(pattern, template)
+            if refused is None:
+                refused = check_block_locality(graph, nodes, template, smem_limit, pattern=pattern)
+            if refused is None and lowers is not None:
+                refused = lowers(graph, nodes, pattern, template, smem_limit)
+        except (ValueError, PatternError):
+            continue
+        if refused is None:
+            result.append(template)
+    return result
+
+
+def canonical(template: KernelSchedule, nodes: Sequence[Node]) -> str:
+    """``template`` as text with each root named ``n<k>``, k its node's position in ``nodes``."""
+    position = {node.name: k for k, node in enumerate(nodes)}
+    schedules = tuple(Schedule(f"n{position[s.root]}", s.dims, s.shared) for s in template.schedules)
+    return str(KernelSchedule(schedules, template.launch))
+
+
+def renamed(text: str, nodes: Sequence[Node]) -> KernelSchedule:
+    """The canonical template ``text`` with its roots named after ``nodes`` (``canonical``'s inverse)."""
+    from fusionstitching.schedule.template import parse_template
+
+    template = parse_template(text)
+    schedules = []
+    for s in template.schedules:
+        if not s.root.startswith("n") or not s.root[1:].isdigit() or int(s.root[1:]) >= len(nodes):
+            raise ValueError(f"template root {s.root!r} names no node of a pattern of {len(nodes)}")
+        schedules.append(Schedule(nodes[int(s.root[1:])].name, s.dims, s.shared))
+    return KernelSchedule(tuple(schedules), template.launch)
+
+
+__all__ = ["BLOCK_THREADS", "ROWS_PER_WARP", "WARPS_PER_BLOCK", "WARP_SIZE", "canonical", "model_estimate_us",
+           "ranked_templates", "renamed", "tuning_space"]
