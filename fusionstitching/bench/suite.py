@@ -42,7 +42,8 @@ import torch
 from fusionstitching.bench import workloads as W
 
 TOP_KERNELS = 20  # kernels kept per result, by GPU time
-SYSTEMS = ("eager", "inductor", "fusionstitching", "xla")
+# "fusionstitching-untuned": the plan's templates, no schedule measured (``Options(tune="off")``)
+SYSTEMS = ("eager", "inductor", "fusionstitching", "fusionstitching-untuned", "xla")
 DEFAULT_SYSTEMS = ("eager", "inductor", "fusionstitching")
 
 # Kernel names of GEMM libraries: cuBLAS (gemm, gemv, nvjet, xmma, splitKreduce), CUTLASS, and
@@ -104,6 +105,10 @@ CASES: dict[str, tuple[Callable[[bool], W.Workload], torch.dtype | None, bool, b
                         "LayerNorm 16384×1024 f32 forward + backward"),
     "layernorm_train_bf16": (_layernorm(torch.bfloat16, True), None, True, False,
                              "LayerNorm 16384×1024 bf16 forward + backward"),
+    "rmsnorm": (_sized(W.rmsnorm, batch=8192, hidden=4096), None, True, False,
+                "Llama RMSNorm (f32 mean square) 8192×4096 bf16 forward"),
+    "rmsnorm_train": (_sized(W.rmsnorm, batch=8192, hidden=4096, train=True), None, True, False,
+                      "Llama RMSNorm (f32 mean square) 8192×4096 bf16 forward + backward"),
     "softmax": (_sized(W.softmax_scale_mask, batch=32, heads=12, seq=128), None, True, False,
                 "softmax(x·0.125 + mask) 32×12×128×128 f32"),
     "bias_gelu": (_sized(W.bias_gelu, tokens=16384, hidden=3072, dtype=torch.bfloat16), None, True, False,
@@ -309,10 +314,12 @@ def _compiled(case: Case, system: str, cache_dir: str | None = None, options: di
     torch._dynamo.reset()
     if system == "inductor":
         return torch.compile(case.fn, backend="inductor")
-    if system == "fusionstitching":
+    if system in ("fusionstitching", "fusionstitching-untuned"):
         import fusionstitching  # noqa: F401  (registers the backend)
 
         chosen = dict(options or {})
+        if system == "fusionstitching-untuned":
+            chosen["tune"] = "off"
         if cache_dir is not None:
             chosen["cache_dir"] = cache_dir
         return torch.compile(case.fn, backend="fusionstitching", options=chosen or None)

@@ -43,6 +43,21 @@ def layernorm(batch: int = 16, hidden: int = 64, train: bool = False, dtype: tor
     return Workload("layernorm_train" if train else "layernorm", module, (x,), train)
 
 
+def rmsnorm(batch: int = 16, hidden: int = 64, train: bool = False, dtype: torch.dtype = torch.bfloat16,
+            eps: float = 1e-6) -> Workload:
+    """Llama's RMSNorm: the row's mean square in f32, the normalized row cast back, times the weight."""
+    torch.manual_seed(0)
+    weight = torch.randn(hidden, dtype=dtype, requires_grad=train)
+
+    def fn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        wide = x.float()
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * normed.to(x.dtype)
+
+    x = _rand(batch, hidden, dtype=dtype, requires_grad=train)
+    return Workload("rmsnorm_train" if train else "rmsnorm", fn, (x, weight), train)
+
+
 def softmax_scale_mask(batch: int = 4, heads: int = 2, seq: int = 16, scale: float = 0.125,
                        dtype: torch.dtype = torch.float32) -> Workload:
     def fn(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -200,6 +215,8 @@ def dropout(numel: int = 4096, p: float = 0.3) -> Workload:
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "layernorm": layernorm,
     "layernorm_train": lambda **kw: layernorm(train=True, **kw),
+    "rmsnorm": rmsnorm,
+    "rmsnorm_train": lambda **kw: rmsnorm(train=True, **kw),
     "softmax_scale_mask": softmax_scale_mask,
     "bias_gelu": bias_gelu,
     "adam_step": adam_step,

@@ -1,0 +1,161 @@
+"""The tuner's decisions (CPU, with a stand-in for the GPU's timing): the fastest candidate wins, the
+library keeps it, a second tuner (or process) reads it and measures nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusionstitching.cli import capture_workload
+from fusionstitching.cost.perflib import FILE_NAME, PerfLib
+from fusionstitching.options import Options
+from fusionstitching.pipeline import compile_graph
+from fusionstitching.runtime.tuner import COUNTS, Tuner
+from fusionstitching.schedule.tune import canonical
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class LastIsFastest:
+    """Times candidates so that the last one wins; counts the patterns it was asked about."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def __call__(self, kernels, inputs):
+        self.calls.append([str(k.template) for k in kernels])
+        return [10.0 + k for k in range(len(kernels) - 1)] + [5.0]
+
+
+def _never(kernels, inputs):
+    raise AssertionError("a library hit must measure nothing")
+
+
+def _layernorm():
+    _workload, captured = capture_workload("layernorm")
+    return compile_graph(captured.forward, Options(strict=True))
+
+
+def test_the_fastest_candidate_wins_and_a_second_tuner_reads_it_from_the_library(tmp_path):
+    compiled = _layernorm()
+    kernel = compiled.kernels[0]
+    library = PerfLib(tmp_path / FILE_NAME)
+    before = COUNTS["tuned"], COUNTS["perflib hits"]
+    measure = LastIsFastest()
+    tuner = Tuner(compiled.graph, Options(strict=True), "Test GPU", "sm_90", measure, library)
+    chosen = tuner.kernel_for(kernel, [])
+    assert len(measure.calls) == 1 and len(measure.calls[0]) == Options().tune_candidates
+    assert measure.calls[0][0] == str(kernel.template)  # the plan's template is the model's first choice
+    assert str(chosen.template) == measure.calls[0][-1] != str(kernel.template)
+    assert chosen.lowered.pattern.outputs == kernel.lowered.pattern.outputs
+    assert (COUNTS["tuned"], COUNTS["perflib hits"]) == (before[0] + 1, before[1])
+    assert tuner.tuned == 1 and tuner.model_right == 0
+    winner = library.winner(tuner.key(kernel))
+    nodes = sorted(kernel.lowered.pattern.nodes, key=compiled.graph.index.position.__getitem__)
+    assert winner.template == canonical(chosen.template, nodes)
+    assert winner.model_template == canonical(kernel.template, nodes) and winner.us == 5.0
+
+    again = _layernorm()  # a new graph object: same structure, same key
+    second = Tuner(again.graph, Options(strict=True), "Test GPU", "sm_90", _never, PerfLib(tmp_path / FILE_NAME))
+    assert str(second.kernel_for(again.kernels[0], []).template) == str(chosen.template)
+    assert second.hits == 1 and COUNTS["perflib hits"] == before[1] + 1
+
+
+def test_another_gpu_or_no_library_measures_again(tmp_path):
+    compiled = _layernorm()
+    library = PerfLib(tmp_path / FILE_NAME)
+    Tuner(compiled.graph, Options(), "GPU A", "sm_90", LastIsFastest(), library).kernel_for(compiled.kernels[0], [])
+    measure = LastIsFastest()
+    Tuner(compiled.graph, Options(), "GPU B", "sm_90", measure, library).kernel_for(compiled.kernels[0], [])
+    assert len(measure.calls) == 1
+    measure = LastIsFastest()
+    Tuner(compiled.graph, Options(), "GPU A", "sm_90", measure, None).kernel_for(compiled.kernels[0], [])
+    assert len(measure.calls) == 1
+
+
+def test_patterns_of_one_structure_are_measured_once_per_graph(tmp_path):
+    _workload, captured = capture_workload("bert_layer")
+    compiled = compile_graph(captured.forward, Options(strict=True))
+    measure = LastIsFastest()
+    tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, PerfLib(tmp_path / FILE_NAME))
+    chosen = [tuner.kernel_for(k, []) for k in compiled.kernels]
+    keys = {tuner.key(k) for k in compiled.kernels}
+    assert len(measure.calls) <= len(keys)  # a key with one candidate is not timed
+    assert len(chosen) == len(compiled.kernels)
+    assert all(c.lowered.pattern.outputs == k.lowered.pattern.outputs for c, k in zip(chosen, compiled.kernels))
+
+
+def test_the_plans_template_stays_when_it_is_fastest_or_the_only_one(tmp_path):
+    compiled = _layernorm()
+    kernel = compiled.kernels[0]
+
+    def first_wins(kernels, inputs):
+        return [1.0] + [2.0] * (len(kernels) - 1)
+
+    tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", first_wins, PerfLib(tmp_path / FILE_NAME))
+    assert tuner.kernel_for(kernel, []) is kernel and tuner.model_right == 1
+
+    def plan_failed(kernels, inputs):
+        return [None] + [1.0] * (len(kernels) - 1)
+
+    other = Tuner(compiled.graph, Options(), "Other GPU", "sm_90", plan_failed, PerfLib(tmp_path / FILE_NAME))
+    assert other.kernel_for(kernel, []) is kernel and other.tuned == 0
+
+
+def test_exhaustive_times_the_whole_space(tmp_path):
+    compiled = _layernorm()
+    measure = LastIsFastest()
+    Tuner(compiled.graph, Options(tune="exhaustive"), "Test GPU", "sm_90", measure, None).kernel_for(
+        compiled.kernels[0], [])
+    assert len(measure.calls[0]) > Options().tune_candidates
+
+
+def test_a_stored_template_this_code_cannot_build_keeps_the_plans(tmp_path):
+    from fusionstitching.cost.perflib import Measured
+
+    compiled = _layernorm()
+    kernel = compiled.kernels[0]
+    library = PerfLib(tmp_path / FILE_NAME)
+    tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", _never, library)
+    library.store(tuner.key(kernel), [Measured("n0[GRID]; launch(blocks=1,threads=32)", 1.0)])
+    with pytest.warns(UserWarning, match="does not build"):
+        assert tuner.kernel_for(kernel, []) is kernel
+
+
+def test_options_tune_is_checked():
+    with pytest.raises(ValueError, match="Options.tune"):
+        Options(tune="fast")
+    with pytest.raises(ValueError, match="tune_candidates"):
+        Options(tune_candidates=0)
+
+
+def test_a_second_process_takes_the_winner_from_the_library_and_measures_nothing(tmp_path):
+    """Process one tunes (a stand-in timer) and stores; process two reads the winner: its stats count
+    a perflib hit and no tuned pattern."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+from fusionstitching.cli import capture_workload
+from fusionstitching.cost.perflib import PerfLib
+from fusionstitching.options import Options
+from fusionstitching.pipeline import compile_graph
+from fusionstitching.runtime.tuner import Tuner
+import fusionstitching
+def timer(kernels, inputs):
+    if sys.argv[1] == "second":
+        raise SystemExit("measured in the second process")
+    return [10.0] * (len(kernels) - 1) + [1.0]
+w, c = capture_workload("layernorm")
+g = compile_graph(c.forward, Options(strict=True))
+k = Tuner(g.graph, Options(), "Test GPU", "sm_90", timer, PerfLib(sys.argv[2])).kernel_for(g.kernels[0], [])
+s = fusionstitching.stats()
+print(k.template, s["tuned"], s["perflib hits"])
+"""
+    path = str(tmp_path / FILE_NAME)
+    runs = [subprocess.run([sys.executable, "-c", script, which, path], capture_output=True, text=True, cwd=ROOT,
+                           check=True).stdout.split() for which in ("first", "second")]
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][-2:] == ["1", "0"] and runs[1][-2:] == ["0", "1"]

@@ -1,0 +1,106 @@
+"""The tuning space: its templates lower, are distinct, and compute what the plan's template computes."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+from fusionstitching.cli import capture_workload
+from fusionstitching.codegen.generate import generate
+from fusionstitching.codegen.simulate import SimulationError
+from fusionstitching.cost import bandwidth_model, gpu_spec
+from fusionstitching.options import Options
+from fusionstitching.pipeline import compile_graph
+from fusionstitching.schedule.tune import canonical, ranked_templates, renamed
+
+SPEC, BANDWIDTH = gpu_spec("H100"), bandwidth_model("H100")
+
+
+def _inputs(kernel, rng):
+    arrays = []
+    for node in kernel.lowered.pattern.inputs:
+        dtype = node.dtype.numpy
+        if node.dtype.value == "bool":
+            arrays.append(rng.random(node.shape) < 0.5)
+        elif np.dtype(dtype).kind in "iu":
+            arrays.append(rng.integers(0, 3, node.shape).astype(dtype))
+        else:
+            arrays.append(rng.standard_normal(node.shape).astype(dtype))
+    return arrays
+
+
+def _check_candidates(graph, limit=None) -> int:
+    """Every ranked template of every kernel of ``graph``'s plan simulates like the plan's kernel."""
+    compiled = compile_graph(graph, Options(strict=True))
+    plan_graph, rng, checked = compiled.graph, np.random.default_rng(0), 0
+    for kernel in compiled.kernels:
+        nodes = sorted(kernel.lowered.pattern.nodes, key=plan_graph.index.position.__getitem__)
+        arrays = _inputs(kernel, rng)
+        try:
+            expected = kernel.simulate(arrays)
+        except SimulationError:  # random indices out of range for a gather: nothing to compare with
+            continue
+        templates = ranked_templates(plan_graph, nodes, SPEC, BANDWIDTH, limit=limit)
+        assert len(set(templates)) == len(templates)
+        for template in templates:
+            assert renamed(canonical(template, nodes), nodes) == template
+            if template == kernel.template:
+                continue
+            candidate = generate(plan_graph, nodes, template, in_place=bool(kernel.lowered.aliases))
+            for k, (a, b) in enumerate(zip(expected, candidate.simulate(arrays))):
+                a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                scale = max(1.0, float(np.nanmax(np.abs(a), initial=0.0)))
+                assert np.allclose(a, b, rtol=1e-4, atol=1e-4 * scale, equal_nan=True), \
+                    f"{kernel.name} output {k}: {template} differs from {kernel.template}"
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("name", ["layernorm_train", "softmax_scale_mask", "adam_step", "mlp_train", "din_attention"])
+def test_every_template_of_the_space_computes_what_the_plans_does(name):
+    _workload, captured = capture_workload(name, train=name.endswith("_train"))
+    checked = sum(_check_candidates(g) for g in filter(None, (captured.forward, captured.backward)))
+    assert checked >= 1
+
+
+def test_the_space_of_stored_fuzzer_graphs_computes_what_their_plans_do():
+    """A fresh sample of the fuzzer's stored graphs each run: the tuner's first candidates (six, the
+    default) of each kernel against the plan's kernel."""
+    from pathlib import Path
+
+    from fusionstitching.fuzz.fingerprints import read
+    from fusionstitching.graph.serialize import from_json
+
+    seed = random.randrange(1 << 30)
+    print(f"tuning-space sample seed: {seed}")
+    entries = read(Path(__file__).resolve().parents[1] / "data" / "fingerprints.jsonl.gz")
+    sample = random.Random(seed).sample(entries, int(os.environ.get("TUNE_SAMPLE", "25")))
+    checked = 0
+    for entry in sample:
+        checked += _check_candidates(from_json(entry.graph), limit=Options().tune_candidates)
+    assert checked >= 5, f"seed {seed}"
+
+
+def test_a_row_reduction_has_warp_and_block_templates_and_the_plans_among_them():
+    _workload, captured = capture_workload("layernorm")
+    compiled = compile_graph(captured.forward, Options(strict=True))
+    graph = compiled.graph
+    kernel = compiled.kernels[0]
+    nodes = sorted(kernel.lowered.pattern.nodes, key=graph.index.position.__getitem__)
+    templates = ranked_templates(graph, nodes, SPEC, BANDWIDTH)
+    texts = [str(t) for t in templates]
+    assert kernel.template in templates
+    assert any("WARP_1," in t for t in texts) and any("WARP_16" in t for t in texts)
+    assert any("WARP" not in t for t in texts)  # block mode
+    assert len(ranked_templates(graph, nodes, SPEC, BANDWIDTH, limit=3)) == 3
+
+
+def test_renamed_refuses_a_root_outside_the_pattern():
+    _workload, captured = capture_workload("bias_gelu")
+    compiled = compile_graph(captured.forward, Options(strict=True))
+    nodes = sorted(compiled.kernels[0].lowered.pattern.nodes, key=compiled.graph.index.position.__getitem__)
+    with pytest.raises(ValueError, match="names no node"):
+        renamed(f"n{len(nodes)}[GRID]; launch(blocks=1,threads=32)", nodes)
