@@ -5,9 +5,9 @@ The space is the template grammar's knobs that the default rule (``grouping.choo
 fixes by heuristics:
 
 - thread composition and packing (no value crossing threads): threads per block (128 to 1024);
-- composed row reductions: warp mode with 1 to 32 rows (warps) per block and 1, 2 or 4 rows per warp
-  at a time (where the rows divide evenly, as the default requires), and block mode (a block per
-  row) with 128 to 1024 threads;
+- composed row reductions: block mode (a block per row) with 128 to 1024 threads, and warp mode
+  with 1 to 32 rows (warps) per block and 1, 2 or 4 rows per warp at a time (where the rows divide
+  evenly, as the default requires);
 - reductions only: a thread per column (``thread_serial_template``) at 128 to 512 threads;
 - everything ``grouping._candidate_templates`` tries when the default does not lower (shared-memory
   transposes, recomputation instead of caching, packed reductions).
@@ -52,29 +52,37 @@ WARPS_PER_BLOCK = (1, 2, 4, 8, 16, 32)
 ROWS_PER_WARP = (1, 2, 4)
 
 
-def tuning_space(pattern) -> list[Callable[[], KernelSchedule]]:
-    """Makers of the candidate templates of ``pattern``, the default rule's first (each may raise
-    ``ValueError`` or ``PatternError`` for a tiling the rules refuse)."""
-    makes = list(_candidate_templates(pattern))
+def tuning_space(pattern) -> list[tuple[str, Callable[[], KernelSchedule]]]:
+    """The candidate templates of ``pattern`` as (family, maker) pairs, the default rule's first; each
+    maker may raise ``ValueError`` or ``PatternError`` for a tiling the rules refuse. Within a family
+    the templates nearest the default rule's come first (``ranked_templates`` takes the families in
+    turn, so a short list of candidates spans the space instead of one corner of it)."""
+    makes = [("default", make) for make in _candidate_templates(pattern)]
     reductions = _crossing(pattern)
     if not reductions:
-        makes += [lambda t=t: _packed_template(pattern, t) for t in BLOCK_THREADS]
-        return makes
+        return makes + [("threads", lambda t=t: _packed_template(pattern, t)) for t in _near(BLOCK_THREADS, 256)]
     if _batched(pattern, reductions):
         return makes
     if not _column_pattern(pattern, reductions):
         space, reduced = _space(reductions[0]), set(reduced_dims(reductions[0]))
         kept = [d for d in range(len(space)) if d not in reduced]
         last_kept = space[kept[-1]] if kept else 1
-        for warps in WARPS_PER_BLOCK:
+        makes += [("block", lambda t=t: composed_template(pattern, reductions, t, None))
+                  for t in _near(BLOCK_THREADS, DEFAULT_THREADS)]
+        for warps in _near(WARPS_PER_BLOCK, 4):
             for rows in ROWS_PER_WARP:
                 if rows == 1 or last_kept % (rows * warps) == 0:
-                    makes.append(lambda w=warps, r=rows: composed_template(pattern, reductions, DEFAULT_THREADS,
-                                                                           w, rows_per_warp=r))
-        makes += [lambda t=t: composed_template(pattern, reductions, t, None) for t in BLOCK_THREADS]
+                    makes.append((f"warp rows {rows}", lambda w=warps, r=rows: composed_template(
+                        pattern, reductions, DEFAULT_THREADS, w, rows_per_warp=r)))
     if all(r.op == "reduce" for r in reductions):
-        makes += [lambda t=t: thread_serial_template(pattern, reductions, t) for t in BLOCK_THREADS[:3]]
+        makes += [("serial", lambda t=t: thread_serial_template(pattern, reductions, t))
+                  for t in _near(BLOCK_THREADS[:3], DEFAULT_THREADS)]
     return makes
+
+
+def _near(values: Sequence[int], centre: int) -> list[int]:
+    """``values`` by their distance from ``centre`` in factors of two, the larger first on ties."""
+    return sorted(values, key=lambda v: (abs(math.log2(v / centre)), -v))
 
 
 def model_estimate_us(pattern, template: KernelSchedule, spec: GpuSpec, bandwidth: BandwidthModel) -> float:
@@ -99,7 +107,7 @@ def ranked_templates(graph: Graph, nodes: Iterable[Node | str], spec: GpuSpec, b
     pattern = resolve_pattern(graph, nodes)
     made: list[tuple[float, int, KernelSchedule]] = []
     seen: set[KernelSchedule] = set()
-    for k, make in enumerate(tuning_space(pattern)):
+    for k, make in _interleaved(tuning_space(pattern)):
         try:
             template = make()
         except (ValueError, PatternError):
@@ -130,6 +138,21 @@ def ranked_templates(graph: Graph, nodes: Iterable[Node | str], spec: GpuSpec, b
         if refused is None:
             result.append(template)
     return result
+
+
+def _interleaved(space: list[tuple[str, Callable[[], KernelSchedule]]]) -> list[tuple[int, Callable]]:
+    """(order, maker) with the families taken in turn, each in its own order; the default rule's
+    template first."""
+    families: dict[str, list[Callable]] = {}
+    for family, make in space:
+        families.setdefault(family, []).append(make)
+    order: list[tuple[int, Callable]] = []
+    rounds = max((len(v) for v in families.values()), default=0)
+    for r in range(rounds):
+        for makes in families.values():
+            if r < len(makes):
+                order.append((len(order), makes[r]))
+    return order
 
 
 def canonical(template: KernelSchedule, nodes: Sequence[Node]) -> str:

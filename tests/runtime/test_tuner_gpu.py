@@ -70,7 +70,7 @@ def test_tuning_leaves_user_tensors_as_one_eager_call_leaves_them(tmp_path):
     expected = step(*want)
     f = torch.compile(step, backend="fusionstitching", options={"cache_dir": str(tmp_path), "tune": "exhaustive"})
     got = f(p, m, g)
-    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # sums of 1024 in another order
     for a, b in zip((p, m, g), want):
         torch.testing.assert_close(a, b)
 
@@ -119,7 +119,9 @@ def test_a_measured_choice_beats_the_models_first_choice(tmp_path):
         if len(untuned.kernels) != 1 or str(plan.template) == str(chosen.template):
             print(f"{name}: the plan's template won ({plan.template})")
             continue
-        plan_us, chosen_us = GpuMeasure(torch.device("cuda"), options, rounds=30)([plan, chosen], cuda_inputs)
+        position = {p: k for k, p in enumerate(untuned.graph.parameters)}
+        kernel_inputs = [cuda_inputs[position[x]] for x in plan.lowered.pattern.inputs]
+        plan_us, chosen_us = GpuMeasure(torch.device("cuda"), options, rounds=30)([plan, chosen], kernel_inputs)
         print(f"{name}: plan {plan_us:.1f} µs {plan.template}\n    tuned {chosen_us:.1f} µs {chosen.template}")
         if chosen_us <= 0.95 * plan_us:
             faster.append(name)
