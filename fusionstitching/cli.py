@@ -202,7 +202,8 @@ def _tune_command(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("fusionstitching tune: no CUDA device; tuning measures kernels on the GPU", file=sys.stderr)
         return 2
-    options = {"tune": "exhaustive" if args.exhaustive else "measure", "tune_candidates": args.candidates}
+    options = {"tune": "exhaustive" if args.exhaustive else "measure", "tune_candidates": args.candidates,
+               "tune_budget": float("inf")}
     if args.cache_dir:
         options["cache_dir"] = args.cache_dir
     for name in args.workloads:

@@ -47,12 +47,18 @@ class Options:
     # the tuning space; "off" runs the plan's templates (the model's choice) and measures nothing.
     tune: str = "measure"
     tune_candidates: int = 6
+    # Tuning at a first call may take at most this multiple of the graph's own compile time
+    # (exploration, code generation, NVRTC); patterns left when it is spent run the plan's templates
+    # and are tuned by a later process. "exhaustive" (and ``fusionstitching tune``) has no limit.
+    tune_budget: float = 0.5
 
     def __post_init__(self) -> None:
         if self.solver not in ("ilp", "beam"):
             raise ValueError(f"Options.solver: unknown solver {self.solver!r}; known: 'ilp', 'beam'")
         if self.tune not in ("off", "measure", "exhaustive"):
             raise ValueError(f"Options.tune: unknown mode {self.tune!r}; known: 'off', 'measure', 'exhaustive'")
+        if not isinstance(self.tune_budget, (int, float)) or self.tune_budget < 0:
+            raise ValueError(f"Options.tune_budget must be a number >= 0, got {self.tune_budget!r}")
         if type(self.tune_candidates) is not int or self.tune_candidates < 1:
             raise ValueError(f"Options.tune_candidates must be an int >= 1, got {self.tune_candidates!r}")
         if self.score not in ("delta", "model"):

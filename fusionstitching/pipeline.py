@@ -22,6 +22,7 @@ of every kernel (the compile stage).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,9 +52,11 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
     """Plan ``graph`` and generate its kernels; dump every stage's text when asked. ``device`` and
     ``output_devices``: where the graph runs and where its outputs go (``CompiledGraph``)."""
     options = options or Options()
+    start = time.perf_counter()
     plan = explore(graph, solver=options.solver, options=options,
                    generators=options.generators or DEFAULT_GENERATORS)
     compiled = compile_plan(plan, mode=mode, options=options, device=device, output_devices=output_devices)
+    compiled.compile_seconds = time.perf_counter() - start
     directory = dump_dir if dump_dir is not None else os.environ.get(DUMP_VARIABLE)
     if directory:
         dump(compiled, graph, Path(directory))

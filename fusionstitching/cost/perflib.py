@@ -178,13 +178,16 @@ class PerfLib:
         return self._run(read, [])
 
     # -- writes ---------------------------------------------------------------------------------
-    def store(self, key: str, measured: list[Measured], *, description: str = "", device: str = "",
-              arch: str = "", generator: str = "") -> Winner | None:
-        """Record every measured candidate of ``key`` and its winner (the fastest; the model's
-        first choice is the candidate of model rank 0) in one transaction; returns the winner."""
+    def store(self, key: str, measured: list[Measured], *, chosen: str | None = None, description: str = "",
+              device: str = "", arch: str = "", generator: str = "") -> Winner | None:
+        """Record every measured candidate of ``key`` and its winner (``chosen``, by default the
+        fastest; the model's first choice is the candidate of model rank 0) in one transaction;
+        returns the winner."""
         if not measured:
             return None
         best = min(measured, key=lambda m: m.us)
+        if chosen is not None:
+            best = next(m for m in measured if m.template == chosen)
         model = min(measured, key=lambda m: m.model_rank)
         now = time.time()
         winner = Winner(key, best.template, best.us, model.template, model.us, len(measured), description,

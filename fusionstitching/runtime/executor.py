@@ -26,6 +26,7 @@ path), or, with ``mode="reduce-overhead"``, replayed from a CUDA graph (``Graphe
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -95,6 +96,7 @@ class CompiledGraph:
         self.calls = 0  # GPU calls
         self._layout_checks: list[tuple[int, tuple[int, ...]]] | None = None
         self._old_values = _old_value_outputs(self.graph, self.steps)
+        self.compile_seconds = 0.0  # exploration and code generation (set by ``pipeline.compile_graph``)
         self._tuned = False  # whether the first GPU call chose the schedules (``_run_tuning``)
         self.tuning: Any = None  # that call's Tuner: what was measured or read from the library
 
@@ -185,8 +187,10 @@ class CompiledGraph:
                 self._elsewhere = self._to_move(tensors, device)
             program = self._programs.get(device)
             if program is None:
+                start = time.perf_counter()
                 program = GpuProgram(graph, self.steps, device, self._constant, _library_function,
                                      self.options)
+                self.compile_seconds += time.perf_counter() - start  # NVRTC (``precompile``)
                 if self.mode == "reduce-overhead":
                     program = GraphedProgram(program)
                 self._programs[device] = program
@@ -213,7 +217,8 @@ class CompiledGraph:
 
         self._tuned = True
         try:
-            tuner = gpu_tuner(self.graph, self.options, program.device)
+            tuner = gpu_tuner(self.graph, self.options, program.device,
+                              budget_s=self.options.tune_budget * self.compile_seconds)
         except Exception as err:
             if self.options.strict:
                 raise

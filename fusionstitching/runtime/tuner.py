@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 COUNTS: Counter[str] = Counter()
 ROUNDS = 10  # timed launches per candidate, interleaved
+# A candidate replaces the plan's template only when it is faster by more than this fraction: the
+# spread of medians of interleaved single launches on one GPU, which a choice must exceed to be one.
+NOISE = 0.03
 
 # (kernels, inputs) -> per kernel its median µs, or None when it failed or disagreed
 Measure = Callable[[Sequence[GeneratedKernel], Sequence[Any]], list[float | None]]
@@ -75,7 +78,7 @@ class Tuner:
 
     def __init__(self, graph: Graph, options: Options, device: str, arch: str, measure: Measure,
                  library: PerfLib | None = None, resources: Callable[[GeneratedKernel], tuple[int, int]] | None = None,
-                 ) -> None:
+                 budget_s: float | None = None) -> None:
         self.graph = graph
         self.options = options
         self.device = device
@@ -93,6 +96,9 @@ class Tuner:
         self.hits = 0
         self.model_right = 0
         self.seconds = 0.0
+        # seconds of measuring (generating, compiling, timing candidates) allowed; "exhaustive": no limit
+        self.budget_s = None if options.tune == "exhaustive" else budget_s
+        self.over_budget = 0  # patterns left with the plan's template when the budget was spent
 
     def _nodes(self, kernel: GeneratedKernel) -> list[Node]:
         position = self.graph.index.position
@@ -118,8 +124,11 @@ class Tuner:
                     text = winner.template
                     self.hits += 1
                     COUNTS["perflib hits"] += 1
+                elif self.budget_s is not None and self.seconds + time.perf_counter() - start >= self.budget_s:
+                    self.over_budget += 1
+                    return kernel  # not decided: a later process tunes it
                 else:
-                    text = self._tune(key, kernel, nodes, inputs)
+                    text = self._tune(key, kernel, nodes, inputs, start)
                 self._decided[key] = text
             if text == canonical(kernel.template, nodes):
                 return kernel
@@ -147,18 +156,26 @@ class Tuner:
         kernel = self._made[made_key] = generate(self.graph, nodes, template, name=like.name, in_place=in_place)
         return kernel
 
-    def _tune(self, key: str, kernel: GeneratedKernel, nodes: list[Node], inputs: Sequence[Any]) -> str:
-        """Measure the candidates of ``kernel``'s pattern; store them; the winner's canonical text."""
+    def _tune(self, key: str, kernel: GeneratedKernel, nodes: list[Node], inputs: Sequence[Any],
+              start: float) -> str:
+        """Measure the candidates of ``kernel``'s pattern; store them; the winner's canonical text.
+        Candidates are generated while the budget lasts, counting each one's generation time for the
+        next (a huge packed kernel's alternatives cost seconds each)."""
         current = canonical(kernel.template, nodes)
         limit = None if self.options.tune == "exhaustive" else self.options.tune_candidates
         ranked = ranked_templates(self.graph, nodes, self.spec, self.bandwidth, self.options.smem_limit,
                                   limit=None if limit is None else limit + 1)
         candidates: list[GeneratedKernel] = [kernel]
+        last_began = time.perf_counter()
         for template in ranked:
             if limit is not None and len(candidates) >= limit:
                 break
             if canonical(template, nodes) == current:
                 continue
+            began = time.perf_counter()
+            if self.budget_s is not None and 2 * began - start - last_began + self.seconds >= self.budget_s:
+                break  # one more candidate, as long as the last one took, would overrun the budget
+            last_began = began
             try:
                 made = self._generate(nodes, template, kernel)
             except Exception as err:
@@ -186,12 +203,14 @@ class Tuner:
         self.tuned += 1
         COUNTS["tuned"] += 1
         best = min(measured, key=lambda m: m.us)
+        if measured[0].us <= best.us * (1 + NOISE):  # within the timing's noise: keep the model's choice
+            best = measured[0]
         if best.template == current:
             self.model_right += 1
             COUNTS["model first won"] += 1
         if len(candidates) > 1 and self.library is not None:
-            self.library.store(key, measured, description=_describe(nodes), device=self.device, arch=self.arch,
-                               generator=generator())
+            self.library.store(key, measured, chosen=best.template, description=_describe(nodes),
+                               device=self.device, arch=self.arch, generator=generator())
         logger.info("tuned %s: %d candidates, %s %.1f µs (plan's %.1f µs)", kernel.name, len(measured),
                     best.template, best.us, measured[0].us)
         return best.template
@@ -210,8 +229,9 @@ def _describe(nodes: Sequence[Node]) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def gpu_tuner(graph: Graph, options: Options, device: Any) -> Tuner:
-    """The Tuner of ``graph`` on CUDA ``device``, with the library in the cache root."""
+def gpu_tuner(graph: Graph, options: Options, device: Any, budget_s: float | None = None) -> Tuner:
+    """The Tuner of ``graph`` on CUDA ``device``, with the library in the cache root, measuring for
+    at most ``budget_s`` seconds (None: no limit)."""
     import torch
 
     from fusionstitching.codegen.nvrtc import cache_root
@@ -227,7 +247,7 @@ def gpu_tuner(graph: Graph, options: Options, device: Any) -> Tuner:
         report = kernel.compile(arch, **cache).resources.get(kernel.name)
         return (report.registers, report.shared_bytes) if report is not None else (0, 0)
 
-    return Tuner(graph, options, name, arch, GpuMeasure(device, options), library, resources)
+    return Tuner(graph, options, name, arch, GpuMeasure(device, options), library, resources, budget_s)
 
 
 class GpuMeasure:

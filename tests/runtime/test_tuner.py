@@ -159,3 +159,31 @@ print(k.template, s["tuned"], s["perflib hits"])
                            check=True).stdout.split() for which in ("first", "second")]
     assert runs[0][0] == runs[1][0]
     assert runs[0][-2:] == ["1", "0"] and runs[1][-2:] == ["0", "1"]
+
+
+def test_a_candidate_within_the_timing_noise_does_not_replace_the_plans(tmp_path):
+    from fusionstitching.runtime.tuner import NOISE
+
+    compiled = _layernorm()
+    kernel = compiled.kernels[0]
+
+    def barely(kernels, inputs):
+        return [10.0] + [10.0 / (1 + NOISE / 2)] * (len(kernels) - 1)
+
+    library = PerfLib(tmp_path / FILE_NAME)
+    tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", barely, library)
+    assert tuner.kernel_for(kernel, []) is kernel
+    assert library.winner(tuner.key(kernel)).model_was_right
+
+
+def test_a_spent_budget_leaves_the_plans_template_undecided(tmp_path):
+    compiled = _layernorm()
+    kernel = compiled.kernels[0]
+    measure = LastIsFastest()
+    tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, PerfLib(tmp_path / FILE_NAME),
+                  budget_s=0.0)
+    assert tuner.kernel_for(kernel, []) is kernel
+    assert not measure.calls and tuner.over_budget == 1 and tuner.tuned == 0
+    assert PerfLib(tmp_path / FILE_NAME).winner(tuner.key(kernel)) is None
+    unlimited = Tuner(compiled.graph, Options(tune="exhaustive"), "Test GPU", "sm_90", measure, None, budget_s=0.0)
+    assert unlimited.kernel_for(kernel, []) is not kernel
