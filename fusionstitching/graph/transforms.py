@@ -372,9 +372,22 @@ def _merge_key(node: Node) -> tuple | None:
 DUPLICATED_OPS = ("broadcast_in_dim", "iota")
 
 
+def _duplicated(node: Node) -> bool:
+    """Whether each user gets its own copy of ``node``: a broadcast or an iota (index arithmetic), or a
+    widening convert of a graph input (``x.float()`` in a norm): a kernel recomputing it reads the
+    narrower input, never more bytes than reading a materialized copy, and two kernels that both
+    need it (a norm's input gradient and its weight gradient) no longer force it into memory."""
+    if node.op in DUPLICATED_OPS:
+        return True
+    if node.op != "convert" or node.operands[0].op != "parameter":
+        return False
+    return node.dtype.itemsize >= node.operands[0].dtype.itemsize
+
+
 def duplicate_broadcasts(graph: Graph) -> Graph:
-    """A copy of ``graph`` where each broadcast or iota with k > 1 users is k nodes, one per user
-    (repeated until no such node is left: the copies of an outer broadcast share the inner one)."""
+    """A copy of ``graph`` where each broadcast, iota or widening convert of an input
+    (``_duplicated``) with k > 1 users is k nodes, one per user (repeated until no such node is
+    left: the copies of an outer broadcast share the inner one)."""
     while True:
         result = _duplicate_once(graph)
         if result is graph:
@@ -386,7 +399,7 @@ def _duplicate_once(graph: Graph) -> Graph:
     users = graph.index.users
     outputs = graph.index.output_ids
     shared = {id(n) for n in graph.nodes
-              if n.op in DUPLICATED_OPS and len(users[n]) > 1 and id(n) not in outputs}
+              if _duplicated(n) and len(users[n]) > 1 and id(n) not in outputs}
     if not shared:
         return graph
     names = _Names(n.name for n in graph.nodes)

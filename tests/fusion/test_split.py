@@ -170,3 +170,38 @@ def test_no_kernel_writes_a_broadcast_across_a_library_call():
                if plan.graph.node(name).op == "broadcast_in_dim"
                and any(plan.pattern_of(u.name) is not p for u in plan.graph.index.users[plan.graph.node(name)])]
     assert written == [], plan.explain()
+
+
+def test_a_widening_convert_of_an_input_is_copied_per_user_and_a_narrowing_one_is_not():
+    b = GraphBuilder("casts")
+    x = b.parameter((8, 32), DType.BF16, "x")
+    y = b.parameter((8, 32), DType.F32, "y")
+    wide = b.convert(x, DType.F32)
+    narrow = b.convert(y, DType.BF16)
+    outs = [b.binary("mul", wide, wide), b.reduce(wide, (1,), "sum"), b.binary("add", narrow, narrow),
+            b.binary("mul", narrow, x)]
+    graph = b.build(outs)
+    dup = duplicate_broadcasts(graph)
+    assert sum(1 for n in dup.nodes if n.op == "convert" and n.dtype == DType.F32) == 2
+    assert sum(1 for n in dup.nodes if n.op == "convert" and n.dtype == DType.BF16) == 1
+    arrays = random_arrays(graph)
+    for want, got in zip(reference.evaluate(graph, arrays), reference.evaluate(dup, arrays)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_the_rmsnorm_gradients_read_the_input_twice_instead_of_writing_its_f32_copy():
+    """Llama's RMSNorm backward, 8192 × 4096 bf16: the input's f32 upcast feeds both the input
+    gradient (row reductions) and the weight gradient (a column sum). Shared, it was an output of the
+    row kernel (128 MB of f32 written and read back); copied per user, the column sum's kernel reads
+    the bf16 input itself."""
+    from fusionstitching.bench.workloads import rmsnorm
+    from fusionstitching.frontend.torch_fx import capture
+    from fusionstitching.fusion import explore
+
+    workload = rmsnorm(batch=8192, hidden=4096, train=True)
+    plan = explore(capture(workload.fn, *workload.inputs, train=True).backward)
+    graph = plan.graph
+    f32_outputs = [n for p in plan.patterns for n in p.nodes
+                   if graph.node(n).shape == (8192, 4096) and graph.node(n).dtype == DType.F32
+                   and any(u.name not in p.nodes for u in graph.index.users[graph.node(n)])]
+    assert not f32_outputs, f32_outputs

@@ -41,7 +41,7 @@ def _check_candidates(graph, limit=None) -> int:
         arrays = _inputs(kernel, rng)
         try:
             expected = kernel.simulate(arrays)
-        except SimulationError:  # random indices out of range for a gather: nothing to compare with
+        except (SimulationError, IndexError):  # random indices out of range for a gather: nothing to compare
             continue
         templates = ranked_templates(plan_graph, nodes, SPEC, BANDWIDTH, limit=limit)
         assert len(set(templates)) == len(templates)
@@ -74,7 +74,7 @@ def test_the_space_of_stored_fuzzer_graphs_computes_what_their_plans_do():
     from fusionstitching.fuzz.fingerprints import read
     from fusionstitching.graph.serialize import from_json
 
-    seed = random.randrange(1 << 30)
+    seed = int(os.environ.get("TUNE_SEED") or random.randrange(1 << 30))
     print(f"tuning-space sample seed: {seed}")
     entries = read(Path(__file__).resolve().parents[1] / "data" / "fingerprints.jsonl.gz")
     sample = random.Random(seed).sample(entries, int(os.environ.get("TUNE_SAMPLE", "25")))
