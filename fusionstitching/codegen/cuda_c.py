@@ -275,6 +275,10 @@ def _binary(e: K.Binary) -> str:
             return f"({a} {'/' if op == 'div' else '%'} {b})"
         return f"fs_i{op}<{C_TYPES[t]}>({a}, {b})"
     if op == "pow":
+        if t in ("f32", "f64") and isinstance(e.b, K.Const) and e.b.value in (1, 2, 3):
+            # small integral exponents as torch's CUDA pow computes them (x, x·x, x·x·x): a powf
+            # call per element is tens of instructions (a norm's gradient has pow(x, 1))
+            return {1: a, 2: f"({a} * {a})", 3: f"({a} * {a} * {a})"}[int(e.b.value)]
         if t == "f32":
             return f"powf({a}, {b})"
         if t == "f64":

@@ -101,6 +101,18 @@ def ranked_templates(graph: Graph, nodes: Iterable[Node | str], spec: GpuSpec, b
     """Up to ``limit`` distinct templates that the code generator builds for the pattern, in the
     model's order (``model_estimate_us``; ties in the order of ``tuning_space``, the default
     first). Refused ones are skipped; an empty list means none of the space lowers."""
+    found = []
+    for template in iter_ranked_templates(graph, nodes, spec, bandwidth, smem_limit, lowers):
+        if limit is not None and len(found) >= limit:
+            break
+        found.append(template)
+    return found
+
+
+def iter_ranked_templates(graph: Graph, nodes: Iterable[Node | str], spec: GpuSpec, bandwidth: BandwidthModel,
+                          smem_limit: int = 48 * 1024, lowers: LoweringCheck | None = None):
+    """``ranked_templates`` one at a time: each template's lowering check (seconds for a large
+    packed kernel) runs only when the caller asks for it."""
     if lowers is None and _LOWERING:
         lowers = _LOWERING[0]
     nodes = list(nodes)
@@ -123,10 +135,7 @@ def ranked_templates(graph: Graph, nodes: Iterable[Node | str], spec: GpuSpec, b
             # 5 % apart or less is a tie: the evaluator is no finer than that
             made.append((round(math.log(max(estimate, 1e-3)) / math.log(1.05)), k, template))
     made.sort(key=lambda item: (item[0], item[1]))
-    result: list[KernelSchedule] = []
     for _, _, template in made:
-        if limit is not None and len(result) >= limit:
-            break
         try:
             refused = refusal(pattern, template)
             if refused is None:
@@ -136,8 +145,7 @@ def ranked_templates(graph: Graph, nodes: Iterable[Node | str], spec: GpuSpec, b
         except (ValueError, PatternError):
             continue
         if refused is None:
-            result.append(template)
-    return result
+            yield template
 
 
 def _interleaved(space: list[tuple[str, Callable[[], KernelSchedule]]]) -> list[tuple[int, Callable]]:
@@ -175,5 +183,15 @@ def renamed(text: str, nodes: Sequence[Node]) -> KernelSchedule:
     return KernelSchedule(tuple(schedules), template.launch)
 
 
-__all__ = ["BLOCK_THREADS", "ROWS_PER_WARP", "WARPS_PER_BLOCK", "WARP_SIZE", "canonical", "model_estimate_us",
-           "ranked_templates", "renamed", "tuning_space"]
+__all__ = [
+    "BLOCK_THREADS",
+    "ROWS_PER_WARP",
+    "WARPS_PER_BLOCK",
+    "WARP_SIZE",
+    "canonical",
+    "iter_ranked_templates",
+    "model_estimate_us",
+    "ranked_templates",
+    "renamed",
+    "tuning_space",
+]

@@ -53,3 +53,21 @@ def test_a_narrow_row_is_reduced_within_a_warp_without_a_block_barrier():
     kernel = generate(graph, nodes, default_template(graph, nodes))
     body = kernel.cuda_source.split('extern "C"')[1]
     assert "__shfl_xor_sync" in body and "__syncthreads" not in body, kernel.template
+
+
+def test_small_integral_powers_are_products_and_others_call_powf():
+    """pow(x, 1), pow(x, 2) and pow(x, 3) as torch's CUDA pow computes them (x, x·x, x·x·x): a norm's
+    gradient had a powf call per element (pow(x, 1.0)); pow(x, 2.5) still calls powf."""
+    import numpy as np
+
+    values = np.linspace(-3, 3, 8 * 256, dtype=np.float32).reshape(8, 256)
+    for exponent in (1.0, 2.0, 3.0, 2.5):
+        b = GraphBuilder("power")
+        x = b.parameter((8, 256), DType.F32, "x")
+        graph = b.build([b.binary("pow", x, b.broadcast(b.constant(exponent, DType.F32), (8, 256), []))])
+        nodes = [n for n in graph.nodes if n.op != "parameter"]
+        kernel = generate(graph, nodes, default_template(graph, nodes))
+        assert ("powf(" in kernel.cuda_source) == (exponent == 2.5), exponent
+        with np.errstate(invalid="ignore"):
+            want = np.power(values, np.float32(exponent))
+        np.testing.assert_allclose(kernel.simulate([values])[0], want, rtol=1e-6, equal_nan=True)
