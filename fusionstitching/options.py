@@ -48,17 +48,22 @@ class Options:
     tune: str = "measure"
     tune_candidates: int = 6
     # Tuning at a first call may take at most this multiple of the graph's own compile time
-    # (exploration, code generation, NVRTC); patterns left when it is spent run the plan's templates
-    # and are tuned by a later process. "exhaustive" (and ``fusionstitching tune``) has no limit.
+    # (exploration, code generation, NVRTC), and at least ``tune_min_seconds``; a candidate is only
+    # made when its predicted cost (the graph's compile seconds per character of CUDA C, times the
+    # kernel's) fits. Patterns left run the plan's templates and are tuned by a later process.
+    # "exhaustive" (and ``fusionstitching tune``) has no limit.
     tune_budget: float = 0.5
+    tune_min_seconds: float = 2.0
 
     def __post_init__(self) -> None:
         if self.solver not in ("ilp", "beam"):
             raise ValueError(f"Options.solver: unknown solver {self.solver!r}; known: 'ilp', 'beam'")
         if self.tune not in ("off", "measure", "exhaustive"):
             raise ValueError(f"Options.tune: unknown mode {self.tune!r}; known: 'off', 'measure', 'exhaustive'")
-        if not isinstance(self.tune_budget, (int, float)) or self.tune_budget < 0:
-            raise ValueError(f"Options.tune_budget must be a number >= 0, got {self.tune_budget!r}")
+        for name in ("tune_budget", "tune_min_seconds"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"Options.{name} must be a number >= 0, got {value!r}")
         if type(self.tune_candidates) is not int or self.tune_candidates < 1:
             raise ValueError(f"Options.tune_candidates must be an int >= 1, got {self.tune_candidates!r}")
         if self.score not in ("delta", "model"):

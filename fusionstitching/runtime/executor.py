@@ -217,8 +217,11 @@ class CompiledGraph:
 
         self._tuned = True
         try:
+            characters = sum(len(k.cuda_source) for k in self.kernels if k._twin is None) or 1
             tuner = gpu_tuner(self.graph, self.options, program.device,
-                              budget_s=self.options.tune_budget * self.compile_seconds)
+                              budget_s=max(self.options.tune_budget * self.compile_seconds,
+                                           self.options.tune_min_seconds),
+                              seconds_per_character=self.compile_seconds / characters)
         except Exception as err:
             if self.options.strict:
                 raise

@@ -78,7 +78,7 @@ class Tuner:
 
     def __init__(self, graph: Graph, options: Options, device: str, arch: str, measure: Measure,
                  library: PerfLib | None = None, resources: Callable[[GeneratedKernel], tuple[int, int]] | None = None,
-                 budget_s: float | None = None) -> None:
+                 budget_s: float | None = None, seconds_per_character: float = 0.0) -> None:
         self.graph = graph
         self.options = options
         self.device = device
@@ -99,6 +99,7 @@ class Tuner:
         # seconds of measuring (generating, compiling, timing candidates) allowed; "exhaustive": no limit
         self.budget_s = None if options.tune == "exhaustive" else budget_s
         self.over_budget = 0  # patterns left with the plan's template when the budget was spent
+        self.seconds_per_character = seconds_per_character  # a candidate's predicted cost, per character
 
     def _nodes(self, kernel: GeneratedKernel) -> list[Node]:
         position = self.graph.index.position
@@ -165,11 +166,13 @@ class Tuner:
         limit = None if self.options.tune == "exhaustive" else self.options.tune_candidates
         ranked = iter_ranked_templates(self.graph, nodes, self.spec, self.bandwidth, self.options.smem_limit)
         candidates: list[GeneratedKernel] = [kernel]
-        last_began = start
+        last_began, cut = start, False
         while limit is None or len(candidates) < limit:
             began = time.perf_counter()
-            if self.budget_s is not None and 2 * began - start - last_began + self.seconds >= self.budget_s:
-                break  # one more candidate, as long as the last one took, would overrun the budget
+            predicted = max(began - last_began, self.seconds_per_character * len(kernel.cuda_source))
+            if self.budget_s is not None and began - start + self.seconds + predicted >= self.budget_s:
+                cut = True  # one more candidate (as long as the last one took, or as compiling one costs) overruns
+                break
             last_began = began
             template = next(ranked, None)  # its lowering check counts as part of its time
             if template is None:
@@ -186,10 +189,10 @@ class Tuner:
                 continue
             if made.lowered.aliases == kernel.lowered.aliases:
                 candidates.append(made)
-        if len(candidates) == 1:
-            times: list[float | None] = [0.0]
-        else:
-            times = self.measure(candidates, inputs)
+        if len(candidates) == 1:  # the only template of the space, or the budget allowed no other
+            self.over_budget += cut
+            return current
+        times = self.measure(candidates, inputs)
         measured = []
         for rank, (candidate, us) in enumerate(zip(candidates, times)):
             if us is None:
@@ -229,9 +232,11 @@ def _describe(nodes: Sequence[Node]) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def gpu_tuner(graph: Graph, options: Options, device: Any, budget_s: float | None = None) -> Tuner:
+def gpu_tuner(graph: Graph, options: Options, device: Any, budget_s: float | None = None,
+              seconds_per_character: float = 0.0) -> Tuner:
     """The Tuner of ``graph`` on CUDA ``device``, with the library in the cache root, measuring for
-    at most ``budget_s`` seconds (None: no limit)."""
+    at most ``budget_s`` seconds (None: no limit); ``seconds_per_character``: what generating and
+    compiling a kernel cost for this graph, per character of CUDA C."""
     import torch
 
     from fusionstitching.codegen.nvrtc import cache_root
@@ -247,7 +252,8 @@ def gpu_tuner(graph: Graph, options: Options, device: Any, budget_s: float | Non
         report = kernel.compile(arch, **cache).resources.get(kernel.name)
         return (report.registers, report.shared_bytes) if report is not None else (0, 0)
 
-    return Tuner(graph, options, name, arch, GpuMeasure(device, options), library, resources, budget_s)
+    return Tuner(graph, options, name, arch, GpuMeasure(device, options), library, resources, budget_s,
+                 seconds_per_character)
 
 
 class GpuMeasure:

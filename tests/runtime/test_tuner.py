@@ -187,3 +187,18 @@ def test_a_spent_budget_leaves_the_plans_template_undecided(tmp_path):
     assert PerfLib(tmp_path / FILE_NAME).winner(tuner.key(kernel)) is None
     unlimited = Tuner(compiled.graph, Options(tune="exhaustive"), "Test GPU", "sm_90", measure, None, budget_s=0.0)
     assert unlimited.kernel_for(kernel, []) is not kernel
+
+
+def test_a_candidate_predicted_to_overrun_the_budget_is_not_made(tmp_path):
+    """A huge kernel (BERT's AdamW step: one packed kernel over 199 tensors, 30 s to generate and
+    compile) is not tuned at a first call whose budget one candidate would overrun."""
+    compiled = _layernorm()
+    kernel = compiled.kernels[0]
+    measure = LastIsFastest()
+    slow = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, None, budget_s=10.0,
+                 seconds_per_character=20.0 / len(kernel.cuda_source))
+    assert slow.kernel_for(kernel, []) is kernel and not measure.calls
+    assert slow.tuned == 0 and slow.over_budget == 1
+    fast = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, None, budget_s=10.0,
+                 seconds_per_character=0.1 / len(kernel.cuda_source))
+    assert fast.kernel_for(kernel, []) is not kernel and len(measure.calls[0]) == Options().tune_candidates
