@@ -55,6 +55,7 @@ ROUNDS = 10  # timed launches per candidate, interleaved
 # A candidate replaces the plan's template only when it is faster by more than this fraction: the
 # spread of medians of interleaved single launches on one GPU, which a choice must exceed to be one.
 NOISE = 0.03
+RESOLUTION_US = 0.5  # CUDA events' timing resolution
 
 # (kernels, inputs) -> per kernel its median µs, or None when it failed or disagreed
 Measure = Callable[[Sequence[GeneratedKernel], Sequence[Any]], list[float | None]]
@@ -100,6 +101,7 @@ class Tuner:
         self.budget_s = None if options.tune == "exhaustive" else budget_s
         self.over_budget = 0  # patterns left with the plan's template when the budget was spent
         self.seconds_per_character = seconds_per_character  # a candidate's predicted cost, per character
+        self.at_floor = 0  # patterns not measured: their kernels take about the latency floor
 
     def _nodes(self, kernel: GeneratedKernel) -> list[Node]:
         position = self.graph.index.position
@@ -145,6 +147,14 @@ class Tuner:
         finally:
             self.seconds += time.perf_counter() - start
 
+    def _at_the_floor(self, kernel: GeneratedKernel) -> bool:
+        """Whether moving the pattern's bytes takes less than twice the GPU's latency floor (the
+        time of the smallest copy): such a kernel is bound by latency, not by its schedule, and the
+        few microseconds it takes are within the timing's noise (BERT batch 1's kernels)."""
+        pattern = kernel.lowered.pattern
+        moved = sum(n.size * n.dtype.itemsize for n in list(pattern.inputs) + list(pattern.outputs))
+        return self.bandwidth.time_us(moved) < 2 * self.bandwidth.floor_us
+
     def _generate(self, nodes: list[Node], template, like: GeneratedKernel) -> GeneratedKernel:
         """The kernel for ``nodes`` under ``template`` (a pattern of the same structure and template
         made earlier in this graph gives its twin: one compile, one module)."""
@@ -163,6 +173,9 @@ class Tuner:
         Candidates are generated while the budget lasts, counting each one's generation time for the
         next (a huge packed kernel's alternatives cost seconds each)."""
         current = canonical(kernel.template, nodes)
+        if self.options.tune != "exhaustive" and self._at_the_floor(kernel):
+            self.at_floor += 1
+            return current
         limit = None if self.options.tune == "exhaustive" else self.options.tune_candidates
         ranked = iter_ranked_templates(self.graph, nodes, self.spec, self.bandwidth, self.options.smem_limit)
         candidates: list[GeneratedKernel] = [kernel]
@@ -206,7 +219,7 @@ class Tuner:
         self.tuned += 1
         COUNTS["tuned"] += 1
         best = min(measured, key=lambda m: m.us)
-        if measured[0].us <= best.us * (1 + NOISE):  # within the timing's noise: keep the model's choice
+        if measured[0].us <= best.us * (1 + NOISE) + RESOLUTION_US:  # within the noise: the model's choice
             best = measured[0]
         if best.template == current:
             self.model_right += 1

@@ -34,9 +34,13 @@ def _never(kernels, inputs):
     raise AssertionError("a library hit must measure nothing")
 
 
-def _layernorm():
-    _workload, captured = capture_workload("layernorm")
-    return compile_graph(captured.forward, Options(strict=True))
+def _layernorm(batch: int = 4096, hidden: int = 1024):
+    """A LayerNorm large enough to be worth measuring (above the latency floor)."""
+    from fusionstitching.bench.workloads import make
+    from fusionstitching.frontend.torch_fx import capture
+
+    workload = make("layernorm", batch=batch, hidden=hidden)
+    return compile_graph(capture(workload.fn, *workload.inputs).forward, Options(strict=True))
 
 
 def test_the_fastest_candidate_wins_and_a_second_tuner_reads_it_from_the_library(tmp_path):
@@ -138,7 +142,6 @@ def test_a_second_process_takes_the_winner_from_the_library_and_measures_nothing
     script = f"""
 import sys
 sys.path.insert(0, {str(ROOT)!r})
-from fusionstitching.cli import capture_workload
 from fusionstitching.cost.perflib import PerfLib
 from fusionstitching.options import Options
 from fusionstitching.pipeline import compile_graph
@@ -148,8 +151,10 @@ def timer(kernels, inputs):
     if sys.argv[1] == "second":
         raise SystemExit("measured in the second process")
     return [10.0] * (len(kernels) - 1) + [1.0]
-w, c = capture_workload("layernorm")
-g = compile_graph(c.forward, Options(strict=True))
+from fusionstitching.bench.workloads import make
+from fusionstitching.frontend.torch_fx import capture
+w = make("layernorm", batch=4096, hidden=1024)
+g = compile_graph(capture(w.fn, *w.inputs).forward, Options(strict=True))
 k = Tuner(g.graph, Options(), "Test GPU", "sm_90", timer, PerfLib(sys.argv[2])).kernel_for(g.kernels[0], [])
 s = fusionstitching.stats()
 print(k.template, s["tuned"], s["perflib hits"])
@@ -202,3 +207,11 @@ def test_a_candidate_predicted_to_overrun_the_budget_is_not_made(tmp_path):
     fast = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, None, budget_s=10.0,
                  seconds_per_character=0.1 / len(kernel.cuda_source))
     assert fast.kernel_for(kernel, []) is not kernel and len(measure.calls[0]) == Options().tune_candidates
+
+
+def test_a_kernel_at_the_latency_floor_is_not_measured(tmp_path):
+    compiled = _layernorm(batch=16, hidden=64)
+    measure = LastIsFastest()
+    tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, PerfLib(tmp_path / FILE_NAME))
+    assert tuner.kernel_for(compiled.kernels[0], []) is compiled.kernels[0]
+    assert not measure.calls and tuner.at_floor == 1 and tuner.tuned == 0
