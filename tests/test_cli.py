@@ -64,3 +64,32 @@ def test_explain_command_writes_every_stage_of_every_graph(tmp_path, capsys):
 def test_explain_command_rejects_unknown_workloads(tmp_path, capsys):
     assert main(["explain", "no_such_workload", "--out", str(tmp_path)]) == 2
     assert "unknown workload 'no_such_workload'" in capsys.readouterr().err
+
+
+def test_perflib_command_lists_entries_and_prunes_stale_ones(tmp_path, capsys):
+    from fusionstitching.cost.perflib import Measured, PerfLib
+    from fusionstitching.runtime.tuner import generator
+
+    library = PerfLib(tmp_path / "perflib.sqlite")
+    library.store("a" * 32, [Measured("n0[GRID]; launch(blocks=1,threads=32)", 10.0),
+                             Measured("n0[GRID]; launch(blocks=2,threads=32)", 5.0, model_rank=1)],
+                  description="reduce; f32[8, 8]", device="Test GPU", arch="sm_90", generator=generator())
+    library.store("b" * 32, [Measured("n0[GRID]; launch(blocks=1,threads=64)", 1.0)], generator="old")
+    assert main(["perflib", "--cache-dir", str(tmp_path), "--key", "aaaa"]) == 0
+    out = capsys.readouterr().out
+    assert "2 patterns" in out and "| Test GPU | reduce; f32[8, 8] |" in out and "stale" in out
+    assert "won by" not in out and "the model's first choice was the measured winner for 1 of 2" in out
+    assert "rank 1" in out and "5.0 µs" in out
+    assert main(["perflib", "--cache-dir", str(tmp_path), "--prune-stale"]) == 0
+    assert "1 entries removed" in capsys.readouterr().out
+    assert [w.key for w in library.winners()] == ["a" * 32]
+
+
+def test_tune_command_needs_a_gpu(capsys):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the command tunes")
+    assert main(["tune", "layernorm"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
