@@ -29,6 +29,8 @@ TABLE: dict[str, Lowering] = {}
 # Composite ops that AOTAutograd leaves whole and that capture expands with torch's decompositions.
 COMPOSITE_DECOMPOSITIONS = (
     "native_layer_norm", "_softmax", "_log_softmax", "gelu", "native_dropout", "embedding",
+    "native_group_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+    "_native_batch_norm_legit_no_training", "repeat",
 )
 
 
@@ -381,6 +383,26 @@ def _var_mean(cx: LoweringContext, x: Node, dims: Any = None, *, correction: Any
         "aten.flatten.using_ints", "aten.unflatten.int")
 def _reshape(cx: LoweringContext, x: Node, *args: Any) -> Node:
     return cx.reshape(x, cx.shape)
+
+
+@lowers("aten.as_strided.default")
+def _as_strided(cx: LoweringContext, x: Node, size: Sequence[int], stride: Sequence[int],
+                storage_offset: int | None = None) -> Node:
+    """An ``as_strided`` that only reshapes: the source is contiguous, the view is contiguous over
+    the same elements from the same first one (torch's GroupNorm decomposition reshapes its
+    statistics this way). Any other is a library call."""
+    source = cx.fx_node.args[0].meta.get("val") if hasattr(cx.fx_node.args[0], "meta") else None
+    size = tuple(int(n) for n in size)
+    if source is None or not source.is_contiguous() or math.prod(size) != x.size \
+            or storage_offset not in (None, source.storage_offset()):
+        raise Unsupported("as_strided other than a reshape of contiguous data")
+    expected, step = [], 1
+    for n in reversed(size):
+        expected.append(step)
+        step *= n
+    if any(n > 1 and s != e for n, s, e in zip(size, stride, reversed(expected))):
+        raise Unsupported("as_strided other than a reshape of contiguous data")
+    return cx.reshape(x, size)
 
 
 @lowers("aten.permute.default", "aten.permute_copy.default")

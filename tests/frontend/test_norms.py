@@ -1,0 +1,82 @@
+"""Every common normalization is lowered, forward and backward, and matches eager: GroupNorm,
+BatchNorm (training, with its running statistics, and eval), InstanceNorm, RMSNorm (torch's module
+and the hand-written Llama form), LayerNorm. No library call is left for any of them."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from fusionstitching.frontend.torch_fx import capture
+
+
+def _modules():
+    return {
+        "groupnorm_silu": (lambda: torch.nn.Sequential(torch.nn.GroupNorm(4, 16), torch.nn.SiLU()), (2, 16, 6, 5)),
+        "groupnorm_one_group": (lambda: torch.nn.GroupNorm(1, 8, affine=False), (3, 8, 4, 4)),
+        "batchnorm_train": (lambda: torch.nn.BatchNorm2d(16).train(), (4, 16, 5, 5)),
+        "batchnorm_eval": (lambda: _eval_batchnorm(), (4, 16, 5, 5)),
+        "batchnorm1d_train": (lambda: torch.nn.BatchNorm1d(12).train(), (8, 12)),
+        "instancenorm": (lambda: torch.nn.InstanceNorm2d(16, affine=True), (2, 16, 6, 6)),
+        "rmsnorm_module": (lambda: torch.nn.RMSNorm(32), (4, 7, 32)),
+        "layernorm": (lambda: torch.nn.LayerNorm(24), (5, 24)),
+    }
+
+
+def _eval_batchnorm():
+    module = torch.nn.BatchNorm2d(16)
+    with torch.no_grad():
+        module.running_mean.uniform_(-1, 1)
+        module.running_var.uniform_(0.5, 2)
+    return module.eval()
+
+
+@pytest.mark.parametrize("name", list(_modules()))
+def test_no_library_call_is_left(name):
+    make, shape = _modules()[name]
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(make(), torch.randn(shape, requires_grad=True), train=True)
+    for graph in filter(None, (captured.forward, captured.backward)):
+        left = [n.attrs.get("target") for n in graph.nodes if n.op == "library"]
+        assert not left, f"{graph.name}: {left}"
+
+
+@pytest.mark.parametrize("name", list(_modules()))
+def test_forward_backward_and_running_statistics_match_eager(name):
+    make, shape = _modules()[name]
+    torch.manual_seed(0)
+    module = make()
+    for p in module.parameters():
+        with torch.no_grad():
+            p.uniform_(0.5, 1.5)
+    reference = copy.deepcopy(module)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend="fusionstitching")
+    x = torch.randn(shape)
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    want, got = reference(x1), compiled(x2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    gy = torch.randn_like(want)
+    want.backward(gy)
+    got.backward(gy)
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-4, atol=1e-4)
+    for (n, p), q in zip(module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=n)
+    for (n, b), c in zip(module.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-5, msg=n)  # running statistics, step count
+
+
+def test_as_strided_that_is_not_a_reshape_stays_a_library_call():
+    def fn(x):
+        return torch.as_strided(x, (3, 3), (1, 3)) * 2  # a transposed window: not a reshape
+
+    torch._dynamo.reset()
+    x = torch.randn(9)
+    torch.testing.assert_close(torch.compile(fn, backend="fusionstitching")(x), fn(x))
+    captured = capture(fn, x)
+    assert any(n.op == "library" and "as_strided" in n.attrs.get("target", "") for n in captured.forward.nodes)
