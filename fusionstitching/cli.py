@@ -156,7 +156,8 @@ def _bench_command(args: argparse.Namespace) -> int:
 
     from fusionstitching.bench import suite
 
-    names = args.workloads or list(suite.MICRO)
+    names = list(args.workloads) + (list(suite.ZOO) if args.zoo else [])
+    names = names or list(suite.MICRO)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     results = suite.run(names, systems, device=args.device, small=args.small, rounds=args.rounds,
                         warm_caches=args.warm_caches)
@@ -283,11 +284,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="time workloads on eager PyTorch, Inductor, fusionstitching (and XLA)")
     bench.add_argument("workloads", nargs="*",
                        help="bench workloads (bench/suite.py CASES; default: the micro workloads)")
+    bench.add_argument("--zoo", action="store_true",
+                       help="also the whole models (BERT, GPT-2, Llama-style, UNet block, ResNet-50)")
     bench.add_argument("--systems", default="eager,inductor,fusionstitching",
                        help="comma-separated: eager, inductor, fusionstitching, xla (JAX, micro workloads)")
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     bench.add_argument("--top", type=int, default=0, metavar="N",
-                       help="also print each system's N kernels with the most GPU time per call")
+                       help="also print each system's N kernels with the most GPU time per call (with the "
+                            "bytes a generated kernel moves, and a same-size copy's time over its time)")
     bench.add_argument("--rounds", type=int, default=5, help="timing rounds (the median is reported)")
     bench.add_argument("--small", action="store_true", help="the small test sizes instead of benchmark sizes")
     bench.add_argument("--device", default=None, help="torch device (default: cuda if there is one, else cpu)")

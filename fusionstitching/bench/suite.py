@@ -46,9 +46,20 @@ TOP_KERNELS = 20  # kernels kept per result, by GPU time
 SYSTEMS = ("eager", "inductor", "fusionstitching", "fusionstitching-untuned", "xla")
 DEFAULT_SYSTEMS = ("eager", "inductor", "fusionstitching")
 
-# Kernel names of GEMM libraries: cuBLAS (gemm, gemv, nvjet, xmma, splitKreduce), CUTLASS, and
-# Inductor's Triton GEMM templates (triton_tem_*). Everything else is memory-intensive work.
-GEMM_KERNEL = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|splitkreduce|triton_tem|wgmma|dot_kernel", re.IGNORECASE)
+# Kernels that are not memory-intensive work, by name: GEMMs of cuBLAS (gemm, gemv, nvjet, xmma,
+# splitKreduce), CUTLASS and Inductor's Triton templates (triton_tem_*); convolutions of cuDNN and
+# PyTorch (fprop/dgrad/wgrad, implicit GEMM, winograd, depthwise and direct kernels); attention
+# (flash, memory-efficient fmha, cuDNN's sdpa). A kernel a fusion compiler generated (fs_*, and
+# Inductor's pointwise/reduction kernels triton_poi/per/red_*) is memory-intensive whatever op
+# names it carries ("triton_poi_fused_convolution_0" is a bias add). One rule for every system.
+GEMM_KERNEL = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|splitkreduce|triton_tem|wgmma|dot_kernel|conv(?!ert)|fprop|"
+                         r"dgrad|wgrad|winograd|depthwise|cudnn|fmha|flash|sdpa|attention", re.IGNORECASE)
+GENERATED_KERNEL = re.compile(r"^(fs_|triton_(poi|per|red)_)")
+
+
+def is_library_kernel(name: str) -> bool:
+    """Whether a GPU kernel is a GEMM, convolution or attention (not memory-intensive work)."""
+    return not GENERATED_KERNEL.match(name) and bool(GEMM_KERNEL.search(name))
 
 
 @dataclass
@@ -93,8 +104,13 @@ def _bert(batch: int, train: bool):
     return build
 
 
+# Arguments that say what a case computes, not how large it is: the small test size keeps them.
+_KIND_ARGUMENTS = ("train", "dtype")
+
+
 def _sized(factory: Callable[..., W.Workload], **real: Any) -> Callable[[bool], W.Workload]:
-    return lambda small: factory() if small else factory(**real)
+    kind = {name: value for name, value in real.items() if name in _KIND_ARGUMENTS}
+    return lambda small: factory(**kind) if small else factory(**real)
 
 
 # name → (workload factory taking ``small``, autocast dtype, micro workload, random, description)
@@ -127,7 +143,47 @@ CASES: dict[str, tuple[Callable[[bool], W.Workload], torch.dtype | None, bool, b
                       "BERT-base (12 layers) batch 1 × 128, bf16 autocast, inference"),
     "bert_train": (_bert(32, True), torch.bfloat16, False, True,
                    "BERT-base (12 layers) batch 32 × 128, bf16 autocast, dropout 0.1, forward + backward"),
+    # The model zoo's pieces and models (random weights, no downloads).
+    "rotary": (_sized(W.rotary, batch=4, heads=32, kv_heads=8, seq=1024, dim=128), None, True, False,
+               "rotary embedding of q 4×32×1024×128 and k 4×8×1024×128, bf16"),
+    "groupnorm_silu": (_sized(W.groupnorm_silu, batch=16, channels=512, size=64, groups=32), None, True, False,
+                       "GroupNorm(32) + SiLU 16×512×64×64 bf16 forward"),
+    "groupnorm_silu_train": (_sized(W.groupnorm_silu, batch=8, channels=256, size=64, groups=32,
+                                    dtype=torch.float32, train=True), None, True, False,
+                             "GroupNorm(32) + SiLU 8×256×64×64 f32 forward + backward"),
+    "instancenorm": (_sized(W.instancenorm, batch=32, channels=128, size=64), None, True, False,
+                     "InstanceNorm2d (affine) 32×128×64×64 f32 forward"),
+    "cross_entropy": (_sized(W.cross_entropy, tokens=8192, vocab=32000), None, True, False,
+                      "label-smoothing (0.1) cross-entropy of 8192 × 32000 bf16 logits in f32, forward + backward"),
+    "unet_block_train": (_sized(W.unet_block, batch=8, channels=256, size=64, groups=32), None, False, False,
+                         ("UNet block (GroupNorm + SiLU + 3×3 conv, twice, skip) 8×256×64×64 f32, "
+                         "forward + backward")),
+    "unet_block_train_bf16": (_sized(W.unet_block, batch=8, channels=256, size=64, groups=32,
+                                     dtype=torch.bfloat16), None, False, False,
+                              "UNet block 8×256×64×64 bf16 weights and activations, forward + backward"),
+    "resnet50_infer": (_sized(W.resnet50, batch=32, image=224, depths=(3, 4, 6, 3), widths=(256, 512, 1024, 2048),
+                              stem=64), torch.bfloat16, False, False,
+                       "ResNet-50 (BatchNorm eval) batch 32 × 224², bf16 autocast, inference"),
+    "resnet50_train": (_sized(W.resnet50, batch=32, image=224, depths=(3, 4, 6, 3), widths=(256, 512, 1024, 2048),
+                              stem=64, train=True), torch.bfloat16, False, False,
+                       "ResNet-50 (BatchNorm training) batch 32 × 224², bf16 autocast, forward + backward"),
+    "gpt2_infer": (_sized(W.gpt2, batch=8, seq=512, hidden=768, layers=12, heads=12, vocab=50257),
+                   torch.bfloat16, False, False,
+                   "GPT-2 small (12 layers, eager attention) batch 8 × 512, bf16 autocast, logits"),
+    "gpt2_train": (_sized(W.gpt2, batch=8, seq=512, hidden=768, layers=12, heads=12, vocab=50257, train=True),
+                   torch.bfloat16, False, False,
+                   "GPT-2 small (12 layers, eager attention) batch 8 × 512, bf16 autocast, LM loss forward + backward"),
+    "llama_infer": (_sized(W.llama, batch=4, seq=1024, hidden=2048, layers=4, heads=16, kv_heads=4,
+                           intermediate=5632, vocab=32000), torch.bfloat16, False, False,
+                    ("Llama-style decoder (hidden 2048, 4 layers, GQA 16/4 sdpa, SwiGLU) batch 4 × 1024, bf16 "
+                    "autocast, logits")),
+    "llama_train": (_sized(W.llama, batch=4, seq=1024, hidden=2048, layers=4, heads=16, kv_heads=4,
+                           intermediate=5632, vocab=32000, train=True), torch.bfloat16, False, False,
+                    "Llama-style decoder batch 4 × 1024, bf16 autocast, LM loss forward + backward"),
 }
+# Rows of whole models, for ``bench --zoo``.
+ZOO = ("bert_infer", "bert_train", "gpt2_infer", "gpt2_train", "llama_infer", "llama_train", "unet_block_train",
+       "unet_block_train_bf16", "resnet50_infer", "resnet50_train")
 MICRO = tuple(name for name, spec in CASES.items() if spec[2])
 
 
@@ -218,7 +274,8 @@ class Result:
     error: float | None = None
     skipped: str = ""  # why the system did not run this workload
     speedup: dict[str, float] = field(default_factory=dict)  # other system → its wall / ours
-    top_kernels: list[tuple[str, float, float]] = field(default_factory=list)  # (name, µs, launches) per call
+    # (name, µs, launches, bytes moved, a same-size copy's time / the kernel's) per call
+    top_kernels: list[tuple] = field(default_factory=list)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -279,7 +336,7 @@ def profile_kernels(step: Callable[[], Any], sync: Callable[[Any], None], calls:
             entry = by_name.setdefault(event.name, [0.0, 0.0])
             entry[0] += event.time_range.elapsed_us() / calls
             entry[1] += 1 / calls
-        if GEMM_KERNEL.search(event.name):
+        if is_library_kernel(event.name):
             gemm += 1
         else:
             other += 1
@@ -403,6 +460,7 @@ def _run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: 
     progress(f"{case.name}: timing {', '.join(steps)} in turn")
     walls = interleaved_wall_ms(steps, rounds=rounds)
     by_system = {r.system: r for r in results}
+    copy_us = _copy_time(device)
     for system, (step, sync) in steps.items():
         result = by_system[system]
         result.wall_ms = walls[system]
@@ -410,9 +468,9 @@ def _run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: 
             progress(f"{case.name}: {system}: profiling")
             by_name: dict[str, list[float]] = {}
             result.gpu_ms, result.gemm_kernels, result.mi_kernels = profile_kernels(step, sync, by_name=by_name)
-            result.mi_ms = sum(us for name, (us, _) in by_name.items() if not GEMM_KERNEL.search(name)) / 1e3
+            result.mi_ms = sum(us for name, (us, _) in by_name.items() if not is_library_kernel(name)) / 1e3
             ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
-            result.top_kernels = [(name, round(us, 2), round(n, 2)) for name, (us, n) in ranked[:TOP_KERNELS]]
+            result.top_kernels = [_top_entry(name, us, n, copy_us) for name, (us, n) in ranked[:TOP_KERNELS]]
             result.kernels = result.gemm_kernels + result.mi_kernels
     steps.clear()
     gc.collect()
@@ -420,6 +478,29 @@ def _run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: 
     for r in timed:
         r.speedup = {o.system: o.wall_ms / r.wall_ms for o in timed if o is not r}
     return results
+
+
+def _copy_time(device: torch.device) -> Callable[[int], float] | None:
+    """µs a copy moving so many bytes takes on ``device`` (its measured bandwidth curve, L2 cold)."""
+    if device.type != "cuda":
+        return None
+    from fusionstitching.cost.bandwidth import bandwidth_model
+    from fusionstitching.cost.gpu_spec import spec_key
+
+    key = spec_key(torch.cuda.get_device_name(device))
+    return bandwidth_model(key).time_us if key else None
+
+
+def _top_entry(name: str, us: float, launches: float, copy_us: Callable[[int], float] | None) -> tuple:
+    """(name, µs, launches, bytes moved per launch, a same-size copy's time over the kernel's) per
+    call; the last two are known for generated kernels only (None for others)."""
+    from fusionstitching.runtime.program import KERNEL_BYTES
+
+    moved = KERNEL_BYTES.get(name)
+    fraction = None
+    if moved and copy_us and us > 0:
+        fraction = round(copy_us(moved) * launches / us, 3)
+    return name, round(us, 2), round(launches, 2), moved, fraction
 
 
 def run(names: Sequence[str], systems: Sequence[str] = DEFAULT_SYSTEMS, device: str | None = None,
@@ -467,7 +548,7 @@ def _number(value: float | None, digits: int) -> str:
 def format_table(results: Sequence[Result], systems: Sequence[str]) -> str:
     """A markdown table: one row per workload and system."""
     others = [s for s in systems if s != "xla"] + (["xla"] if "xla" in systems else [])
-    header = ["workload", "system", "wall ms", "GPU ms (MI)", "kernels (GEMM + MI)", "first call s", "rel. error"]
+    header = ["workload", "system", "wall ms", "GPU ms (MI)", "kernels (library + MI)", "first call s", "rel. error"]
     header += [f"× {s}" for s in others]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
@@ -491,8 +572,11 @@ def format_top_kernels(results: Sequence[Result], count: int) -> str:
         if not r.top_kernels:
             continue
         lines.append(f"{r.workload} / {r.system}: {r.gpu_ms:.3f} GPU ms per call")
-        for name, us, launches in r.top_kernels[:count]:
-            lines.append(f"  {us:9.1f} µs  {launches:6.1f}×  {name[:110]}")
+        for name, us, launches, *moved in r.top_kernels[:count]:
+            nbytes, fraction = (moved + [None, None])[:2]
+            size = "" if not nbytes else f"{nbytes / 1e6:9.1f} MB"
+            copy = "" if fraction is None else f"{fraction:5.0%} of copy"
+            lines.append(f"  {us:9.1f} µs  {launches:6.1f}×  {size:>12}  {copy:>12}  {name[:100]}")
     return "\n".join(lines)
 
 

@@ -212,6 +212,154 @@ def dropout(numel: int = 4096, p: float = 0.3) -> Workload:
     return Workload("dropout", fn, (torch.ones(numel),), extra={"p": p})
 
 
+# --- the model zoo's bench rows: transformers' configs or plain modules, random weights -----------
+
+
+def _causal_lm(model: nn.Module, train: bool, name: str, ids: torch.Tensor) -> Workload:
+    """A causal language model called on token ids: the loss against the ids themselves when
+    ``train``, else the logits."""
+
+    class CausalLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            if train:
+                return self.model(input_ids=input_ids, labels=input_ids, return_dict=True).loss
+            return self.model(input_ids=input_ids, return_dict=True).logits
+
+    model.train(train)
+    return Workload(f"{name}_train" if train else name, CausalLM(), (ids,), train)
+
+
+def _ids(batch: int, seq: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(3))
+
+
+def gpt2(batch: int = 2, seq: int = 16, train: bool = False, hidden: int = 64, layers: int = 2, heads: int = 2,
+         vocab: int = 256) -> Workload:
+    """GPT-2 (learned positions, GELU MLP, LayerNorm, eager attention, tied LM head), dropout 0."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max(64, seq),
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                        bos_token_id=vocab - 1, eos_token_id=vocab - 1, attn_implementation="eager")
+    torch.manual_seed(0)
+    return _causal_lm(GPT2LMHeadModel(config), train, "gpt2", _ids(batch, seq, vocab))
+
+
+def llama(batch: int = 2, seq: int = 16, train: bool = False, hidden: int = 64, layers: int = 2, heads: int = 4,
+          kv_heads: int = 2, intermediate: int = 176, vocab: int = 256) -> Workload:
+    """A Llama-style decoder: RMSNorm, rotary embedding, SwiGLU, grouped-query ``sdpa`` attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=max(64, seq), attention_dropout=0.0, use_cache=False,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return _causal_lm(LlamaForCausalLM(config), train, "llama", _ids(batch, seq, vocab))
+
+
+class UNetBlock(nn.Module):
+    """A UNet residual block: GroupNorm, SiLU, 3×3 convolution, twice, and the skip connection."""
+
+    def __init__(self, channels: int, groups: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.GroupNorm(groups, channels), nn.GroupNorm(groups, channels)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        return x + self.conv2(F.silu(self.norm2(h)))
+
+
+def unet_block(batch: int = 2, channels: int = 32, size: int = 8, groups: int = 8, train: bool = True,
+               dtype: torch.dtype = torch.float32) -> Workload:
+    torch.manual_seed(0)
+    module = UNetBlock(channels, groups).to(dtype)
+    x = _rand(batch, channels, size, size, dtype=dtype, requires_grad=train)
+    return Workload("unet_block_train" if train else "unet_block", module.train(train), (x,), train)
+
+
+def groupnorm_silu(batch: int = 2, channels: int = 32, size: int = 8, groups: int = 8,
+                   dtype: torch.dtype = torch.bfloat16, train: bool = False) -> Workload:
+    torch.manual_seed(0)
+    norm = nn.GroupNorm(groups, channels).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    module = nn.Sequential(norm, nn.SiLU())
+    x = _rand(batch, channels, size, size, dtype=dtype, requires_grad=train)
+    return Workload("groupnorm_silu", module, (x,), train)
+
+
+def instancenorm(batch: int = 2, channels: int = 8, size: int = 8, train: bool = False,
+                 dtype: torch.dtype = torch.float32) -> Workload:
+    torch.manual_seed(0)
+    module = nn.InstanceNorm2d(channels, affine=True).to(dtype)
+    with torch.no_grad():
+        module.weight.normal_()
+        module.bias.normal_()
+    x = _rand(batch, channels, size, size, dtype=dtype, requires_grad=train)
+    return Workload("instancenorm_train" if train else "instancenorm", module, (x,), train)
+
+
+def resnet50(batch: int = 2, image: int = 32, train: bool = False, depths: tuple[int, ...] = (1, 1),
+             widths: tuple[int, ...] = (32, 64), stem: int = 16) -> Workload:
+    """ResNet (bottleneck blocks, BatchNorm) from ``transformers``' ResNetConfig; the real sizes are
+    ResNet-50's depths (3, 4, 6, 3) and widths (256, 512, 1024, 2048)."""
+    from transformers import ResNetConfig, ResNetModel
+
+    config = ResNetConfig(embedding_size=stem, hidden_sizes=list(widths), depths=list(depths),
+                          layer_type="bottleneck", hidden_act="relu")
+    torch.manual_seed(0)
+    model = ResNetModel(config).train(train)
+
+    class Outputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+            return self.model(pixel_values=pixel_values, return_dict=True).pooler_output
+
+    return Workload("resnet50_train" if train else "resnet50", Outputs(), (_rand(batch, 3, image, image),), train)
+
+
+def cross_entropy(tokens: int = 16, vocab: int = 96, smoothing: float = 0.1,
+                  dtype: torch.dtype = torch.bfloat16) -> Workload:
+    """Label-smoothing cross-entropy of low-precision logits (upcast to f32), forward + backward."""
+    logits = _rand(tokens, vocab, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(1))
+
+    def fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), target, label_smoothing=smoothing)
+
+    return Workload("cross_entropy", fn, (logits, target), train=True)
+
+
+def rotary(batch: int = 2, heads: int = 4, kv_heads: int = 2, seq: int = 16, dim: int = 16,
+           dtype: torch.dtype = torch.bfloat16) -> Workload:
+    """Rotary position embedding of queries and keys (Llama's ``rotate_half`` form)."""
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def fn(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
+    angles = torch.cat((angles, angles), dim=-1)
+    inputs = (_rand(batch, heads, seq, dim, dtype=dtype), _rand(batch, kv_heads, seq, dim, dtype=dtype, seed=1),
+              angles.cos().to(dtype), angles.sin().to(dtype))
+    return Workload("rotary", fn, inputs)
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "layernorm": layernorm,
     "layernorm_train": lambda **kw: layernorm(train=True, **kw),
@@ -225,6 +373,17 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "bert": bert,
     "bert_train": lambda **kw: bert(train=True, **kw),
     "bert_layer": bert_layer,
+    "gpt2": gpt2,
+    "gpt2_train": lambda **kw: gpt2(train=True, **kw),
+    "llama": llama,
+    "llama_train": lambda **kw: llama(train=True, **kw),
+    "unet_block_train": unet_block,
+    "groupnorm_silu": groupnorm_silu,
+    "instancenorm": instancenorm,
+    "resnet50": resnet50,
+    "resnet50_train": lambda **kw: resnet50(train=True, **kw),
+    "cross_entropy": cross_entropy,
+    "rotary": rotary,
 }
 
 REAL_SIZES: dict[str, dict[str, Any]] = {

@@ -47,6 +47,18 @@ except ImportError:
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
+# The bytes each generated kernel has to move, by kernel name: every input read once and every
+# output written once. Reports (``bench --top``) set them against a copy of the same size. None
+# where kernels of one name move different amounts.
+KERNEL_BYTES: dict[str, int | None] = {}
+
+
+def record_bytes(kernel: Any) -> None:
+    pattern = kernel.lowered.pattern
+    moved = sum(n.size * n.dtype.itemsize for n in list(pattern.inputs) + list(pattern.outputs))
+    KERNEL_BYTES[kernel.name] = moved if KERNEL_BYTES.get(kernel.name, moved) == moved else None
+
+
 class OutputSpec(NamedTuple):
     """How a kernel's output is made: a new contiguous tensor of ``shape``, ``strides`` and
     ``dtype``, or, where ``alias`` >= 0, the input at that position, written in place."""
@@ -82,6 +94,7 @@ class KernelOp:
         self.fixed: list[Any] | None = None  # the outputs, once every one is a kept buffer
         self.launcher = None
         self.has_scalar_variant = kernel._scalar_variant is not None
+        record_bytes(kernel)
 
     def __call__(self, slots: list[Any], stream: int, here: bool = False) -> None:
         """Run on ``stream``; ``here``: the program's device is the current one (allocate there
@@ -116,6 +129,7 @@ class KernelOp:
             self.kernel = chosen
             self.launcher = None
             self.has_scalar_variant = chosen._scalar_variant is not None
+            record_bytes(chosen)
 
     def _viewed(self, inputs: list[Any]) -> list[Any]:
         return [x.reshape(self.reshaped[k]) if k in self.reshaped else x for k, x in enumerate(inputs)]
