@@ -74,20 +74,25 @@ class CompileFailure(RuntimeError):
 def stats() -> dict[str, int]:
     """Counts since the process started: compiled graphs, kernels, library calls, views, fallbacks,
     shape specializations and cache hits; ``"tuned"`` (patterns whose schedules were measured) and
-    ``"perflib hits"`` (patterns whose schedule came from the performance library)."""
+    ``"perflib hits"`` (patterns whose schedule came from the performance library); ``"padded
+    GEMMs"`` (library GEMMs of unaligned sizes measured faster on zero-padded operands)."""
+    from fusionstitching.runtime.program import PADDING_CHOICES
     from fusionstitching.runtime.tuner import COUNTS
 
     result = dict(_STATS)
     result["tuned"] = COUNTS["tuned"]
     result["perflib hits"] = COUNTS["perflib hits"]
+    result["padded GEMMs"] = PADDING_CHOICES["padded"]
     return result
 
 
 def reset_stats() -> None:
+    from fusionstitching.runtime.program import PADDING_CHOICES
     from fusionstitching.runtime.tuner import COUNTS
 
     _STATS.clear()
     COUNTS.clear()
+    PADDING_CHOICES.update(measured=0, padded=0)
 
 
 def _options(options: Options | dict | None) -> Options:

@@ -421,25 +421,75 @@ def dot_function(node: Node) -> Callable[[Any, Any], Any]:
     # where torch's CUDA build offers that (``out_dtype``); elsewhere the half result is widened.
     widened = node.operands[0].dtype.is_half and dtype == torch.float32
     accumulate = [widened]
+    # GEMM kernels load 16 bytes at a time only where M, K and N are multiples of 16 bytes' worth of
+    # elements; otherwise cuBLAS takes a kernel of 2- or 4-byte loads (CUTLASS "align1"/"align2"),
+    # several times slower on a large GEMM (a GPT-2 LM head, vocabulary 50257). Zero-padding the
+    # operands to such multiples and slicing the product costs a copy of each. Which is faster is
+    # measured at the first call on a GPU, for this GEMM (``_padding_pays``).
+    per_vector = 16 // max(1, torch.empty((), dtype=DTYPE_TO_TORCH[node.operands[0].dtype]).element_size())
+    padded_mkn = tuple(-(-d // per_vector) * per_vector for d in (m, k, n))
+    padding = [None if padded_mkn != (m, k, n) else False]  # None: not measured yet
+
+    def multiply(a: Any, b: Any) -> Any:
+        if accumulate[0] and a.is_cuda:
+            try:
+                return product(a, b, out_dtype=dtype)
+            except (TypeError, RuntimeError, NotImplementedError):
+                accumulate[0] = False
+        return product(a, b)
+
+    def multiply_padded(a: Any, b: Any) -> Any:
+        mp, kp, np_ = padded_mkn
+        a = torch.nn.functional.pad(a, (0, kp - k, 0, mp - m))
+        b = torch.nn.functional.pad(b, (0, np_ - n, 0, kp - k))
+        out = multiply(a, b)
+        return out[..., :m, :n].contiguous() if (mp, np_) != (m, n) else out
 
     def dot(lhs: Any, rhs: Any) -> Any:
         a = lhs.permute(lhs_perm) if lhs_moves else lhs
         b = rhs.permute(rhs_perm) if rhs_moves else rhs
         a = a.reshape(lhs_to) if lhs_fold else a
         b = b.reshape(rhs_to) if rhs_fold else b
-        if accumulate[0] and a.is_cuda:
-            try:
-                out = product(a, b, out_dtype=dtype)
-            except (TypeError, RuntimeError, NotImplementedError):
-                accumulate[0] = False
-                out = product(a, b)
-        else:
-            out = product(a, b)
+        if padding[0] is None and a.is_cuda:
+            if torch.cuda.is_current_stream_capturing():
+                padding[0] = False
+            else:
+                padding[0] = _padding_pays(multiply, multiply_padded, a, b)
+        out = multiply_padded(a, b) if padding[0] else multiply(a, b)
         if final:
             out = out.reshape(shape)
         return out if out.dtype == dtype else out.to(dtype)
 
+    dot.padding = padding  # [None | bool], for tests
     return dot
+
+
+def _padding_pays(plain: Callable[[Any, Any], Any], padded: Callable[[Any, Any], Any], a: Any, b: Any,
+                  repeats: int = 5) -> bool:
+    """Whether ``padded(a, b)`` is faster than ``plain(a, b)`` on the GPU: CUDA events around each
+    call, the two alternating, the median of ``repeats`` each after one untimed call. Padding has to
+    win by more than 3 %, the timing's noise (``runtime.tuner.NOISE``)."""
+    import statistics
+
+    times: dict[Any, list[float]] = {plain: [], padded: []}
+    for fn in (plain, padded):
+        fn(a, b)
+    for _ in range(repeats):
+        for fn in (plain, padded):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(a, b)
+            end.record()
+            end.synchronize()
+            times[fn].append(start.elapsed_time(end))
+    PADDING_CHOICES["measured"] += 1
+    faster = statistics.median(times[padded]) < 0.97 * statistics.median(times[plain])
+    PADDING_CHOICES["padded"] += faster
+    return faster
+
+
+# GEMMs whose padding was measured in this process, and those that run padded.
+PADDING_CHOICES = {"measured": 0, "padded": 0}
 
 
 class GraphedProgram:

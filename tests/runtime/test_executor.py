@@ -199,6 +199,34 @@ def test_view_and_dot_functions_match_the_reference():
         want = reference.evaluate_node(node, args)
         got = fn(*[torch.from_numpy(a) for a in args]).numpy()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        if node.op == "dot_general":  # M, K, N not multiples of 4 f32: the zero-padded product too
+            assert fn.padding == [None]  # measured at the first call on a GPU only
+            fn.padding[0] = True
+            padded = fn(*[torch.from_numpy(a) for a in args])
+            assert padded.shape == node.shape and padded.is_contiguous()
+            np.testing.assert_allclose(padded.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_unaligned_gemms_are_padded_where_measured_faster():
+    """A GPT-2-like LM head (N = 50257) is measured once: padded or not, the product is the plain
+    one's, and the choice holds for later calls."""
+    from fusionstitching.runtime.program import PADDING_CHOICES
+
+    b = GraphBuilder("head")
+    h = b.parameter((4096, 768), DType.BF16, "h")
+    w = b.parameter((50257, 768), DType.BF16, "w")
+    node = b.node("dot_general", [h, w], lhs_batch=(), rhs_batch=(), lhs_contract=(1,), rhs_contract=(1,))
+    fn = dot_function(node)
+    hv = torch.randn(4096, 768, device="cuda", dtype=torch.bfloat16)
+    wv = torch.randn(50257, 768, device="cuda", dtype=torch.bfloat16)
+    before = dict(PADDING_CHOICES)
+    got = fn(hv, wv)
+    assert fn.padding[0] in (True, False) and PADDING_CHOICES["measured"] == before["measured"] + 1
+    torch.testing.assert_close(got, hv @ wv.T)
+    torch.testing.assert_close(fn(hv, wv), got)
+    assert PADDING_CHOICES["measured"] == before["measured"] + 1
 
 
 @pytest.mark.gpu
