@@ -139,7 +139,8 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
         graph = widen_dots(graph)
     if options.split_reductions:
         spec = gpu_spec(options.device)
-        graph, splits = split_underfilled_reductions(graph, spec, bandwidth_model(options.device))
+        graph, splits = split_underfilled_reductions(graph, spec, bandwidth_model(options.device),
+                                                     options.smem_limit)
         notes += [f"split {d}" for d in splits]
     roles = Roles.of(graph, options)
     legality = Legality(graph, options)

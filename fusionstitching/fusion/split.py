@@ -36,6 +36,7 @@ LOADS_IN_FLIGHT = 4
 MIN_GAIN = 0.25
 WARP_ROW_MAX = 1024
 STITCH_MIN_ROWS = 1024
+MAX_ROUNDS = 4  # splits of one reduction: one per reduced dim of a 4-d tensor
 STITCH_ROWS = 8  # rows per part of a column reduction stitched to row reductions (8 warps per block)
 
 
@@ -80,7 +81,9 @@ class ReductionSplitter:
         loads = node.operands[0].size / threads * LOAD_LATENCY_CYCLES / LOADS_IN_FLIGHT / (self.spec.clock_ghz * 1e3)
         return max(latency, self.memory.time_us(nbytes), loads)
 
-    def decide(self, node: Node) -> SplitDecision | None:
+    def decide(self, node: Node, force: bool = False) -> SplitDecision | None:
+        """The split that saves the most estimated time, if it saves ``MIN_GAIN`` of it (``force``:
+        the best split whatever it saves)."""
         before = self.kernel_us(node, reduction_threads(node))
         operand = node.operands[0]
         dims = tuple(node.attrs["dims"])
@@ -98,9 +101,20 @@ class ReductionSplitter:
                      + self.memory.launch_us)
             if best is None or after < best[0]:
                 best = (after, parts)
-        if best is None or best[0] > (1 - MIN_GAIN) * before:
+        if best is None or (not force and best[0] > (1 - MIN_GAIN) * before):
             return None
         return SplitDecision(node.name, best[1], before, best[0])
+
+
+def _unbuildable(graph: Graph, node: Node, smem_limit: int) -> bool:
+    """Whether no template builds ``node`` alone; asked only of a reduce with more points per
+    output than a thread may take (``schedule.refusals.MAX_ELEMENTS_PER_THREAD``)."""
+    from fusionstitching.schedule import feasible
+    from fusionstitching.schedule.refusals import MAX_ELEMENTS_PER_THREAD
+
+    if node.operands[0].size <= MAX_ELEMENTS_PER_THREAD * max(node.size, 1):
+        return False
+    return not feasible(graph, [node], smem_limit)
 
 
 def _threads_like(node: Node, outputs: int) -> int:
@@ -139,21 +153,43 @@ def stitched_rows(node: Node, row_shapes: set[tuple[int, ...]]) -> int | None:
     return STITCH_ROWS
 
 
-def split_underfilled_reductions(graph: Graph, spec: GpuSpec, memory: BandwidthModel
+def split_underfilled_reductions(graph: Graph, spec: GpuSpec, memory: BandwidthModel, smem_limit: int = 48 * 1024
                                  ) -> tuple[Graph, list[SplitDecision]]:
+    """Split every reduce that is faster as partial + final, then the partials that are still
+    underfilled, up to ``MAX_ROUNDS`` times: a split divides one reduced dim, and a reduction over
+    several large dims (BatchNorm's statistics over N, H and W of an NCHW tensor: 25 million points
+    into 256 channels) needs a split of each before its threads have a bounded share of the points.
+    A reduce that no template builds alone (too many points per thread) is split even where the
+    estimate sees no gain: unsplit it would run outside the generated kernels."""
+    decisions: list[SplitDecision] = []
+    fresh: set[str] | None = None  # the reduces a round may split: all at first, then the new partials
+    for _ in range(MAX_ROUNDS):
+        before = {n.name for n in graph.nodes}
+        graph, made = _split_round(graph, spec, memory, fresh, smem_limit)
+        if not made:
+            break
+        decisions += made
+        fresh = {n.name for n in graph.nodes if n.op == "reduce" and n.name not in before}
+    return graph, decisions
+
+
+def _split_round(graph: Graph, spec: GpuSpec, memory: BandwidthModel, only: set[str] | None,
+                 smem_limit: int) -> tuple[Graph, list[SplitDecision]]:
     splitter = ReductionSplitter(spec, memory)
     decisions, blocks = [], {}
     row_shapes = _row_reduced_shapes(graph)
     for node in graph.nodes:
-        if node.op != "reduce":
+        if node.op != "reduce" or (only is not None and node.name not in only):
             continue
-        rows = stitched_rows(node, row_shapes)
+        rows = stitched_rows(node, row_shapes) if only is None else None
         if rows is not None:
             blocks[node.name] = rows
             size = node.operands[0].shape[max(node.attrs["dims"])]
             decisions.append(SplitDecision(node.name, size // rows, 0.0, 0.0, stitched=True))
             continue
         decision = splitter.decide(node)
+        if decision is None and _unbuildable(graph, node, smem_limit):
+            decision = splitter.decide(node, force=True)
         if decision is not None:
             decisions.append(decision)
     if not decisions:

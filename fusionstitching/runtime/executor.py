@@ -25,6 +25,8 @@ path), or, with ``mode="reduce-overhead"``, replayed from a CUDA graph (``Graphe
 
 from __future__ import annotations
 
+import math
+
 import threading
 import time
 from collections import Counter
@@ -470,6 +472,9 @@ def _library_function(node: Node, siblings: Sequence[int] = ()) -> Callable[...,
 
         return library_op
 
+    if node.op == "reduce" and node.operands[0].dtype.is_float:
+        return _torch_reduce(node)
+
     def on_host(*args: Any) -> Any:
         arrays = [_to_numpy(a, x) for a, x in zip(args, node.operands)]
         value = reference.evaluate_node(node, arrays)
@@ -477,6 +482,36 @@ def _library_function(node: Node, siblings: Sequence[int] = ()) -> Callable[...,
 
     on_host.on_host = True  # GraphedProgram: not capturable
     return on_host
+
+
+def _torch_reduce(node: Node) -> Callable[[Any], Any]:
+    """A float reduce no kernel was built for, run by torch on the tensor's device in the reduce's
+    compute type (as the reference does), not through NumPy on the host."""
+    import torch
+
+    from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
+
+    dims, kind = tuple(node.attrs["dims"]), node.attrs["kind"]
+    compute, dtype = DTYPE_TO_TORCH[node.operands[0].dtype.compute], DTYPE_TO_TORCH[node.dtype]
+    empty = any(node.operands[0].shape[d] == 0 for d in dims)
+
+    def reduce(x: Any) -> Any:
+        x = x.to(compute)
+        if not dims:
+            out = x.clone()
+        elif kind == "sum":
+            out = x.sum(dims)
+        elif kind == "prod":
+            out = x
+            for d in sorted(dims, reverse=True):
+                out = out.prod(d)
+        elif empty:  # the identity of max / min, as the reference's ``initial``
+            out = torch.full(node.shape, -math.inf if kind == "max" else math.inf, dtype=compute, device=x.device)
+        else:
+            out = x.amax(dims) if kind == "max" else x.amin(dims)
+        return out.to(dtype)
+
+    return reduce
 
 
 def _filled_destination(node: Node) -> float | int | bool | None:

@@ -224,8 +224,9 @@ def test_unaligned_gemms_are_padded_where_measured_faster():
     before = dict(PADDING_CHOICES)
     got = fn(hv, wv)
     assert fn.padding[0] in (True, False) and PADDING_CHOICES["measured"] == before["measured"] + 1
-    torch.testing.assert_close(got, hv @ wv.T)
-    torch.testing.assert_close(fn(hv, wv), got)
+    want = hv @ wv.T  # another kernel, K summed in another order: the bf16 results differ by rounding
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
+    assert torch.equal(fn(hv, wv), got)
     assert PADDING_CHOICES["measured"] == before["measured"] + 1
 
 
@@ -590,3 +591,20 @@ def test_a_0d_input_only_library_calls_read_stays_where_the_caller_has_it():
     compiled = compile_plan(explore(b.build([out])))
     tensors = [torch.ones(4), torch.tensor(3), torch.tensor(2.0)]
     assert compiled._to_move(tensors, torch.device("meta")) == [0, 2]
+
+
+@pytest.mark.parametrize("kind", ["sum", "prod", "max", "min"])
+@pytest.mark.parametrize("shape, dims", [((4, 6, 5), (0, 2)), ((3, 0, 2), (1,)), ((3, 4), ())])
+def test_a_reduce_no_kernel_takes_runs_in_torch_as_the_reference(kind, shape, dims):
+    from fusionstitching.runtime.executor import _library_function
+
+    b = GraphBuilder("r")
+    x = b.parameter(shape, DType.BF16, "x")
+    node = b.node("reduce", [x], dims=dims, kind=kind)
+    fn = _library_function(node)
+    assert not getattr(fn, "on_host", False)
+    value = torch.randn(shape).to(torch.bfloat16)
+    want = reference.evaluate_node(node, [value.float().numpy()])
+    got = fn(value)
+    assert got.dtype == torch.bfloat16 and tuple(got.shape) == tuple(node.shape)
+    np.testing.assert_allclose(got.float().numpy(), np.asarray(want, dtype=np.float32), rtol=1e-2, atol=1e-2)
