@@ -26,7 +26,6 @@ path), or, with ``mode="reduce-overhead"``, replayed from a CUDA graph (``Graphe
 from __future__ import annotations
 
 import math
-
 import threading
 import time
 from collections import Counter
