@@ -83,7 +83,7 @@ class ReductionSplitter:
 
     def decide(self, node: Node, force: bool = False) -> SplitDecision | None:
         """The split that saves the most estimated time, if it saves ``MIN_GAIN`` of it (``force``:
-        the best split whatever it saves)."""
+        the split into the most parts, whatever it saves)."""
         before = self.kernel_us(node, reduction_threads(node))
         operand = node.operands[0]
         dims = tuple(node.attrs["dims"])
@@ -99,7 +99,9 @@ class ReductionSplitter:
             final = _shaped(node, partial_out, node.size)
             after = (self.kernel_us(partial, _threads_like(node, partial_out)) + self.kernel_us(final, node.size)
                      + self.memory.launch_us)
-            if best is None or after < best[0]:
+            # Forced (no template builds it whole): the most parts, the most threads, since the
+            # estimate, which sees no gain, cannot rank the splits.
+            if best is None or (parts > best[1] if force else after < best[0]):
                 best = (after, parts)
         if best is None or (not force and best[0] > (1 - MIN_GAIN) * before):
             return None
