@@ -205,3 +205,14 @@ def test_the_rmsnorm_gradients_read_the_input_twice_instead_of_writing_its_f32_c
                    if graph.node(n).shape == (8192, 4096) and graph.node(n).dtype == DType.F32
                    and any(u.name not in p.nodes for u in graph.index.users[graph.node(n)])]
     assert not f32_outputs, f32_outputs
+
+
+def test_a_reduction_no_template_takes_whole_is_split_until_one_does():
+    """BatchNorm's statistics of an NCHW tensor: 6.4 million points into 64 channels, over N, H and
+    W. No template gives a thread a bounded share of the points; the pass splits it (one reduced dim
+    per round) until every reduce is built into a kernel, and none is left to run outside them."""
+    b = GraphBuilder("bn_stats")
+    x = b.parameter((32, 64, 56, 56), DType.F32, "x")
+    plan = explore(b.build([b.node("reduce", [b.unary("neg", x)], dims=(0, 2, 3), kind="sum")]))
+    assert not plan.library
+    assert any(note.startswith("split ") for note in plan.notes)
