@@ -71,6 +71,7 @@ from fusionstitching.graph.transforms import (
     fold_empty,
     fold_views,
     merge_duplicates,
+    reduce_trailing_first,
     widen_dots,
 )
 from fusionstitching.options import Options
@@ -138,6 +139,8 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
     if options.widen_dots:
         graph = widen_dots(graph)
     if options.split_reductions:
+        graph, rewritten = reduce_trailing_first(graph)
+        notes += [f"reduce {name}: its innermost reduced dims first, then the others" for name in rewritten]
         spec = gpu_spec(options.device)
         graph, splits = split_underfilled_reductions(graph, spec, bandwidth_model(options.device),
                                                      options.smem_limit)
