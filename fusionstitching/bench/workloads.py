@@ -230,6 +230,7 @@ def _causal_lm(model: nn.Module, train: bool, name: str, ids: torch.Tensor) -> W
             return self.model(input_ids=input_ids, return_dict=True).logits
 
     model.train(train)
+    model.loss_type = "ForCausalLM"  # named: an unnamed loss type logs a warning inside the traced call
     return Workload(f"{name}_train" if train else name, CausalLM(), (ids,), train)
 
 

@@ -117,7 +117,8 @@ def trailing_reduced_run(node: Node, min_length: int = 32) -> tuple[int, ...] | 
         if d not in dims:
             break
         run.append(d)
-    if not run or len(run) == len(dims) or math.prod(shape[d] for d in run) < min_length:
+    others = [d for d in dims if d not in run and shape[d] > 1]  # a reduced dim of size 1 reduces nothing
+    if not run or not others or math.prod(shape[d] for d in run) < min_length:
         return None
     return tuple(sorted(run))
 

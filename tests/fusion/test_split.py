@@ -245,3 +245,5 @@ def test_a_reduce_over_strided_dims_reduces_its_contiguous_rows_first(dtype, kin
     y = short.parameter((4, 6, 2, 8), dtype, "y")
     for dims in ((0, 2, 3), (2, 3)):
         assert trailing_reduced_run(short.node("reduce", [y], dims=dims, kind="sum")) is None
+    one = short.parameter((1, 6, 8, 8), dtype, "one")  # InstanceNorm through batch norm: N of 1
+    assert trailing_reduced_run(short.node("reduce", [one], dims=(0, 2, 3), kind="sum")) is None
