@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -439,6 +440,10 @@ def order_steps(graph: Graph, steps: list[Step]) -> list[Step]:
 # ----------------------------------------------------------------------------------------------
 
 
+class HostFallbackWarning(UserWarning):
+    """A node of a GPU program runs on the host (NumPy), outside any kernel or library call."""
+
+
 def _library_function(node: Node, siblings: Sequence[int] = ()) -> Callable[..., Any]:
     """How a library step runs on a GPU: a GEMM through ``torch.matmul``, a library op through its
     ``torch.ops`` callable, a node no kernel could be built for through the reference (NumPy).
@@ -473,6 +478,10 @@ def _library_function(node: Node, siblings: Sequence[int] = ()) -> Callable[...,
 
     if node.op == "reduce" and node.operands[0].dtype.is_float:
         return _torch_reduce(node)
+
+    warnings.warn(f"{node.name} ({node.op} {list(node.shape)} {node.dtype.value}): no kernel could be built for "
+                  "it; it runs on the host through the reference semantics (NumPy), copying its operands "
+                  "from the GPU at every call", HostFallbackWarning, stacklevel=2)
 
     def on_host(*args: Any) -> Any:
         arrays = [_to_numpy(a, x) for a, x in zip(args, node.operands)]

@@ -608,3 +608,16 @@ def test_a_reduce_no_kernel_takes_runs_in_torch_as_the_reference(kind, shape, di
     got = fn(value)
     assert got.dtype == torch.bfloat16 and tuple(got.shape) == tuple(node.shape)
     np.testing.assert_allclose(got.float().numpy(), np.asarray(want, dtype=np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_a_node_run_on_the_host_is_announced():
+    from fusionstitching.runtime.executor import HostFallbackWarning, _library_function
+
+    b = GraphBuilder("r")
+    x = b.parameter((4, 6), DType.I32, "x")
+    node = b.node("reduce", [x], dims=(1,), kind="sum")
+    with pytest.warns(HostFallbackWarning, match=r"reduce \[4\] i32\): no kernel could be built"):
+        fn = _library_function(node)
+    assert fn.on_host
+    got = fn(torch.arange(24, dtype=torch.int32).reshape(4, 6))
+    assert got.tolist() == [15, 51, 87, 123]
