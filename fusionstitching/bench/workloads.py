@@ -33,12 +33,19 @@ def _rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, requir
     return torch.randn(*shape, generator=generator, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)
 
 
-def layernorm(batch: int = 16, hidden: int = 64, train: bool = False, dtype: torch.dtype = torch.float32) -> Workload:
+def _norm(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A normalization module in ``dtype`` with random (not unit and zero) weight and bias, so that
+    their gradients and their broadcasts are tested too; seeded."""
     torch.manual_seed(0)
-    module = nn.LayerNorm(hidden).to(dtype)
+    module = module.to(dtype)
     with torch.no_grad():
         module.weight.normal_()
         module.bias.normal_()
+    return module
+
+
+def layernorm(batch: int = 16, hidden: int = 64, train: bool = False, dtype: torch.dtype = torch.float32) -> Workload:
+    module = _norm(nn.LayerNorm(hidden), dtype)
     x = _rand(batch, hidden, dtype=dtype, requires_grad=train)
     return Workload("layernorm_train" if train else "layernorm", module, (x,), train)
 
@@ -287,23 +294,14 @@ def unet_block(batch: int = 2, channels: int = 32, size: int = 8, groups: int = 
 
 def groupnorm_silu(batch: int = 2, channels: int = 32, size: int = 8, groups: int = 8,
                    dtype: torch.dtype = torch.bfloat16, train: bool = False) -> Workload:
-    torch.manual_seed(0)
-    norm = nn.GroupNorm(groups, channels).to(dtype)
-    with torch.no_grad():
-        norm.weight.normal_()
-        norm.bias.normal_()
-    module = nn.Sequential(norm, nn.SiLU())
+    module = nn.Sequential(_norm(nn.GroupNorm(groups, channels), dtype), nn.SiLU())
     x = _rand(batch, channels, size, size, dtype=dtype, requires_grad=train)
     return Workload("groupnorm_silu", module, (x,), train)
 
 
 def instancenorm(batch: int = 2, channels: int = 8, size: int = 8, train: bool = False,
                  dtype: torch.dtype = torch.float32) -> Workload:
-    torch.manual_seed(0)
-    module = nn.InstanceNorm2d(channels, affine=True).to(dtype)
-    with torch.no_grad():
-        module.weight.normal_()
-        module.bias.normal_()
+    module = _norm(nn.InstanceNorm2d(channels, affine=True), dtype)
     x = _rand(batch, channels, size, size, dtype=dtype, requires_grad=train)
     return Workload("instancenorm_train" if train else "instancenorm", module, (x,), train)
 

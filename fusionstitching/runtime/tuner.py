@@ -151,9 +151,9 @@ class Tuner:
         """Whether moving the pattern's bytes takes less than twice the GPU's latency floor (the
         time of the smallest copy): such a kernel is bound by latency, not by its schedule, and the
         few microseconds it takes are within the timing's noise (BERT batch 1's kernels)."""
-        pattern = kernel.lowered.pattern
-        moved = sum(n.size * n.dtype.itemsize for n in list(pattern.inputs) + list(pattern.outputs))
-        return self.bandwidth.time_us(moved) < 2 * self.bandwidth.floor_us
+        from fusionstitching.runtime.program import moved_bytes
+
+        return self.bandwidth.time_us(moved_bytes(kernel)) < 2 * self.bandwidth.floor_us
 
     def _generate(self, nodes: list[Node], template, like: GeneratedKernel) -> GeneratedKernel:
         """The kernel for ``nodes`` under ``template`` (a pattern of the same structure and template

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 from fusionstitching.codegen import generate
 from fusionstitching.graph.graph import GraphBuilder
@@ -129,3 +130,37 @@ def _pattern_and(graph, nodes, template):
     from fusionstitching.codegen.lower import resolve_pattern
 
     return resolve_pattern(graph, nodes), template
+
+
+def _row_then_scale(shape, dims):
+    """``x - mean`` written out beside ``sum((x - mean)²)`` over ``dims`` (BatchNorm's variance)."""
+    b = GraphBuilder("variance")
+    x = b.parameter(shape, DType.F32, "x")
+    kept = tuple(d for d in range(len(shape)) if d not in dims)
+    mean = b.reduce(x, list(dims), "sum")
+    centered = b.binary("sub", x, b.broadcast(mean, shape, kept))
+    graph = b.build([centered, b.reduce(b.binary("mul", centered, centered), list(dims), "sum")])
+    return graph, [n for n in graph.nodes if n.op not in ("parameter", "constant")]
+
+
+@pytest.mark.parametrize("shape, dims, offered", [
+    ((64, 56, 56), (1, 2), False),  # rows of 3136 floats: lanes along the channel dim, a sector each
+    ((64, 3136), (1,), False),
+    ((4096, 4), (1,), True),  # rows of 16 bytes: a warp's lanes still share sectors
+    ((3136, 64), (0,), True),  # a column sum: lanes along the contiguous kept dim
+])
+def test_thread_serial_rows_are_offered_only_where_lanes_share_sectors(shape, dims, offered):
+    from fusionstitching.codegen.lower import resolve_pattern
+    from fusionstitching.schedule.grouping import _candidate_templates, _crossing, thread_serial_template
+    from fusionstitching.schedule.template import format_template
+
+    graph, nodes = _row_then_scale(shape, dims)
+    pattern = resolve_pattern(graph, nodes)
+    serial = format_template(thread_serial_template(pattern, _crossing(pattern)))
+    made = []
+    for make in _candidate_templates(pattern):
+        try:
+            made.append(format_template(make()))
+        except ValueError:
+            continue
+    assert (serial in made) == offered
