@@ -67,8 +67,7 @@ def crowded(pattern, template: KernelSchedule) -> Reason | None:
                 if tile.level != Level.THREAD:
                     parallel *= extent
         parallel = min(parallel, launched)
-        folded = sum(_reduced_points(r) for r in _inline_reductions(root, roots, by_name)) if inline else 0
-        work = math.prod(space) * max(folded, 1)
+        work = math.prod(space) * (_folded_points(root, roots, by_name) if inline else 1)
         if work > MAX_ELEMENTS_PER_THREAD * parallel:
             return Reason(f"{root.name} has {work} points for {parallel} threads in the template (over "
                           f"{MAX_ELEMENTS_PER_THREAD} each): too little parallelism")
@@ -111,6 +110,26 @@ def _inline_reductions(root: Node, roots: set[str], by_name: dict[str, Node]) ->
         if is_reduction(node):
             yield node
         stack.extend(node.operands)
+
+
+def _folded_points(root: Node, roots: set[str], by_name: dict[str, Node]) -> int:
+    """The points a thread of ``root`` reads per element it computes, through the reductions it
+    folds inline: a reduction multiplies its operands' points by its reduced length, so the two
+    halves of a split reduction folded together cost their product (a split bias gradient
+    recomputed whole by each thread of its cast), and sibling reductions add up (a row's mean and
+    variance)."""
+    memo: dict[int, int] = {}
+
+    def points(node: Node) -> int:
+        if by_name.get(node.name) is not node or node.name in roots and node is not root:
+            return 1  # read from memory: a parameter, another kernel's value or a root's result
+        if id(node) not in memo:
+            memo[id(node)] = 1  # a cycle cannot happen in a graph; this only guards the recursion
+            below = sum(p for p in map(points, node.operands) if p > 1) or 1
+            memo[id(node)] = below * (_reduced_points(node) if is_reduction(node) else 1)
+        return memo[id(node)]
+
+    return points(root)
 
 
 def _reduced_points(node: Node) -> int:

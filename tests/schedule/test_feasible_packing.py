@@ -164,3 +164,17 @@ def test_thread_serial_rows_are_offered_only_where_lanes_share_sectors(shape, di
         except ValueError:
             continue
     assert (serial in made) == offered
+
+
+def test_feasible_multiplies_nested_inline_reductions():
+    """A split bias gradient (4096 rows as 32 partial sums of 128) folded whole into its cast's
+    threads, packed next to a weight-gradient cast: each of the cast's threads would sum 32 × 128
+    rows of its columns, not 32 + 128. Refused for too little parallelism."""
+    b = GraphBuilder("cast_and_split_sum")
+    w = b.parameter((3072, 768), DType.BF16, "w")
+    g = b.parameter((4096, 2304), DType.BF16, "g")
+    parts = b.reduce(b.reshape(b.convert(g, DType.F32), (32, 128, 2304)), [1], "sum")
+    total = b.reduce(parts, [0], "sum")
+    graph = b.build([b.convert(w, DType.F32), b.convert(b.convert(total, DType.BF16), DType.F32)])
+    answer = feasible(graph, [n for n in graph.nodes if n.op != "parameter"])
+    assert not answer and "too little parallelism" in str(answer), answer
