@@ -431,14 +431,25 @@ DUPLICATED_OPS = ("broadcast_in_dim", "iota")
 
 def _duplicated(node: Node) -> bool:
     """Whether each user gets its own copy of ``node``: a broadcast or an iota (index arithmetic), or a
-    widening convert of a graph input (``x.float()`` in a norm): a kernel recomputing it reads the
+    widening convert of a graph input (``x.float()`` in a norm, ``_widened_input``): a kernel recomputing it reads the
     narrower input, never more bytes than reading a materialized copy, and two kernels that both
     need it (a norm's input gradient and its weight gradient) no longer force it into memory."""
     if node.op in DUPLICATED_OPS:
         return True
-    if node.op != "convert" or node.operands[0].op != "parameter":
+    return _widened_input(node)
+
+
+def _widened_input(node: Node) -> bool:
+    """A widening convert of a graph input, through reshapes on either side (GroupNorm's
+    ``x.float().reshape(n, groups, -1)``: the reshape is what its several users read)."""
+    while node.op == "reshape":
+        node = node.operands[0]
+    if node.op != "convert":
         return False
-    return node.dtype.itemsize >= node.operands[0].dtype.itemsize
+    source = node.operands[0]
+    while source.op == "reshape":
+        source = source.operands[0]
+    return source.op == "parameter" and node.dtype.itemsize >= source.dtype.itemsize
 
 
 def duplicate_broadcasts(graph: Graph) -> Graph:

@@ -190,6 +190,29 @@ def test_a_widening_convert_of_an_input_is_copied_per_user_and_a_narrowing_one_i
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_reshape_of_a_widened_input_is_copied_per_user_with_its_convert():
+    """GroupNorm's ``x.float().reshape(n, groups, -1)``: the reshape is what the statistics and the
+    normalization read. Copied per user, with the convert under it, the normalization's kernel reads
+    the bf16 input itself instead of an f32 copy the statistics kernel would write."""
+    b = GraphBuilder("grouped")
+    x = b.parameter((4, 8, 16), DType.BF16, "x")
+    grouped = b.reshape(b.convert(x, DType.F32), (4, 2, 64))
+    mean = b.reduce(grouped, (2,), "sum")
+    graph = b.build([mean, b.binary("sub", grouped, b.broadcast(mean, (4, 2, 64), (0, 1)))])
+    dup = duplicate_broadcasts(graph)
+    assert sum(1 for n in dup.nodes if n.op == "convert") == 2
+    assert all(len(dup.index.users[n]) == 1 for n in dup.nodes if n.op in ("convert", "reshape"))
+    arrays = random_arrays(graph)
+    for want, got in zip(reference.evaluate(graph, arrays), reference.evaluate(dup, arrays)):
+        np.testing.assert_array_equal(got, want)
+    from fusionstitching.fusion import explore
+
+    plan = explore(graph)
+    assert not [n for n in plan.graph.nodes if n.dtype == DType.F32 and n.shape == (4, 2, 64)
+                and plan.pattern_of(n.name) is not None
+                and any(plan.pattern_of(u.name) is not plan.pattern_of(n.name) for u in plan.graph.index.users[n])]
+
+
 def test_the_rmsnorm_gradients_read_the_input_twice_instead_of_writing_its_f32_copy():
     """Llama's RMSNorm backward, 8192 × 4096 bf16: the input's f32 upcast feeds both the input
     gradient (row reductions) and the weight gradient (a column sum). Shared, it was an output of the
