@@ -153,6 +153,7 @@ def composed_template(pattern, reductions: list[Node], threads: int, warp_rows: 
     itemsize = min([n.dtype.itemsize for n in pattern.inputs if len(n.shape) == rank] or [4])
     length = _space(reductions[0])[max(reduced)]
     reduced_tiles = _reduced_tiles(length, lanes, max(1, 16 // itemsize))
+    run_tiles = _run_tiles(_space(reductions[0]), reduced, lanes, max(1, 16 // itemsize), reduced_tiles)
     if rows_per_warp is None:
         in_registers = len(reduced_tiles) > 1 or reduced_tiles[0].size is not None
         last_kept = _space(reductions[0])[kept[-1]] if kept else 1
@@ -165,6 +166,8 @@ def composed_template(pattern, reductions: list[Node], threads: int, warp_rows: 
         else:
             dims = _composed_dims(space, reduced, kept, warp_rows if warp_mode else None, reduced_tiles,
                                   rows_per_warp)
+            if run_tiles:
+                dims = tuple(run_tiles.get(d, tiles) for d, tiles in enumerate(dims))
         schedules.append(Schedule(root.name, dims, shared=root.name in shared))
     grid = level_extent(schedules[0], _space(roots[0]), Level.GRID)
     return KernelSchedule(tuple(schedules), Launch(max(1, min(grid, MAX_BLOCKS)), threads))
@@ -190,6 +193,49 @@ def _reduced_tiles(length: int, lanes: int, vector: int) -> tuple[Tile, ...]:
         if k * v <= MAX_REGISTER_ELEMENTS:
             return (Tile(Level.THREAD, k), Tile(Level.CTA, lanes), Tile(Level.THREAD, v))
     return (Tile(Level.CTA),)
+
+
+def _run_tiles(space, reduced: set[int], lanes: int, vector: int,
+               last_tiles: tuple[Tile, ...]) -> dict[int, tuple[Tile, ...]] | None:
+    """Tiles for the trailing run of reduced dims taken as one row, where the last reduced dim alone
+    leaves lanes idle or its row out of registers (``last_tiles`` has no sized CTA tile): an
+    InstanceNorm's 64 × 64 image over 256 threads, each holding 4 × 4 elements, instead of 64 lanes
+    looping over 64 rows while 192 wait. The row's tiling (``_reduced_tiles`` of the run's length)
+    is laid onto the dims innermost first; None where it has no registers or does not divide."""
+    if any(t.level == Level.CTA and t.size is not None for t in last_tiles):
+        return None
+    run = [max(reduced)]
+    while run[0] - 1 in reduced:
+        run.insert(0, run[0] - 1)
+    if len(run) < 2:
+        return None
+    flat = _reduced_tiles(math.prod(space[d] for d in run), lanes, vector)
+    if not any(t.size is not None for t in flat):
+        return None
+    tiles: dict[int, list[Tile]] = {d: [] for d in run}
+    dims = list(reversed(run))  # innermost first
+    left = {d: space[d] for d in run}
+    k = 0
+    for tile in reversed(flat):  # innermost tile first
+        size = tile.size
+        while size > 1:
+            if k == len(dims):
+                return None
+            d = dims[k]
+            take = math.gcd(size, left[d])
+            if take == 1:
+                if left[d] != 1:
+                    return None  # the tile straddles a dim it does not divide
+                k += 1
+                continue
+            tiles[d].insert(0, Tile(tile.level, take))
+            left[d] //= take
+            size //= take
+            if left[d] == 1:
+                k += 1
+    if any(v != 1 for v in left.values()):
+        return None
+    return {d: tuple(t) for d, t in tiles.items()}
 
 
 def _composed_dims(space, reduced: set[int], kept: list[int], warp_rows: int | None,

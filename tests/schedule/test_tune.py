@@ -104,3 +104,35 @@ def test_renamed_refuses_a_root_outside_the_pattern():
     nodes = sorted(compiled.kernels[0].lowered.pattern.nodes, key=compiled.graph.index.position.__getitem__)
     with pytest.raises(ValueError, match="names no node"):
         renamed(f"n{len(nodes)}[GRID]; launch(blocks=1,threads=32)", nodes)
+
+
+def test_a_norm_over_a_short_trailing_dim_spreads_its_lanes_over_the_image():
+    """InstanceNorm of 64 × 64 images: the reduced run is (H, W). Lanes only on W (64 of a block's
+    256 threads working, each looping over H) was the old tiling; the template lays the 4096-element
+    row's tiling onto both dims, every lane busy, and computes what the graph does."""
+    from fusionstitching.bench.workloads import instancenorm
+    from fusionstitching.frontend.torch_fx import capture
+    from fusionstitching.graph import reference
+
+    workload = instancenorm(batch=2, channels=4, size=64)
+    compiled = compile_graph(capture(workload.fn, *workload.inputs).forward, Options(strict=True))
+    (kernel,) = compiled.kernels
+    for schedule in kernel.template.schedules:
+        height, width = schedule.dims[-2:]
+        assert [t.size for t in height if t.level.value == "CTA"] == [16], kernel.template
+        assert [t.size for t in width if t.level.value == "CTA"] == [16], kernel.template
+    graph = compiled.graph
+    rng = np.random.default_rng(0)
+    by_name = {p.name: rng.standard_normal(p.shape).astype(np.float32) for p in graph.parameters}
+    arrays = [by_name[n.name] for n in kernel.lowered.pattern.inputs]
+    got = kernel.simulate(arrays)
+    (want,) = reference.evaluate(graph, [by_name[p.name] for p in graph.parameters])
+    np.testing.assert_allclose(got[0].reshape(want.shape), want, rtol=1e-4, atol=1e-4)
+    # the old tiling (lanes on W only) computes the same values
+    nodes = sorted(kernel.lowered.pattern.nodes, key=graph.index.position.__getitem__)
+    old = canonical(kernel.template, nodes)
+    for spread in ("THREAD_4-CTA_16,CTA_16-THREAD_4]",):
+        assert spread in old, old
+    lanes_on_w = renamed(old.replace("THREAD_4-CTA_16,CTA_16-THREAD_4]", "THREAD,CTA]"), nodes)
+    for a, b in zip(got, generate(graph, nodes, lanes_on_w).simulate(arrays)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
