@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from fusionstitching.graph.graph import Graph, Layout, Node, infer, verify
-from fusionstitching.graph.ops import DType
+from fusionstitching.graph.ops import OPS, Category, DType
 
 
 def split_reduction(graph: Graph, node: Node | str, parts: int) -> Graph:
@@ -436,7 +436,32 @@ def _duplicated(node: Node) -> bool:
     need it (a norm's input gradient and its weight gradient) no longer force it into memory."""
     if node.op in DUPLICATED_OPS:
         return True
-    return _widened_input(node)
+    return _widened_input(node) or _recomputed_size(node) is not None
+
+
+RECOMPUTED_NODES = 8  # the most light elementwise nodes a user recomputes instead of reading
+
+
+def _recomputed_size(node: Node, depth: int = 0) -> int | None:
+    """The light elementwise nodes above and including ``node`` when every value under them is a
+    broadcast, an iota, a constant or a widened input (``_duplicated``), else None. A user
+    recomputing them reads only those smaller sources: cross-entropy's one-hot gradient
+    ``select(iota == target, -1/n, 0) * weight`` is [tokens, vocabulary] from [tokens] inputs, read
+    by its row sum's kernel and by the softmax gradient's; shared, the first kernel wrote it whole
+    (800 MB for GPT-2's vocabulary) for the second to read back. At most ``RECOMPUTED_NODES``."""
+    if OPS[node.op].category != Category.LIGHT_ELEMENTWISE or depth >= RECOMPUTED_NODES:
+        return None
+    total = 1
+    for x in node.operands:
+        if x.op in DUPLICATED_OPS or x.op == "constant" or _widened_input(x):
+            continue
+        below = _recomputed_size(x, depth + 1)
+        if below is None:
+            return None
+        total += below
+        if total > RECOMPUTED_NODES:
+            return None
+    return total
 
 
 def _widened_input(node: Node) -> bool:

@@ -213,6 +213,35 @@ def test_a_reshape_of_a_widened_input_is_copied_per_user_with_its_convert():
                 and any(plan.pattern_of(u.name) is not plan.pattern_of(n.name) for u in plan.graph.index.users[n])]
 
 
+def test_a_one_hot_built_from_small_inputs_is_recomputed_by_each_user():
+    """Cross-entropy's gradient one-hot ``select(iota == target, -1, 0) * weight``: [rows, vocab]
+    made from [rows] inputs. Its row sum and the softmax gradient each recompute it; written once
+    and read back, it was the largest tensor of a GPT-2 step's loss."""
+    from fusionstitching.fusion import explore
+
+    rows, vocab = 64, 1000
+    b = GraphBuilder("one_hot")
+    target = b.parameter((rows,), DType.I64, "target")
+    weight = b.parameter((rows,), DType.F32, "weight")
+    logits = b.parameter((rows, vocab), DType.F32, "logits")
+    hit = b.compare("EQ", b.iota((rows, vocab), 1, DType.I64), b.broadcast(target, (rows, vocab), (0,)))
+    one_hot = b.select(hit, b.broadcast(b.constant(-1.0, DType.F32), (rows, vocab), ()),
+                       b.broadcast(b.constant(0.0, DType.F32), (rows, vocab), ()))
+    grad = b.binary("mul", one_hot, b.broadcast(weight, (rows, vocab), (0,)))
+    total = b.reduce(grad, (1,), "sum")
+    graph = b.build([b.binary("sub", grad, b.binary("mul", b.unary("exp", logits),
+                                                    b.broadcast(total, (rows, vocab), (0,))))])
+    dup = duplicate_broadcasts(graph)
+    assert sum(1 for n in dup.nodes if n.op == "mul" and n.shape == (rows, vocab)) == 3  # grad twice
+    arrays = random_arrays(graph)
+    for want, got in zip(reference.evaluate(graph, arrays), reference.evaluate(dup, arrays)):
+        np.testing.assert_array_equal(got, want)
+    plan = explore(graph)
+    crossing = [n.name for n in plan.graph.nodes if n.shape == (rows, vocab) and plan.pattern_of(n.name) is not None
+                and any(plan.pattern_of(u.name) is not plan.pattern_of(n.name) for u in plan.graph.index.users[n])]
+    assert not crossing, plan.explain()
+
+
 def test_the_rmsnorm_gradients_read_the_input_twice_instead_of_writing_its_f32_copy():
     """Llama's RMSNorm backward, 8192 × 4096 bf16: the input's f32 upcast feeds both the input
     gradient (row reductions) and the weight gradient (a column sum). Shared, it was an output of the
