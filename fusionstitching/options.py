@@ -30,6 +30,9 @@ class Options:
     # (``graph.transforms.widen_dots``): one rounding fewer than the graph asks for, 0.71 GB less
     # per BERT-base training step (its weight gradients).
     widen_dots: bool = True
+    # Library GEMMs with a leading dimension that is not a whole number of 16-byte vectors take
+    # zero-padded operands, padded by the kernels that produce them (``fusion/padding.py``).
+    pad_gemms: bool = True
     smem_limit: int = 48 * 1024  # bytes of shared memory a generated kernel may use per block
     # Failure policy (DESIGN.md "Failure policy"): an internal error while compiling a graph makes
     # that graph run in PyTorch with a FallbackWarning; strict raises it instead (the tests run strict).

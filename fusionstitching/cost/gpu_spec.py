@@ -34,6 +34,8 @@ class GpuSpec:
     clock_ghz: float  # boost clock
     peak_bandwidth_gbs: float  # datasheet DRAM bandwidth
     source: str
+    peak_half_tflops: float = 0.0  # datasheet dense f16/bf16 tensor-core rate (0: unknown)
+    peak_f32_tflops: float = 0.0  # datasheet f32 rate without TF32 (torch's default for matmul)
     warp_size: int = 32
     max_threads_per_block: int = 1024
     smem_per_block: int = 48 * KIB  # static limit, without opt-in
@@ -67,6 +69,8 @@ _H100 = GpuSpec(
     clock_ghz=1.98,
     peak_bandwidth_gbs=3350.0,
     source="H100 SXM5 80GB datasheet; CUDA programming guide, compute capability 9.0",
+    peak_half_tflops=989.0,
+    peak_f32_tflops=67.0,
 )
 
 SPECS: dict[str, GpuSpec] = {
@@ -92,6 +96,8 @@ SPECS: dict[str, GpuSpec] = {
         clock_ghz=1.41,
         peak_bandwidth_gbs=2039.0,
         source="A100 SXM4 80GB datasheet; CUDA programming guide, compute capability 8.0",
+        peak_half_tflops=312.0,
+        peak_f32_tflops=19.5,
     ),
     "V100": GpuSpec(
         name="V100",
@@ -106,6 +112,8 @@ SPECS: dict[str, GpuSpec] = {
         clock_ghz=1.53,
         peak_bandwidth_gbs=900.0,
         source="V100 SXM2 datasheet; CUDA programming guide, compute capability 7.0",
+        peak_half_tflops=125.0,
+        peak_f32_tflops=15.7,
     ),
 }
 

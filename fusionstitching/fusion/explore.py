@@ -7,7 +7,8 @@
    chains of views and views that change nothing (``fold_views``), merge nodes that compute
    the same value (``merge_duplicates``), give every user of a broadcast its own copy
    (``duplicate_broadcasts``), let half GEMMs whose f32 conversion is a
-   graph output write f32 (``widen_dots``, when ``Options.widen_dots``) and
+   graph output write f32 (``widen_dots``, when ``Options.widen_dots``), pad the operands of library
+   GEMMs whose rows are not whole 16-byte vectors (``padding.py``, when ``Options.pad_gemms``) and
    split the reductions that would underfill the GPU (``split.py``), so the plan counts the
    kernels that will really run;
 2. classify nodes (``legality.Roles``): inputs, library calls, fusable;
@@ -58,6 +59,7 @@ from fusionstitching.fusion.dp import PatternReduction
 from fusionstitching.fusion.estimate import plan_time_us
 from fusionstitching.fusion.exploratory import ExploratoryFusion
 from fusionstitching.fusion.legality import Legality, Roles
+from fusionstitching.fusion.padding import pad_unaligned_dots
 from fusionstitching.fusion.patterns import Candidate, NeighbourMerging, SinkPacking, SubstitutionFusion
 from fusionstitching.fusion.plan import Chosen, FusionPlan, finalize
 from fusionstitching.fusion.remote import RemoteFusion
@@ -138,6 +140,9 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
     graph = duplicate_broadcasts(merge_duplicates(fold_views(fold_empty(check_indices(graph)))))
     if options.widen_dots:
         graph = widen_dots(graph)
+    if options.pad_gemms:
+        graph, padded = pad_unaligned_dots(graph, gpu_spec(options.device), options)
+        notes += [f"pad {d}" for d in padded]
     if options.split_reductions:
         graph, rewritten = reduce_trailing_first(graph)
         notes += [f"reduce {name}: its innermost reduced dims first, then the others" for name in rewritten]

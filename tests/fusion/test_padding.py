@@ -1,0 +1,85 @@
+"""``pad_unaligned_dots`` (``fusion/padding.py``): library GEMMs with a leading dimension that is not
+a whole number of 16-byte vectors take operands padded by the kernels that produce them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fusionstitching.cost.gpu_spec import gpu_spec
+from fusionstitching.fusion import explore
+from fusionstitching.fusion.padding import pad_unaligned_dots
+from fusionstitching.graph import reference
+from fusionstitching.graph.graph import GraphBuilder
+from fusionstitching.graph.ops import DType
+from fusionstitching.options import Options
+from fusionstitching.pipeline import compile_graph
+
+from .helpers import random_arrays
+
+H100 = gpu_spec("H100")
+
+
+def _gradient_gemms(rows: int = 2048, vocab: int = 1001, hidden: int = 2048):
+    """A loss gradient [rows, vocab] made by a kernel, multiplied by a weight (contracting the
+    vocabulary) and, transposed, by an activation (the weight's gradient, vocab rows)."""
+    b = GraphBuilder("lm_head_gradients")
+    logits = b.parameter((rows, vocab), DType.BF16, "logits")
+    weight = b.parameter((vocab, hidden), DType.BF16, "weight")
+    hidden_in = b.parameter((rows, hidden), DType.BF16, "hidden")
+    grad = b.unary("exp", logits)
+    dot = dict(lhs_batch=(), rhs_batch=())
+    d_hidden = b.node("dot_general", [grad, b.unary("neg", weight)], lhs_contract=(1,), rhs_contract=(0,), **dot)
+    d_weight = b.node("dot_general", [b.transpose(grad, (1, 0)), hidden_in], lhs_contract=(1,), rhs_contract=(0,),
+                      **dot)
+    return b.build([d_hidden, d_weight])
+
+
+def test_unaligned_gemms_take_padded_operands_that_one_kernel_writes():
+    graph = _gradient_gemms()
+    padded, done = pad_unaligned_dots(graph, H100, Options())
+    assert len(done) == 2
+    pads = [n for n in padded.nodes if n.op == "pad"]
+    # the gradient is padded once, under the transpose the weight gradient reads it through
+    assert sorted(p.shape for p in pads) == [(1008, 2048), (2048, 1008)]
+    dots = [n for n in padded.nodes if n.op == "dot_general"]
+    assert all(x.shape[-1] % 8 == 0 for d in dots for x in d.operands if x.op != "transpose")
+    assert [o.shape for o in padded.outputs] == [o.shape for o in graph.outputs]
+    arrays = random_arrays(graph)
+    for want, got in zip(reference.evaluate(graph, arrays), reference.evaluate(padded, arrays)):
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-2, atol=2e-2)
+    plan = explore(graph)
+    assert any(note.startswith("pad ") for note in plan.notes), plan.explain()
+    gradient_pad = next(p for p in plan.graph.nodes if p.op == "pad" and p.operands[0].op == "exp")
+    owner = plan.pattern_of(gradient_pad.name)
+    assert owner is not None and any(n == gradient_pad.operands[0].name for n in owner.nodes), plan.explain()
+
+
+def test_padded_gemms_compute_what_the_graph_does():
+    graph = _gradient_gemms(rows=256, vocab=1001, hidden=256)
+    options = Options(strict=True)
+    padded, done = pad_unaligned_dots(graph, H100, options)
+    arrays = random_arrays(graph)
+    compiled = compile_graph(graph, options)
+    got = compiled.run([torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16) for a in arrays])
+    for want, out in zip(reference.evaluate(graph, arrays), got):
+        np.testing.assert_allclose(out.float().numpy(), want.astype(np.float32), rtol=3e-2, atol=3e-2)
+
+
+def test_a_gemm_whose_arithmetic_is_cheaper_than_the_copies_is_left_alone():
+    """A weight [1001, 64] padded by a copy per call, for a GEMM of 64 rows: the copy would take
+    longer than the GEMM's arithmetic."""
+    b = GraphBuilder("small")
+    x = b.parameter((64, 64), DType.BF16, "x")
+    w = b.parameter((64, 1001), DType.BF16, "w")
+    graph = b.build([b.node("dot_general", [x, w], lhs_batch=(), rhs_batch=(), lhs_contract=(1,),
+                            rhs_contract=(0,))])
+    padded, done = pad_unaligned_dots(graph, H100, Options(small_dot_max_flops=0))
+    assert done == [] and padded is graph
+
+
+def test_aligned_gemms_are_left_alone_and_the_option_turns_the_pass_off():
+    graph = _gradient_gemms(vocab=1024)
+    assert pad_unaligned_dots(graph, H100, Options()) == (graph, [])
+    plan = explore(_gradient_gemms(), options=Options(pad_gemms=False))
+    assert not any(n.op == "pad" for n in plan.graph.nodes)
