@@ -56,7 +56,7 @@ def test_unaligned_gemms_take_padded_operands_that_one_kernel_writes():
 
 
 def test_padded_gemms_compute_what_the_graph_does():
-    graph = _gradient_gemms(rows=256, vocab=1001, hidden=256)
+    graph = _gradient_gemms(rows=1024, vocab=1001, hidden=1024)
     options = Options(strict=True)
     assert len(pad_unaligned_dots(graph, H100, options)[1]) == 2
     arrays = random_arrays(graph)
