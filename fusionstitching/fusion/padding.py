@@ -140,7 +140,8 @@ def _worth(dot: Node, highs: tuple[list[int], list[int]], spec: GpuSpec, is_outp
            ) -> tuple[float, float] | None:
     """(copy µs, GEMM µs) when the copies padding costs take less time than the GEMM's arithmetic
     at the datasheet rate, else None. A pad of a graph input or a library result is a copy (read and
-    write); one of a kernel's value costs that kernel's extra write; a sliced graph output is a copy."""
+    write); one of a kernel's value costs that kernel's extra write; a graph output sliced back to
+    its shape is a copy."""
     rate = spec.peak_half_tflops if dot.operands[0].dtype.is_half else spec.peak_f32_tflops
     if rate <= 0:
         return None
@@ -155,7 +156,10 @@ def _worth(dot: Node, highs: tuple[list[int], list[int]], spec: GpuSpec, is_outp
             source = source.operands[0]
         standalone = source.op in ("parameter", "library", "dot_general", "constant")
         moved += padded + (operand.size * operand.dtype.itemsize if standalone else 0)
-    if is_output:
+    lb, rb, lc, rc = (dot.attrs[k] for k in ("lhs_batch", "rhs_batch", "lhs_contract", "rhs_contract"))
+    sliced = any(h for d, h in enumerate(highs[0]) if d not in lb and d not in lc) or \
+        any(h for d, h in enumerate(highs[1]) if d not in rb and d not in rc)
+    if is_output and sliced:
         moved += 2 * dot.size * dot.dtype.itemsize
     copy_us = moved / (spec.peak_bandwidth_gbs * 1e3)
     return (copy_us, gemm_us) if copy_us < gemm_us else None
