@@ -121,15 +121,18 @@ def _folded_points(root: Node, roots: set[str], by_name: dict[str, Node]) -> int
     memo: dict[int, int] = {}
 
     def points(node: Node) -> int:
-        if by_name.get(node.name) is not node or node.name in roots and node is not root:
+        if by_name.get(node.name) is not node or node.name in roots:
             return 1  # read from memory: a parameter, another kernel's value or a root's result
         if id(node) not in memo:
             memo[id(node)] = 1  # a cycle cannot happen in a graph; this only guards the recursion
-            below = sum(p for p in map(points, node.operands) if p > 1) or 1
-            memo[id(node)] = below * (_reduced_points(node) if is_reduction(node) else 1)
+            memo[id(node)] = below(node) * (_reduced_points(node) if is_reduction(node) else 1)
         return memo[id(node)]
 
-    return points(root)
+    def below(node: Node) -> int:
+        return sum(p for p in map(points, node.operands) if p > 1) or 1
+
+    # a reduction root's own reduced points are in its iteration space already
+    return below(root)
 
 
 def _reduced_points(node: Node) -> int:

@@ -178,3 +178,30 @@ def test_feasible_multiplies_nested_inline_reductions():
     graph = b.build([b.convert(w, DType.F32), b.convert(b.convert(total, DType.BF16), DType.F32)])
     answer = feasible(graph, [n for n in graph.nodes if n.op != "parameter"])
     assert not answer and "too little parallelism" in str(answer), answer
+
+
+def test_a_reduction_root_counts_its_own_points_once():
+    """A LayerNorm weight gradient's final sum over [8, 16] blocks with the 8-row partial sums folded
+    inline: each of the 768 threads reads 8 × 16 × 8 points. The root's own reduction is its
+    iteration space already; only the folded partial multiplies it."""
+    from fusionstitching.graph.pattern import resolve_pattern
+    from fusionstitching.schedule.refusals import crowded
+    from fusionstitching.schedule.template import KernelSchedule, Launch, Level, Schedule, Tile
+
+    b = GraphBuilder("final_with_partial")
+    x = b.parameter((8, 16, 8, 768), DType.F32, "x")
+    partial = b.reduce(x, [2], "sum")
+    total = b.reduce(partial, [0, 1], "sum")
+    graph = b.build([total])
+    pattern = resolve_pattern(graph, [partial, total])
+    serial = (Tile(Level.THREAD),)
+    template = KernelSchedule((Schedule(total.name, (serial, serial, (Tile(Level.GRID), Tile(Level.CTA, 256)))),),
+                              Launch(3, 256))
+    assert crowded(pattern, template) is None
+    deeper = b.reduce(b.reshape(x, (8, 16, 4, 2, 768)), [3], "sum")  # a third level: 8 × 16 × 4 × 2
+    graph = b.build([b.reduce(b.reduce(deeper, [2], "sum"), [0, 1], "sum")])
+    nodes = [n for n in graph.nodes if n.op in ("reduce", "reshape")]
+    root = graph.outputs[0]
+    template = KernelSchedule((Schedule(root.name, (serial, serial, (Tile(Level.GRID), Tile(Level.CTA, 256)))),),
+                              Launch(3, 256))
+    assert crowded(resolve_pattern(graph, nodes), template) is None  # 1024 points per thread: the limit
