@@ -12,8 +12,9 @@ exploration, so that the fused kernels around it do the padding at no extra pass
 A pad of a value computed by a kernel is written by that kernel (the loss gradient's kernel writes
 the padded gradient); a slice is read by the kernels that consume the product. Only pads of graph
 inputs or library results (a weight), and slices that must be materialized (a graph output), cost a
-copy: the pass pads a GEMM only where those copies take less time than the GEMM's arithmetic at the
-GPU's datasheet rate, the least that the slow kernel would lose. A pad goes under a transpose view
+copy: the pass pads a GEMM only where those copies and the padded product's extra arithmetic take
+less time than the GEMM's arithmetic at the GPU's datasheet rate, the least that the slow kernel
+would lose. A pad goes under a transpose view
 (the weight gradient reads the loss gradient transposed: both GEMMs then share one padded buffer).
 """
 
@@ -29,7 +30,6 @@ from fusionstitching.graph.transforms import _make, _Names, _rebuilt
 from fusionstitching.options import Options
 
 VECTOR_BYTES = 16  # the widest load of a GEMM kernel's operand tiles
-MAX_GROWTH = 1 / 8  # padding grows no dim by more than this fraction (the GEMM's extra work)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class PaddedDot:
 
     def __str__(self) -> str:
         return (f"{self.node}: operands {list(self.before[0])} x {list(self.before[1])} padded to "
-                f"{list(self.after[0])} x {list(self.after[1])} (copies {self.copy_us:.1f} us, "
+                f"{list(self.after[0])} x {list(self.after[1])} (cost {self.copy_us:.1f} us, "
                 f"GEMM at least {self.gemm_us:.1f} us)")
 
 
@@ -99,7 +99,7 @@ def _storage_inner(node: Node) -> int:
 
 def _paddings(dot: Node) -> tuple[list[int], list[int]] | None:
     """How much to pad each dim of the two operands (``high`` of a pad), or None if nothing is
-    unaligned or a pad would grow a dim by more than ``MAX_GROWTH``."""
+    unaligned. A contracted dim is padded alike in both operands."""
     lhs, rhs = dot.operands
     if not lhs.shape or not rhs.shape:
         return None
@@ -124,22 +124,15 @@ def _paddings(dot: Node) -> tuple[list[int], list[int]] | None:
     out_side, out_free = (1, rfree) if rfree else (0, lfree)
     if out_free:
         pad(out_side, out_free[-1], _vector(dot))
-    # a contracted dim padded on one side is padded alike on the other
-    for j, (a, b) in enumerate(zip(lc, rc)):
-        highs[0][a] = highs[1][b] = max(highs[0][a], highs[1][b])
     if not any(highs[0]) and not any(highs[1]):
         return None
-    for side in (0, 1):
-        for size, high in zip(shapes[side], highs[side]):
-            if high and high > MAX_GROWTH * size:
-                return None
     return highs
 
 
 def _worth(dot: Node, highs: tuple[list[int], list[int]], spec: GpuSpec, is_output: bool
            ) -> tuple[float, float] | None:
-    """(copy µs, GEMM µs) when the copies padding costs take less time than the GEMM's arithmetic
-    at the datasheet rate, else None. A pad of a graph input or a library result is a copy (read and
+    """(cost µs, GEMM µs) when what padding costs (its copies, and the padded GEMM's extra
+    arithmetic) takes less time than the GEMM's arithmetic at the datasheet rate, else None. A pad of a graph input or a library result is a copy (read and
     write); one of a kernel's value costs that kernel's extra write; a graph output sliced back to
     its shape is a copy."""
     rate = spec.peak_half_tflops if dot.operands[0].dtype.is_half else spec.peak_f32_tflops
@@ -161,7 +154,12 @@ def _worth(dot: Node, highs: tuple[list[int], list[int]], spec: GpuSpec, is_outp
         any(h for d, h in enumerate(highs[1]) if d not in rb and d not in rc)
     if is_output and sliced:
         moved += 2 * dot.size * dot.dtype.itemsize
-    copy_us = moved / (spec.peak_bandwidth_gbs * 1e3)
+    # the padded GEMM's extra arithmetic: contracted dims are padded alike in both operands, so
+    # the lhs's dims and the rhs's free dims give the product's growth
+    growth = math.prod((s + h) / s for s, h in zip(dot.operands[0].shape, highs[0]))
+    growth *= math.prod((s + h) / s for d, (s, h) in enumerate(zip(dot.operands[1].shape, highs[1]))
+                        if d not in rb and d not in rc)
+    copy_us = moved / (spec.peak_bandwidth_gbs * 1e3) + gemm_us * (growth - 1)
     return (copy_us, gemm_us) if copy_us < gemm_us else None
 
 

@@ -126,3 +126,23 @@ def test_random_dots_padded_compute_what_the_graph_does():
         np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-2, atol=2e-2,
                                    err_msg=f"seed {seed} case {case}")
     assert padded_any >= 10, f"seed {seed}"
+
+
+def test_padding_that_would_add_more_arithmetic_than_it_saves_is_left_alone():
+    """A bf16 product of 9 × 9 by 9 × 9: K and N padded to 16 would be 3.2 times the arithmetic,
+    more than the slow kernel could lose, even on a GPU whose copies cost nothing next to it."""
+    import dataclasses
+
+    b = GraphBuilder("tiny")
+    x = b.parameter((9, 9), DType.BF16, "x")
+    w = b.parameter((9, 9), DType.BF16, "w")
+    graph = b.build([b.node("dot_general", [b.unary("neg", x), b.unary("neg", w)], lhs_batch=(), rhs_batch=(),
+                            lhs_contract=(1,), rhs_contract=(0,))])
+    slow = dataclasses.replace(H100, peak_half_tflops=1e-9)
+    assert pad_unaligned_dots(graph, slow, Options(small_dot_max_flops=0)) == (graph, [])
+    b = GraphBuilder("one_dim")  # only K unaligned, 9 -> 16: 1.8 times, worth it there
+    x = b.parameter((64, 9), DType.BF16, "x")
+    w = b.parameter((9, 64), DType.BF16, "w")
+    graph = b.build([b.node("dot_general", [b.unary("neg", x), b.unary("neg", w)], lhs_batch=(), rhs_batch=(),
+                            lhs_contract=(1,), rhs_contract=(0,))])
+    assert len(pad_unaligned_dots(graph, slow, Options(small_dot_max_flops=0))[1]) == 1
