@@ -33,6 +33,9 @@ class Options:
     # Library GEMMs with a leading dimension that is not a whole number of 16-byte vectors take
     # zero-padded operands, padded by the kernels that produce them (``fusion/padding.py``).
     pad_gemms: bool = True
+    # Adjacent dims that reductions reduce together are merged into one dim before exploration
+    # (a BatchNorm's H x W image becomes one row; ``graph/collapse.py``).
+    collapse_dims: bool = True
     smem_limit: int = 48 * 1024  # bytes of shared memory a generated kernel may use per block
     # Failure policy (DESIGN.md "Failure policy"): an internal error while compiling a graph makes
     # that graph run in PyTorch with a FallbackWarning; strict raises it instead (the tests run strict).

@@ -66,6 +66,7 @@ from fusionstitching.fusion.remote import RemoteFusion
 from fusionstitching.fusion.score import Scorer
 from fusionstitching.fusion.select import Selection, select_ilp
 from fusionstitching.fusion.split import split_underfilled_reductions
+from fusionstitching.graph.collapse import collapse_reduced_runs
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.transforms import (
     check_indices,
@@ -138,6 +139,8 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
     start = time.perf_counter()
     notes = []
     graph = duplicate_broadcasts(merge_duplicates(fold_views(fold_empty(check_indices(graph)))))
+    if options.collapse_dims:
+        graph = collapse_reduced_runs(graph)
     if options.widen_dots:
         graph = widen_dots(graph)
     if options.pad_gemms:

@@ -91,6 +91,8 @@ class Roles:
                                  "(GEMM library)")
         views = gemm_operand_views(graph, library)
         views.update(output_views(graph, library, views))
+        views.update(merged_input_views(graph, inputs, library, views))
+        views.update(restored_shape_views(graph, inputs, library, views))
         fusable = tuple(n for n in graph.nodes if n not in inputs and n not in library and n not in views)
         return Roles(frozenset(inputs), library, fusable, views)
 
@@ -142,6 +144,64 @@ def output_views(graph: Graph, library: dict[Node, str], views: dict[Node, str])
         if strides is not None and _same_strides(node.shape, strides, layout.strides):
             found[node] = "graph output promised in the layout of a view of its operand"
     return found
+
+
+def merged_input_views(graph: Graph, inputs: set[Node], library: dict[Node, str],
+                       views: dict[Node, str]) -> dict[Node, str]:
+    """Reshapes that only merge adjacent dims of a contiguous input or of a library call's output
+    (``graph/collapse.py`` reads a BatchNorm's saved activations and its convolutions' outputs
+    with H x W as one dim), read by no graph output: views, so that the kernels reading them take
+    the buffer in the merged shape and no kernel writes a reshaped copy for the others."""
+    outputs = graph.index.output_ids
+    found: dict[Node, str] = {}
+    for node in graph.nodes:
+        if node.op != "reshape" or node in views or id(node) in outputs:
+            continue
+        x = node.operands[0]
+        contiguous = x in library or (x in inputs and (x.op == "constant" or x.layout is None
+                                                       or x.layout.is_contiguous(x.shape)))
+        if contiguous and _merges_only(x.shape, node.shape):
+            found[node] = "reshape merging dims of a contiguous input or library output"
+    return found
+
+
+def restored_shape_views(graph: Graph, inputs: set[Node], library: dict[Node, str],
+                         views: dict[Node, str]) -> dict[Node, str]:
+    """Reshapes that only split dims of a computed value back apart and go to library calls or
+    out of the graph (``graph/collapse.py``'s reshapes back to a BatchNorm output's NCHW shape,
+    read by the next convolution and saved for the backward): views of the kernel's contiguous
+    output. In a kernel, the reshaped copy would be written besides the value itself wherever
+    other kernels read the value."""
+    users = graph.index.users
+    promised = {id(o): graph.output_layouts[k] for k, o in enumerate(graph.outputs)
+                if o is not None and k not in graph.mutations}
+    mutated = {id(graph.outputs[k]) for k in graph.mutations if graph.outputs[k] is not None}
+    found: dict[Node, str] = {}
+    for node in graph.nodes:
+        x = node.operands[0] if node.operands else None
+        if node.op != "reshape" or node in views or x in inputs or id(node) in mutated \
+                or not _merges_only(node.shape, x.shape):
+            continue
+        layout = promised.get(id(node))
+        if layout is not None and not layout.is_contiguous(node.shape):
+            continue
+        if (users[node] or id(node) in promised) and all(u in library for u in users[node]):
+            found[node] = "reshape back of a computed value, read by library calls or as an output"
+    return found
+
+
+def _merges_only(before: Sequence[int], after: Sequence[int]) -> bool:
+    """Whether ``after`` is ``before`` with runs of adjacent dims multiplied together."""
+    k = 0
+    for size in after:
+        if k == len(before):
+            return False
+        product, k = before[k], k + 1
+        while product < size and k < len(before):
+            product, k = product * before[k], k + 1
+        if product != size:
+            return False
+    return all(d == 1 for d in before[k:])
 
 
 def _view_strides(node: Node, views) -> tuple[int, ...] | None:
