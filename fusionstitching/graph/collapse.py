@@ -181,11 +181,11 @@ def _broadcast_pairs(n: Node, pairs: _Pairs, interior: set[int]) -> None:
             pairs.forbid(_key(n, 0, e, interior))
 
 
-def _groups(rank: int, merged_pair) -> list[list[int]]:
-    """Dims ``0..rank-1`` in runs joined where ``merged_pair(d)`` (dims d and d + 1)."""
+def _groups(rank: int, merged: set, prefix: tuple) -> list[list[int]]:
+    """Dims ``0..rank-1`` in runs, dims d and d + 1 joined where the pair ``(*prefix, d)`` merges."""
     groups: list[list[int]] = []
     for d in range(rank):
-        if d > 0 and merged_pair(d - 1):
+        if d > 0 and (*prefix, d - 1) in merged:
             groups[-1].append(d)
         else:
             groups.append([d])
@@ -223,7 +223,7 @@ def _rewrite(graph: Graph, interior: set[int], merged: set) -> Graph:
                 copies[id(n)] = dataclasses.replace(n, operands=tuple(
                     back(x) if id(x) in interior else copies[id(x)] for x in n.operands))
             continue
-        runs = _groups(len(n.shape), lambda d: (id(n), d) in merged)
+        runs = _groups(len(n.shape), merged, (id(n),))
         groups[id(n)] = runs
         operands, operand_runs = [], []
         for k, x in enumerate(n.operands):
@@ -231,7 +231,7 @@ def _rewrite(graph: Graph, interior: set[int], merged: set) -> Graph:
                 operands.append(copies[id(x)])
                 operand_runs.append(groups[id(x)])
                 continue
-            x_runs = _groups(len(x.shape), lambda d: ("in", id(n), k, d) in merged)
+            x_runs = _groups(len(x.shape), merged, ("in", id(n), k))
             operand_runs.append(x_runs)
             shape = _shape(x.shape, x_runs)
             if shape == x.shape:
