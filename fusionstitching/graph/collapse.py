@@ -16,9 +16,10 @@ Nodes that must agree share a variable (union-find):
 - a reduce and its operand where both dims are kept; where both are reduced the pair may merge
   (and this is what asks for merging, below); where one is reduced and the other kept it may not;
   a result pair whose operand dims are not adjacent (a reduced dim between them) may not merge;
-- a broadcast and its operand where both result dims come from adjacent operand dims of the same
-  sizes (or both of size 1, broadcast); two new dims may merge freely; a new dim and an operand
-  dim may not, nor may operand dims whose result dims are not adjacent;
+- a broadcast and its operand where both result dims come from adjacent operand dims that the
+  broadcast either both keeps or both stretches from 1 (a kept dim of 1 counts as kept, so that a
+  run of three never mixes the two); two new dims may merge freely; a new dim and an operand dim
+  may not, nor may operand dims whose result dims are not adjacent;
 - an ``rng_uniform`` draws by row-major position, which merging keeps: no constraint.
 
 Every other node (parameters, constants, library calls, dots, reshapes, transposes, slices, ...)
@@ -170,8 +171,7 @@ def _broadcast_pairs(n: Node, pairs: _Pairs, interior: set[int]) -> None:
         a, b = source.get(d), source.get(d + 1)
         if a is None and b is None:
             continue  # two new dims
-        if a is not None and b == a + 1 and (
-                (x.shape[a], x.shape[b]) == (n.shape[d], n.shape[d + 1]) or x.shape[a] == x.shape[b] == 1):
+        if a is not None and b == a + 1 and _expands(x.shape[a], n.shape[d]) == _expands(x.shape[b], n.shape[d + 1]):
             pairs.union((id(n), d), _key(n, 0, a, interior))
             tied.add(a)
         else:
@@ -179,6 +179,12 @@ def _broadcast_pairs(n: Node, pairs: _Pairs, interior: set[int]) -> None:
     for e in range(len(x.shape) - 1):
         if e not in tied:
             pairs.forbid(_key(n, 0, e, interior))
+
+
+def _expands(before: int, after: int) -> bool:
+    """Whether a broadcast stretches an operand dim of ``before`` elements to ``after``: a pair of
+    one stretched dim and one kept (a dim of 1 kept as 1 included) is no single dim of either."""
+    return before != after
 
 
 def _groups(rank: int, merged: set, prefix: tuple) -> list[list[int]]:

@@ -116,7 +116,7 @@ def test_boundary_readers_get_the_original_shape():
 
 def _random_graph(rng: random.Random):
     rank = rng.randint(2, 5)
-    shape = tuple(rng.choice([1, 2, 3, 4, 5, 7]) for _ in range(rank))
+    shape = tuple(rng.choice([1, 1, 2, 3, 4, 5, 7]) for _ in range(rank))
     b = GraphBuilder("random")
     values = [b.parameter(shape, DType.F32, "x0")]
     outputs = []
@@ -126,7 +126,8 @@ def _random_graph(rng: random.Random):
             values.append(b.binary(rng.choice(["add", "mul", "sub", "max"]), rng.choice(values), rng.choice(values)))
         elif choice < 0.55:
             kept = sorted(rng.sample(range(rank), rng.randint(0, rank)))
-            source = b.parameter(tuple(shape[d] for d in kept), DType.F32, f"v{k}")
+            # an operand dim is the result's or 1, stretched (a per-channel [1, C, 1, 1] vector)
+            source = b.parameter(tuple(shape[d] if rng.random() < 0.7 else 1 for d in kept), DType.F32, f"v{k}")
             values.append(b.broadcast(source, shape, tuple(kept)))
         elif choice < 0.65:
             values.append(b.unary("exp", b.binary("mul", rng.choice(values), b.broadcast(
@@ -149,7 +150,7 @@ def test_random_graphs_keep_their_values():
     print(f"COLLAPSE_SEED={seed}")
     rng = random.Random(seed)
     merged_any = 0
-    for case in range(150):
+    for case in range(300):
         graph = _random_graph(rng)
         merged = collapse_reduced_runs(graph)
         merged_any += merged is not graph
@@ -172,4 +173,19 @@ def test_an_inner_dim_of_whole_warps_asks_for_nothing():
     graph = b.build([b.reduce(b.unary("exp", x), (0, 1), "sum")])
     merged = collapse_reduced_runs(graph)
     assert next(n for n in merged.nodes if n.op == "reduce").operands[0].shape == (112, 8)
+    _same_values(graph, merged)
+
+
+def test_a_run_of_three_never_mixes_a_stretched_dim_with_a_kept_one():
+    """Fuzzer program 2024:77: [1, 1, 5] reduced whole and broadcast to [63, 1, 5]. Pairwise, dims
+    (0, 1) are both 1 in the operand and (1, 2) are both kept, but the run of all three would
+    broadcast [5] to [315]."""
+    b = GraphBuilder("stretch")
+    x = b.parameter((1, 1, 5), DType.F32, "x")
+    y = b.parameter((63, 1, 5), DType.F32, "y")
+    e = b.unary("exp", x)
+    graph = b.build([b.reduce(e, (0, 1, 2), "max"), b.binary("max", y, b.broadcast(e, (63, 1, 5), (0, 1, 2)))])
+    merged = collapse_reduced_runs(graph)
+    broadcast = next(n for n in merged.nodes if n.op == "broadcast_in_dim")
+    assert broadcast.shape == (63, 5) and broadcast.operands[0].shape == (1, 5)
     _same_values(graph, merged)
