@@ -36,6 +36,9 @@ class Options:
     # Adjacent dims that reductions reduce together are merged into one dim before exploration
     # (a BatchNorm's H x W image becomes one row; ``graph/collapse.py``).
     collapse_dims: bool = True
+    # 2-D convolutions take and give NHWC nodes, so the kernels around them write and read what
+    # cuDNN's channels-last kernels use without conversions (``graph/layout.py``).
+    channels_last: bool = True
     smem_limit: int = 48 * 1024  # bytes of shared memory a generated kernel may use per block
     # Failure policy (DESIGN.md "Failure policy"): an internal error while compiling a graph makes
     # that graph run in PyTorch with a FallbackWarning; strict raises it instead (the tests run strict).

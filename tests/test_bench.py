@@ -93,7 +93,7 @@ def test_a_small_run_on_the_cpu_times_and_checks_every_system():
     assert table.count("\n") == 2 + len(results) - 1 and "skipped:" in table
 
 
-ZOO_PIECES = ("rotary", "groupnorm_silu_train", "instancenorm", "cross_entropy", "resnet50_train", "gpt2_train",
+ZOO_PIECES = ("rotary", "groupnorm_silu_train", "instancenorm", "cross_entropy", "resnet50_train", "resnet50_infer", "gpt2_train",
               "llama_train", "llama_infer")
 
 

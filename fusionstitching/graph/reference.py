@@ -523,11 +523,25 @@ def library_operand(template: Mapping, tensor: Any) -> Any:
     program had moved those 0-d inputs to the GPU."""
     if template.get("host") and tensor.device.type != "cpu":
         tensor = tensor.cpu()
+    if "permute" in template:  # an operand the graph holds permuted (``graph/layout.py``): a view
+        tensor = tensor.permute(*template["permute"])
     strides = template.get("strides")
     if strides is None or tensor.dim() != len(strides) or all(
             size <= 1 or have == want for size, have, want in zip(tensor.shape, tensor.stride(), strides)):
         return tensor
     return with_strides(tensor, strides)
+
+
+def library_result(call: Mapping, result: Any) -> Any:
+    """A library call's result as the graph holds it: permuted where the call says
+    (``"permute_result"``, ``graph/layout.py``: a channels-last convolution's NCHW result, whose
+    NHWC permutation is contiguous)."""
+    permutation = call.get("permute_result")
+    if permutation is None:
+        return result
+    if isinstance(result, (tuple, list)):  # every output of a multi-output op (values and indices)
+        return type(result)(r.permute(*permutation) for r in result)
+    return result.permute(*permutation)
 
 
 def with_strides(value: Any, strides: Sequence[int]) -> Any:
@@ -573,7 +587,7 @@ def _library_call(node: Node, args: list[np.ndarray]) -> Any:
     positional = _call_value(call.get("args", []), args)
     keywords = {key: _call_value(value, args) for key, value in call.get("kwargs", {}).items()}
     with torch.no_grad():
-        return target(*positional, **keywords)
+        return library_result(call, target(*positional, **keywords))
 
 
 def _library(node: Node, args: list[np.ndarray]) -> np.ndarray:

@@ -469,7 +469,7 @@ def _library_function(node: Node, siblings: Sequence[int] = ()) -> Callable[...,
                 dest = positional[0]
                 positional[0] = torch.full(dest.shape, fill, dtype=dest.dtype, device=dest.device)
             with torch.no_grad():
-                result = target(*positional, **keywords)
+                result = reference.library_result(call, target(*positional, **keywords))
             if index < 0:
                 return result
             return result[index] if len(siblings) == 1 else [result[k] for k in siblings]
