@@ -484,6 +484,45 @@ def _pad(cx: LoweringContext, x: Node, pad: Sequence[int], value: Any = 0) -> No
     return cx.node("pad", x, low=tuple(low), high=tuple(high), interior=(0,) * len(x.shape), value=float(value))
 
 
+@lowers("aten.max_pool2d_with_indices.default")
+def _max_pool2d(cx: LoweringContext, x: Node, kernel_size: Sequence[int], stride: Sequence[int] = (),
+                padding: Any = 0, dilation: Any = 1, ceil_mode: bool = False) -> tuple[Node, Node]:
+    """Max pooling where nothing reads the indices (inference): the max of the k × k strided
+    slices of the input padded with -inf, so that it fuses with the ops around it (ResNet's stem).
+    Where the indices are read (the backward of training), the op stays a library call."""
+    import operator
+
+    if any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in cx.fx_node.users):
+        raise Unsupported("the indices are read (max_pool2d_with_indices_backward)")
+    if not x.dtype.is_float or len(x.shape) not in (3, 4):
+        raise Unsupported(f"max pooling of a {x.dtype.value} tensor of rank {len(x.shape)}")
+
+    def pair(v: Any, default: Sequence[int]) -> tuple[int, int]:
+        v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
+        v = v or tuple(default)
+        return (int(v[0]), int(v[-1]))
+
+    (kh, kw), (ph, pw), (dh, dw) = pair(kernel_size, ()), pair(padding, (0,)), pair(dilation, (1,))
+    sh, sw = pair(stride, (kh, kw))
+    values_shape = tuple(int(d) for d in cx.meta_of(0).shape)
+    ho, wo = values_shape[-2:]
+    rank, (h, w) = len(x.shape), x.shape[-2:]
+    high_h = max(0, (ho - 1) * sh + (kh - 1) * dh + 1 - h - ph)
+    high_w = max(0, (wo - 1) * sw + (kw - 1) * dw + 1 - w - pw)
+    lead = (0,) * (rank - 2)
+    padded = cx.node("pad", x, low=lead + (ph, pw), high=lead + (high_h, high_w), interior=(0,) * rank,
+                     value=float("-inf"))
+    result = None
+    for i in range(kh):
+        for j in range(kw):
+            start = lead + (i * dh, j * dw)
+            limit = tuple(x.shape[:-2]) + (i * dh + (ho - 1) * sh + 1, j * dw + (wo - 1) * sw + 1)
+            window = cx.node("slice", padded, start=start, limit=limit, stride=(1,) * (rank - 2) + (sh, sw))
+            result = window if result is None else cx.b.binary("max", result, window)
+    unread = cx.constant(0, DType.I64, values_shape)  # the indices: nothing reads them
+    return result, unread
+
+
 # ----------------------------------------------------------------------------------------------
 # Indexing
 # ----------------------------------------------------------------------------------------------
