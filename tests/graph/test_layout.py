@@ -73,3 +73,39 @@ def test_a_reduce_of_a_transpose_reduces_the_permuted_dims():
 def test_a_broadcast_that_would_transpose_its_operand_stops_the_transpose():
     graph = _transposed_statistics((0, 2, 3), broadcast_dims=(1, 2))  # a [C, H] operand: [H, C] in NHWC
     assert sink_transposes(graph) is graph
+
+
+def _conv_net(conv):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(conv, torch.nn.GELU(), torch.nn.Conv2d(conv.out_channels, 4, 1)).eval()
+
+
+CONVOLUTIONS = {
+    "strided_padded_with_bias": lambda: torch.nn.Conv2d(3, 8, 3, stride=2, padding=1),
+    "depthwise": lambda: torch.nn.Conv2d(6, 6, 3, padding=1, groups=6, bias=False),
+    "grouped_dilated": lambda: torch.nn.Conv2d(4, 8, 3, padding=2, dilation=2, groups=2),
+    "transposed": lambda: torch.nn.ConvTranspose2d(3, 8, 2, stride=2),
+}
+
+
+def test_convolutions_of_every_kind_compute_what_eager_does():
+    """Through the whole backend on the CPU (strict: no fallback): the channels-last layout for
+    strided, depthwise, grouped and dilated convolutions; a transposed one stays NCHW, and so does one
+    whose result is the graph's output."""
+    import fusionstitching
+    from fusionstitching import Options
+
+    x = torch.randn(2, 3, 9, 9)
+    for name, make in CONVOLUTIONS.items():
+        conv = make()
+        model = _conv_net(conv)
+        inputs = torch.randn(2, conv.in_channels, 9, 9) if conv.in_channels != 3 else x
+        with torch.no_grad():
+            graph = capture(model, inputs).forward
+            laid_out = channels_last_convolutions(graph)
+            calls = [n for n in laid_out.nodes if n.op == "library"]
+            expected = 0 if name == "transposed" else 1  # the last one's result is the graph's output
+            assert sum("permute_result" in n.attrs["call"] for n in calls) == expected, name
+            torch._dynamo.reset()
+            compiled = fusionstitching.compile(model, Options(strict=True))
+            torch.testing.assert_close(compiled(inputs), model(inputs), rtol=1e-4, atol=1e-4, msg=name)
