@@ -96,7 +96,13 @@ def _convertible(node: Node, outputs: set[int]) -> bool:
     tensors = [node.operands[args[k]["operand"]] for k in positions]
     if any(len(x.shape) != 4 for x in tensors):
         return False
-    return id(node) not in outputs and id(tensors[0]) not in outputs
+    if id(node) in outputs or id(tensors[0]) in outputs:
+        return False
+    # A weight read straight from a parameter is transposed by a kernel of its own at every call,
+    # where cuDNN would convert the activations instead: worth it while the activations' elements
+    # outnumber the weight's (a batch of images, not one image through a wide layer).
+    weights = sum(x.size for x in tensors[1:] if x.op == "parameter")
+    return tensors[0].size + node.size >= weights
 
 
 def _channels_last_strides(shape: Sequence[int]) -> list[int]:

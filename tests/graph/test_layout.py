@@ -109,3 +109,15 @@ def test_convolutions_of_every_kind_compute_what_eager_does():
             torch._dynamo.reset()
             compiled = fusionstitching.compile(model, Options(strict=True))
             torch.testing.assert_close(compiled(inputs), model(inputs), rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_a_weight_larger_than_the_activations_stays_nchw():
+    """One 4 × 4 image through a 256 → 256 3 × 3 convolution (f32, the weight a parameter): the
+    transposed weight would cost more than the activations' conversions."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(256, 256, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(256, 8, 1)).eval()
+    with torch.no_grad():
+        small = capture(model, torch.randn(1, 256, 4, 4)).forward
+        large = capture(model, torch.randn(8, 256, 32, 32)).forward
+    assert channels_last_convolutions(small) is small
+    assert channels_last_convolutions(large) is not large
