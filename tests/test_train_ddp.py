@@ -1,0 +1,76 @@
+"""examples/train_ddp.py under torchrun: data-parallel training with the compiled model gives eager's
+losses, and DDP keeps every rank's parameters identical. On the CPU (gloo, the tiny model) in CI;
+GPT-2 small on two GPUs under ``-m multigpu``. Graphs split at gradient-bucket boundaries and FSDP2
+do not work yet: their tests are expected failures naming the error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(tmp_path, compile_with: str, strategy: str, *extra: str, nproc: int = 2) -> dict:
+    out = tmp_path / f"{compile_with}-{strategy}.json"
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
+               str(ROOT / "examples" / "train_ddp.py"), "--compile", compile_with, "--strategy", strategy,
+               "--json", str(out), *extra]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+TINY = ("--tiny", "--steps", "3", "--batch", "2", "--seq", "32")
+
+
+def _close(a: list[float], b: list[float], tolerance: float) -> bool:
+    return all(abs(x - y) <= tolerance * abs(y) for x, y in zip(a, b)) and len(a) == len(b)
+
+
+def test_ddp_matches_eager_on_the_cpu(tmp_path):
+    eager = _run(tmp_path, "eager", "ddp", *TINY)
+    ours = _run(tmp_path, "fusionstitching", "ddp", *TINY)
+    assert _close(ours["losses"], eager["losses"], 1e-4), (ours["losses"], eager["losses"])
+    assert len(set(ours["checksums"])) == 1  # every rank's parameters identical
+    assert ours["checksums"][0] == pytest.approx(eager["checksums"][0], rel=1e-5)
+
+
+@pytest.mark.xfail(strict=True, reason="with several gradient buckets TorchDynamo's DDP optimizer runs each "
+                   "compiled piece on fake tensors to shape the next one's inputs, which the backend's compiled "
+                   "graphs do not take, and AOTAutograd's lazy backward then finds no bucket of its own "
+                   "(AssertionError: expected same # of fw and bw compiles)")
+def test_ddp_with_graphs_split_at_bucket_boundaries_matches_eager_on_the_cpu(tmp_path):
+    split = ("--layers", "4", "--width", "128", "--bucket-mb", "1")  # 3.8 MB of gradients in 1 MB buckets
+    eager = _run(tmp_path, "eager", "ddp", *TINY, *split)
+    ours = _run(tmp_path, "fusionstitching", "ddp", *TINY, *split)
+    assert _close(ours["losses"], eager["losses"], 1e-4)
+
+
+@pytest.mark.xfail(strict=True, reason="FSDP2 frees its unsharded parameters' storage after each forward "
+                   "(untyped_storage().resize_(0)); with the fusionstitching backend one of them is not "
+                   "resizable (RuntimeError), which aot_eager and inductor do not hit")
+def test_fsdp2_matches_eager_on_the_cpu(tmp_path):
+    eager = _run(tmp_path, "eager", "fsdp2", *TINY)
+    ours = _run(tmp_path, "fusionstitching", "fsdp2", *TINY)
+    assert _close(ours["losses"], eager["losses"], 1e-4)
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs of one host")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_gpt2_small_on_two_gpus_matches_eager(tmp_path, strategy):
+    """GPT-2 small, 20 steps, bf16 autocast, dropout off: losses within 2e-2 of eager's per step."""
+    args = ("--steps", "20", "--batch", "8", "--seq", "512")
+    eager = _run(tmp_path, "eager", strategy, *args)
+    ours = _run(tmp_path, "fusionstitching", strategy, *args)
+    assert _close(ours["losses"], eager["losses"], 2e-2), (ours["losses"], eager["losses"])
+    if strategy == "ddp":
+        assert len(set(ours["checksums"])) == 1
