@@ -25,8 +25,9 @@ def _same_values(a, b, seed=0):
         np.testing.assert_allclose(y.astype(np.float64), x.astype(np.float64), rtol=1e-5, atol=1e-5)
 
 
-def batchnorm_backward(shape=(2, 3, 5, 7)):
-    """The statistics of a BatchNorm backward over NCHW: sums over N, H, W of dy and dy * (x - mean)."""
+def batchnorm_backward(shape=(2, 3, 5, 7), library_reader: bool = False):
+    """The statistics of a BatchNorm backward over NCHW: sums over N, H, W of dy and dy * (x - mean),
+    and dx; with ``library_reader`` a library call (a stand-in for a convolution) also reads dx."""
     b = GraphBuilder("bn")
     x, dy, mean = b.parameter(shape, DType.F32, "x"), b.parameter(shape, DType.F32, "dy"), \
         b.parameter(shape[1:2], DType.F32, "mean")
@@ -35,7 +36,11 @@ def batchnorm_backward(shape=(2, 3, 5, 7)):
     sum_dy_xmu = b.reduce(b.binary("mul", dy, centered), (0, 2, 3), "sum")
     scale = b.broadcast(sum_dy, shape, (1,))
     dx = b.binary("sub", dy, b.binary("mul", centered, scale))
-    return b.build([sum_dy, sum_dy_xmu, dx])
+    if not library_reader:
+        return b.build([sum_dy, sum_dy_xmu, dx])
+    reader = b.node("library", [dx], shape=shape, dtype=DType.F32, target="aten.relu.default",
+                    call={"args": [{"operand": 0}]}, out_index=-1)
+    return b.build([sum_dy, sum_dy_xmu, dx, reader])
 
 
 def test_batchnorm_statistics_reduce_one_row_of_h_times_w():
