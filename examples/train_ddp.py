@@ -83,8 +83,9 @@ def batch(rank: int, step: int, size: int, seq: int, vocab: int, device: torch.d
     return torch.randint(0, vocab, (size, seq), generator=generator).to(device)
 
 
-def kernel_counts(step_fn: Any) -> dict[str, int]:
-    """Kernels of one step on the GPU, library (GEMM, convolution, attention) and memory-intensive."""
+def kernel_counts(step_fn: Any) -> dict[str, float]:
+    """Kernels of one step on this rank's GPU and their GPU time (ms): library (GEMM, convolution,
+    attention), communication (NCCL) and memory-intensive (the rest), classified as ``bench`` does."""
     from torch.profiler import ProfilerActivity, profile
 
     from fusionstitching.bench.suite import is_library_kernel
@@ -92,10 +93,17 @@ def kernel_counts(step_fn: Any) -> dict[str, int]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step_fn()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-             and not e.name.startswith(("Memcpy", "Memset"))]
-    library = sum(1 for n in names if is_library_kernel(n))
-    return {"kernels": len(names), "library": library, "memory-intensive": len(names) - library}
+    counts: dict[str, float] = {"kernels": 0, "library": 0, "communication": 0, "memory-intensive": 0,
+                                "library ms": 0.0, "communication ms": 0.0, "memory-intensive ms": 0.0}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA or event.name.startswith(("Memcpy", "Memset")):
+            continue
+        kind = ("communication" if "nccl" in event.name.lower() else
+                "library" if is_library_kernel(event.name) else "memory-intensive")
+        counts["kernels"] += 1
+        counts[kind] += 1
+        counts[f"{kind} ms"] += event.time_range.elapsed_us() / 1e3
+    return counts
 
 
 def checksum(model: torch.nn.Module) -> float:
@@ -146,15 +154,22 @@ def main(argv: list[str] | None = None) -> int:
     counts = kernel_counts(lambda: step(args.steps)) if cuda else None
     sums = [None] * world
     dist.all_gather_object(sums, checksum(model))
+    compiler = None
+    if args.compile == "fusionstitching":
+        import fusionstitching
+
+        compiler = fusionstitching.stats()  # graphs compiled (one per piece of a split graph), fallbacks
     if rank == 0:
         print(f"{args.compile} {args.strategy} x{world}: {tokens_per_s:,.0f} tokens/s, first step {times[0]:.1f} s")
         if counts:
             print(f"one step: {counts['kernels']} kernels ({counts['library']} library, "
-                  f"{counts['memory-intensive']} memory-intensive)")
+                  f"{counts['communication']} communication, {counts['memory-intensive']} memory-intensive); "
+                  f"memory-intensive GPU time {counts['memory-intensive ms']:.2f} ms")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"compile": args.compile, "strategy": args.strategy, "world": world, "losses": losses,
-                           "step_s": times, "tokens_per_s": tokens_per_s, "kernels": counts, "checksums": sums}, f)
+                           "step_s": times, "tokens_per_s": tokens_per_s, "kernels": counts, "checksums": sums,
+                           "compiler": compiler}, f)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -105,21 +105,26 @@ def _options(options: Options | dict | None) -> Options:
 
 def fusionstitching_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
                             options: Options | dict | None = None) -> Callable[..., Any]:
-    """The TorchDynamo backend (registered as "fusionstitching")."""
-    from torch._functorch.aot_autograd import aot_module_simplified
+    """The TorchDynamo backend (registered as "fusionstitching").
+
+    AOTAutograd is entered through TorchDynamo's ``aot_autograd`` wrapper, as Inductor's and
+    ``aot_eager``'s are: the wrapper counts the invocation, which is how TorchDynamo's DDP optimizer
+    knows that a piece of a graph split at gradient-bucket boundaries went through AOTAutograd, so
+    that the piece's first call under fake tensors (shaping the next piece's inputs) returns fake
+    outputs and each piece's backward finds its own metadata."""
+    from torch._dynamo.backends.common import aot_autograd
 
     from fusionstitching.frontend.torch_fx import decompositions, partition
 
     if mode not in (None, "default", "reduce-overhead"):
         raise ValueError(f"fusionstitching: unknown mode {mode!r}; known: None, 'reduce-overhead'")
     opts = _options(options)
-    return aot_module_simplified(
-        gm, example_inputs,
+    return aot_autograd(
         fw_compiler=_compiler("forward", opts, mode), bw_compiler=_compiler("backward", opts, mode),
         inference_compiler=_compiler("inference", opts, mode),
         partition_fn=partition, decompositions=decompositions(),
         keep_inference_input_mutations=True,
-    )
+    )(gm, example_inputs)
 
 
 def compile(fn_or_module: Callable[..., Any], options: Options | None = None, mode: str | None = None,
@@ -145,10 +150,11 @@ def _compiler(kind: str, options: Options, mode: str | None
 class _Runner:
     """One ATen graph: compiled per shape signature, called with AOTAutograd's boxed arguments."""
 
-    _boxed_call = True
-
     def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], name: str, options: Options,
                  mode: str | None = None) -> None:
+        # Called with one list of arguments. An instance attribute, not a class one: TorchDynamo's
+        # ``disable`` around a backward compiler's result copies the instance's ``__dict__`` only.
+        self._boxed_call = True
         self.gm = gm
         self.mode = mode
         self.name = name

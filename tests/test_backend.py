@@ -242,3 +242,30 @@ def test_the_torch_dynamo_entry_point_names_the_backend_function():
     target = project["project"]["entry-points"]["torch_dynamo_backends"]["fusionstitching"]
     module, _, name = target.partition(":")
     assert getattr(importlib.import_module(module), name) is fusionstitching.backend.fusionstitching_backend
+
+
+def test_inputs_and_parameters_keep_resizable_storage():
+    """A compiled call leaves its inputs' storage resizable, as eager does: FSDP2 frees its unsharded
+    parameters between forward and backward by resizing their storage to 0 and back."""
+    torch._dynamo.reset()
+    layer = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 32), torch.nn.GELU())
+    x = torch.randn(8, 32, requires_grad=True)
+    compiled = torch.compile(layer, backend="fusionstitching")
+    compiled(x).sum().backward()
+    for tensor in [x, *layer.parameters()]:
+        storage = tensor.untyped_storage()
+        assert storage.resizable()
+        size = storage.nbytes()
+        storage.resize_(0)
+        storage.resize_(size)
+
+
+def test_the_backend_enters_aotautograd_through_dynamos_wrapper():
+    """TorchDynamo's DDP optimizer tells a piece that went through AOTAutograd (whose first call on
+    fake tensors then returns fake outputs) by the wrapper's invocation count."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    before = counters["aot_autograd"]["total"]
+    torch.compile(lambda a: (a * 2).sin(), backend="fusionstitching")(torch.randn(4))
+    assert counters["aot_autograd"]["total"] == before + 1

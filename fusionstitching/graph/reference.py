@@ -611,7 +611,23 @@ def _library_result(node: Node, result: Any) -> np.ndarray:
     result = result.detach().cpu()
     if result.dtype == torch.bfloat16:
         return result.float().numpy().astype(ml_dtypes.bfloat16)
-    return np.array(result.numpy(), order="C")
+    return np.array(host_array(result), order="C")  # result may view an input: keep it resizable
+
+
+def host_array(t: Any) -> np.ndarray:
+    """A NumPy view of the CPU tensor ``t`` that leaves its storage resizable. ``Tensor.numpy()``
+    marks the storage unresizable for good, and FSDP2 frees and reallocates its unsharded
+    parameters by resizing their storage: a graph that read them through ``numpy()`` broke the
+    next reshard. DLPack shares the memory without that mark; a tensor DLPack cannot describe
+    (a lazily negated view) is copied first."""
+    import torch
+
+    if t.is_neg() or t.is_conj():
+        t = t.resolve_neg().resolve_conj()
+    try:
+        return np.from_dlpack(t)
+    except (BufferError, RuntimeError, TypeError):
+        return torch.clone(t).numpy()
 
 
 _EVALUATORS: dict[str, Callable[[Node, list[np.ndarray]], np.ndarray]] = {

@@ -570,7 +570,7 @@ def _to_numpy(tensor: Any, node: Node) -> np.ndarray:
     t = tensor.detach().cpu()
     if t.dtype == torch.bfloat16:
         return t.float().numpy().astype(node.dtype.numpy)
-    return t.numpy()
+    return reference.host_array(t)
 
 
 def _from_numpy(array: np.ndarray, node: Node) -> Any:
