@@ -2,7 +2,7 @@
 
 TorchDynamo hands the backend an FX graph of torch ops; AOTAutograd (with the core-ATen and
 composite decompositions of capture, the min-cut partitioner and in-graph input mutations, exactly
-as ``torch_fx.capture`` does) turns it into ATen forward/backward or inference graphs; each of those
+as ``torch_fx.capture`` does, entered through TorchDynamo's ``aot_autograd`` wrapper) turns it into ATen forward/backward or inference graphs; each of those
 is converted to a ``Graph``, planned (``fusion.explore``) and run by a ``runtime.CompiledGraph``:
 generated kernels on a GPU, the NumPy simulator of the same kernels on a CPU.
 
