@@ -155,6 +155,9 @@ CASES: dict[str, tuple[Callable[[bool], W.Workload], torch.dtype | None, bool, b
                      "InstanceNorm2d (affine) 32×128×64×64 f32 forward"),
     "cross_entropy": (_sized(W.cross_entropy, tokens=8192, vocab=32000), None, True, False,
                       "label-smoothing (0.1) cross-entropy of 8192 × 32000 bf16 logits in f32, forward + backward"),
+    "cross_entropy_gpt2": (_sized(W.cross_entropy, tokens=4096, vocab=50257, smoothing=0.0), None, True, False,
+                           ("cross-entropy of 4096 × 50257 bf16 logits in f32 (GPT-2's vocabulary: rows of odd "
+                            "length), forward + backward")),
     "unet_block_train": (_sized(W.unet_block, batch=8, channels=256, size=64, groups=32), None, False, False,
                          ("UNet block (GroupNorm + SiLU + 3×3 conv, twice, skip) 8×256×64×64 f32, "
                          "forward + backward")),

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fusionstitching.codegen import kernel_ir as K
-from fusionstitching.codegen.groups import Factor, Group, decompose
+from fusionstitching.codegen.groups import Factor, Group, decompose, strided_loop
 from fusionstitching.codegen.reductions import Reductions
 from fusionstitching.codegen.registers import RegisterComposition
 from fusionstitching.codegen.values import (
@@ -194,13 +194,13 @@ class Composer:
         cta = [f for f in group.factors if f.level == Level.CTA]
         total = math.prod(f.extent for f in cta)
         c_var = em.fresh("cta", em.index_type)
-        first, step, count = ((self.special("lane"), em.idx(WARP), WARP) if self.warp_mode
-                              else (self.special("tid"), self.special("ntid"), self.threads))
+        first, count = (self.special("lane"), WARP) if self.warp_mode else (self.special("tid"), self.threads)
         serial = [f for f in group.factors if f.level == Level.THREAD and f.dim not in skip_dims]
-        inner = self.decompose_index(cta, c_var) + self.serial(serial, body)
         if count >= total:
+            inner = self.decompose_index(cta, c_var) + self.serial(serial, body)
             return [K.Let(c_var, first), K.If(K.lt(c_var, em.idx(total)), tuple(inner))]
-        return [K.For(c_var, first, em.idx(total), step, tuple(inner), "block_stride")]
+        return strided_loop(em, "cta", first, count, total,
+                            lambda var: self.decompose_index(cta, var) + self.serial(serial, body))
 
     def serial(self, fs: list[Factor], body) -> list[K.Stmt]:
         if not fs:

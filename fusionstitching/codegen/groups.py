@@ -6,7 +6,7 @@ memory (``S``)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fusionstitching.codegen import kernel_ir as K
@@ -43,6 +43,39 @@ class Group:
     def cross_warp(self) -> bool:
         """Reduced across the warps of a block (WARP tiles on reduced dims), kept dims on the lanes."""
         return not self.cross_thread and any(f.dim in self.reduced and f.level == Level.WARP for f in self.factors)
+
+
+# Iterations of a block- or lane-strided loop that a thread issues together (``strided_loop``).
+STRIDED_UNROLL = 4
+
+
+def strided_loop(em: ValueEmitter, var_name: str, first: K.Expr, count: int, total: int,
+                 iteration: Callable[[K.Expr], list[K.Stmt]]) -> list[K.Stmt]:
+    """``for (c = first; c < total; c += count) iteration(c)``, with ``count`` threads taking
+    every ``count``-th of ``total`` iterations, in rounds of ``STRIDED_UNROLL`` iterations per
+    thread that every thread completes, then the rest as a plain loop. Within a round no bound is
+    tested, so the loads of its iterations issue together: a thread waiting for each iteration's
+    load before the next keeps one load in flight, too few to cover DRAM latency with element-wide
+    loads (a row of odd length cannot be read in vectors): an SM needs about bandwidth × latency /
+    SMs bytes in flight, some 18 KB on an H100, and 2048 threads loading 2 bytes each hold 4 KB.
+    (``#pragma unroll`` does not do it: the unrolled copies keep their bound tests between them.)
+    Each thread visits its iterations in the same order as the plain loop, so reductions add in
+    the same order."""
+    span = STRIDED_UNROLL * count
+    rounds = total // span
+    tail_var = em.fresh(var_name, em.index_type)
+    tail_start = K.add(first, em.idx(rounds * span)) if rounds else first
+    tail = K.For(tail_var, tail_start, em.idx(total), em.idx(count), tuple(iteration(tail_var)), "block_stride")
+    if rounds == 0:
+        return [tail]
+    r = em.fresh("round", em.index_type)
+    base = em.fresh(var_name, em.index_type)
+    body: list[K.Stmt] = [K.Let(base, K.add(first, K.mul(r, em.idx(span))))]
+    for u in range(STRIDED_UNROLL):
+        c = em.fresh(var_name, em.index_type)
+        body.append(K.Let(c, K.add(base, em.idx(u * count)) if u else base))
+        body.extend(iteration(c))
+    return [K.For(r, em.idx(0), em.idx(rounds), em.idx(1), tuple(body), "serial"), tail]
 
 
 def decompose(em: ValueEmitter, fs: list[Factor], linear: K.Expr, ranges: dict[str, int] | None = None

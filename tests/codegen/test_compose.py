@@ -1,7 +1,8 @@
 """Warp and block composition: reductions across threads, shared-memory sub-roots, feasibility.
 
 Matrix: softmax and LayerNorm (captured from torch) and a row sum × f32/bf16 × shapes (rows
-shorter than a warp, not a multiple of 32, longer than a block, one row, one column) × templates
+shorter than a warp, not a multiple of 32, longer than a block, one row, one column, a prime length
+read in rounds of four block passes) × templates
 (warp mode, block mode, block mode with an ``S`` sub-root). Each kernel compiles for sm_80 and
 sm_90 and its simulation matches graph/reference.py; the GPU test runs the same matrix.
 """
@@ -36,7 +37,7 @@ from fusionstitching.schedule.grouping import composed_template, sub_roots
 from .cases import TORCH_DTYPES, Case, _numpy, bias_gelu
 from .test_generate import _expected, _inputs_for, assert_close
 
-SHAPES = [(5, 20), (37, 70), (3, 1500), (1, 100), (50, 1), (16, 128), (4, 2048), (24, 96)]
+SHAPES = [(5, 20), (37, 70), (3, 1500), (1, 100), (50, 1), (16, 128), (4, 2048), (24, 96), (2, 1009)]
 
 
 @cache
@@ -577,3 +578,32 @@ def test_probe_lowers_one_lane_of_a_vector_and_agrees_with_the_full_lowering(dty
     full = lower(case.graph, case.nodes, template, vectorize_access=False)
     assert _stores(probe.kernel.body) == 1 < _stores(full.kernel.body)
     assert _lowering_verdicts(case.graph, case.nodes, template) == (True, True)
+
+
+def test_long_strided_loops_issue_their_loads_in_rounds():
+    """A row longer than four passes of the block is read in rounds of four iterations per thread
+    with no bound test between them (their loads issue together), then a tail loop; the kernel
+    still matches the reference, tail included (a row of 1009, a prime: 3 rounds of 4 × 64, then
+    241 more)."""
+    case = row_sum("bf16", 3, 1009)
+    pattern = resolve_pattern(case.graph, case.nodes)
+    template = composed_template(pattern, [o for o in pattern.outputs if o.op == "reduce"], 64, warp_rows=None)
+    kernel = generate(case.graph, case.nodes, template)
+
+    def loops(body):
+        for s in body:
+            if isinstance(s, K.For):
+                yield s
+                yield from loops(s.body)
+            elif isinstance(s, K.If):
+                yield from loops(s.then + s.orelse)
+
+    found = list(loops(kernel.kernel.body))
+    rounds = [f for f in found if f.var.name.startswith("round")]
+    assert len(rounds) == 1 and rounds[0].stop.value == 3
+    assert not any(isinstance(s, (K.If, K.For)) for s in rounds[0].body)  # no bound test inside a round
+    tails = [f for f in found if f.kind == "block_stride"]
+    assert len(tails) == 1 and tails[0].stop.value == 1009
+    got = kernel.simulate(_inputs_for(case, kernel))
+    for out_name, g, w in zip(kernel.outputs, got, _expected(case, kernel)):
+        assert_close(g, w, case.graph.node(out_name).dtype, False, "rounds")
