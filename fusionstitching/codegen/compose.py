@@ -291,14 +291,20 @@ class Composer:
             cost = float(fusable + (0 if g.root.category.fusable else 1)) * size
             requests.append(SmemRequest(g.root.name, size * 4, recompute_cost=cost))
         reductions = 4 * WARP * 2 if any(g.cross_thread for g in self.groups) else 0
-        must_keep = [g.root.name for g in self.groups if g.shared and g.output is not None]
+        # A stored reduction keeps its buffer: its readers need the block's finished result. A stored
+        # sub-root of another kind that does not fit is written by its group all the same, and its
+        # readers recompute it (a row of GEMM logits that is both saved and reduced over).
+        must_keep = [g.root.name for g in self.groups if g.shared and g.output is not None and g.reduced]
         plan = side_by_side(requests, limit - reductions) if self.probe else None  # a plan exists
         if plan is None:
             plan = plan_shared_memory(graph, pattern_nodes, requests, limit - reductions, must_keep=must_keep)
         if not plan:
             raise CodegenError(str(plan))
         for name in plan.recomputed:
-            self.groups = [g for g in self.groups if g.root.name != name]
+            for g in self.groups:
+                if g.root.name == name and g.output is not None:
+                    g.shared = False
+            self.groups = [g for g in self.groups if g.root.name != name or g.output is not None]
         buffers = {b.name: K.Buffer(f"smem_{b.name}", "f32", b.bytes // 4, space="shared") for b in plan.buffers}
         self.shared.extend(buffers.values())
         self.em.shared_buffers.update(b.name for b in buffers.values())

@@ -426,12 +426,20 @@ def test_shared_memory_plan_recomputes_when_over_the_limit_and_reports_infeasibl
     assert tight.smem_plan.recomputed and tight.cuda_source.count("expf(") == 2
     got = tight.simulate(_inputs_for(case, tight))[0]
     assert_close(got, _expected(case, tight)[0], DType.F32, False, "recomputed")
-    # An output cached in shared memory cannot be dropped: below its size nothing fits.
+    # An output that does not fit is written by its group all the same; its readers recompute it.
     pattern = resolve_pattern(case.graph, case.nodes)
     reductions = sub_roots(pattern)
     output_cached = composed_template(pattern, reductions, 128, warp_rows=None, shared=[pattern.outputs[0].name])
+    unshared = generate(case.graph, case.nodes, output_cached, smem_limit=512)
+    assert pattern.outputs[0].name in unshared.smem_plan.recomputed
+    got = unshared.simulate(_inputs_for(case, unshared))[0]
+    assert_close(got, _expected(case, unshared)[0], DType.F32, False, "output recomputed")
+    # A stored reduction keeps its buffer: below its size nothing fits.
+    row_sums = row_sum("f32", 37, 70)
+    pattern = resolve_pattern(row_sums.graph, row_sums.nodes)
+    stored = composed_template(pattern, [pattern.outputs[0]], 128, warp_rows=None, shared=[pattern.outputs[0].name])
     with pytest.raises(CodegenError, match="shared memory: needs .* over the .*-byte limit"):
-        generate(case.graph, case.nodes, output_cached, smem_limit=512)
+        generate(row_sums.graph, row_sums.nodes, stored, smem_limit=8)
 
 
 def test_even_rows_are_kept_in_registers_and_read_once():

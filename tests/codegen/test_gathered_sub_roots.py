@@ -62,3 +62,27 @@ def test_a_buffer_read_by_a_gathers_recomputation_outlives_the_gather(cache_dir)
     template = ("reduce_1[GRID,CTA]; add[GRID,CTA]S; reduce_2[GRID,CTA]; rsqrt[GRID,CTA]S; mul_1[GRID,CTA]S; "
                 "sin[GRID,CTA]S; reduce[GRID,CTA]; min[GRID]; gather[GRID,CTA]; launch(blocks=11,threads=32)")
     check_template(case, template, cache_dir, "gathered layer norm")
+
+
+def test_a_stored_sub_root_too_long_for_shared_memory_is_written_and_recomputed(cache_dir):
+    """GPT-2's loss: a row of logits sliced out of a padded GEMM result is saved for the backward
+    and also reduced over and gathered from. The row (20011 floats) does not fit in shared memory;
+    the kernel still writes the slice, and its readers recompute it from the input instead of the
+    pattern being refused (which split the loss into two kernels and stored the shifted logits)."""
+    from fusionstitching.schedule import feasible
+    from fusionstitching.schedule.template import KernelSchedule
+
+    vocab = 20011
+
+    def fn(padded, target):
+        logits = padded[:, :vocab]
+        return logits, F.cross_entropy(logits.float(), target, reduction="none")
+
+    target = torch.randint(0, vocab, (3,), generator=torch.Generator().manual_seed(4))
+    case = _case("sliced_logits_loss", fn, [_rand((3, vocab + 5), "bf16"), target])
+    template = feasible(case.graph, case.nodes)
+    assert isinstance(template, KernelSchedule), template
+    kernel = check_template(case, template, cache_dir, "sliced logits")
+    assert sum(b.extent for b in kernel.kernel.shared) * 4 < 48 * 1024
+    stored = [o for o in kernel.outputs if case.graph.node(o).shape == (3, vocab)]
+    assert stored  # the slice is written
