@@ -50,6 +50,10 @@ trusted only as far as the user's own files are; every rule below is about that.
   entry, which fails its hash. A temp file's name holds its writer's host and pid; temp files
   older than an hour, or from a process of this host that no longer runs, are removed when a
   process first uses the directory and at each pruning.
+- Compiling once: a process that misses an entry compiles it holding an advisory lock on
+  ``<key>.lock``; another process (the other ranks of a data-parallel job) or thread that misses
+  the same key waits for the lock and then reads the entry. Lock files older than an hour are
+  removed with stale temp files.
 - Size: above ``cache_max_bytes`` the entries least recently written or hit (a hit touches
   its mtime) are deleted until the cache is at 90% of the limit, so the next writes do not
   prune again. A process scans the directory when it first uses it, then keeps a running
@@ -59,6 +63,7 @@ trusted only as far as the user's own files are; every rule below is about that.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -72,7 +77,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,17 +191,25 @@ def compile_cuda(
     all_options = [f"--gpu-architecture={arch}", *DEFAULT_OPTIONS, *options]
     key = _cache_key(source, arch, all_options)
     cache = _open_cache(cache_root(cache_dir), cache_max_bytes)
-    if cache is not None:
-        hit = cache.read(key, arch)
+    if cache is None:
+        return _compile_module(source, name, arch, all_options)
+    hit = cache.read(key, arch)
+    if hit is not None:
+        return hit
+    with cache.compiling(key):
+        hit = cache.read(key, arch)  # written meanwhile by the process that held the lock
         if hit is not None:
             return hit
-    start = time.perf_counter()
-    cubin, log = _compile(source, name, arch, all_options)
-    logger.debug("NVRTC compiled %s for %s in %.1f ms", name, arch, 1e3 * (time.perf_counter() - start))
-    module = CompiledModule(cubin, arch, parse_ptxas_info(log), log, cached=False)
-    if cache is not None:
+        module = _compile_module(source, name, arch, all_options)
         cache.write(key, module, cache_max_bytes)
     return module
+
+
+def _compile_module(source: str, name: str, arch: str, options: list[str]) -> CompiledModule:
+    start = time.perf_counter()
+    cubin, log = _compile(source, name, arch, options)
+    logger.debug("NVRTC compiled %s for %s in %.1f ms", name, arch, 1e3 * (time.perf_counter() - start))
+    return CompiledModule(cubin, arch, parse_ptxas_info(log), log, cached=False)
 
 
 def _compile(source: str, name: str, arch: str, options: list[str]) -> tuple[bytes, str]:
@@ -438,6 +451,35 @@ class _NvrtcCache:
             return None
         return module
 
+    @contextlib.contextmanager
+    def compiling(self, key: str) -> Iterator[None]:
+        """Held while ``key`` is compiled and written: another process (each rank of a
+        data-parallel job compiles the same kernels) or thread that misses the same key waits,
+        then reads the entry instead of compiling it again. An advisory lock (``flock``) on
+        ``<key>.lock``, which the system releases if its holder dies; where no lock can be taken
+        (no ``fcntl``, a link in the lock's place, a file system that refuses), compiling goes on
+        unlocked, as without a cache."""
+        try:
+            import fcntl
+        except ImportError:
+            yield
+            return
+        path = self.directory / f"{key}.lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except OSError as exc:
+            logger.warning("cannot lock NVRTC cache entry %s: %s", path, exc)
+            yield
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:
+                logger.warning("cannot lock NVRTC cache entry %s: %s", path, exc)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
     def write(self, key: str, module: CompiledModule, max_bytes: int) -> None:
         header = {
             "format": _CACHE_FORMAT,
@@ -494,6 +536,8 @@ class _NvrtcCache:
                         continue  # removed by another process meanwhile
                     if item.name.endswith(".tmp") and _stale_temp(item.name, status, now):
                         _remove(Path(item.path))
+                    elif item.name.endswith(".lock") and now - status.st_mtime > _STALE_TEMP_SECONDS:
+                        _remove(Path(item.path))  # a compile takes seconds: no one holds it any more
                     elif (item.name.endswith(".entry") and _KEY.fullmatch(item.name[: -len(".entry")])
                           and stat.S_ISREG(status.st_mode)):
                         entries.append((status.st_mtime, status.st_size, Path(item.path)))

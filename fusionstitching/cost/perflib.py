@@ -21,12 +21,13 @@ never makes a compilation fail.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sqlite3
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +106,41 @@ class PerfLib:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+
+    @contextlib.contextmanager
+    def tuning(self, key: str) -> Iterator[None]:
+        """Held while the pattern ``key`` is measured and stored: another process on this host
+        (each rank of a data-parallel job meets the same patterns) that misses the same key waits,
+        then reads the winner instead of measuring again, so every rank runs the same kernels. An
+        advisory lock (``flock``) on ``perflib.sqlite.locks/<key>.lock``, removed by its holder
+        once the winner is stored (a process that opened it before sees the winner then) and
+        released by the system if the holder dies; where no lock can be taken, measuring goes on
+        unlocked."""
+        try:
+            import fcntl
+        except ImportError:
+            yield
+            return
+        directory = self.path.with_name(f"{self.path.name}.locks")
+        path = directory / f"{key}.lock"
+        try:
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except OSError as err:
+            warnings.warn(f"performance library {self.path}: cannot lock {key} ({err})", PerfLibWarning, stacklevel=3)
+            yield
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as err:
+                warnings.warn(f"performance library {self.path}: cannot lock {key} ({err})", PerfLibWarning,
+                              stacklevel=3)
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            os.close(fd)
 
     # -- access ---------------------------------------------------------------------------------
     def _connect(self) -> sqlite3.Connection:

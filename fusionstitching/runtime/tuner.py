@@ -130,6 +130,15 @@ class Tuner:
                 elif self.budget_s is not None and self.seconds + time.perf_counter() - start >= self.budget_s:
                     self.over_budget += 1
                     return kernel  # not decided: a later process tunes it
+                elif self.library is not None:
+                    with self.library.tuning(key):  # another process measuring it: wait for its winner
+                        winner = self.library.winner(key)
+                        if winner is not None:
+                            text = winner.template
+                            self.hits += 1
+                            COUNTS["perflib hits"] += 1
+                        else:
+                            text = self._tune(key, kernel, nodes, inputs, start)
                 else:
                     text = self._tune(key, kernel, nodes, inputs, start)
                 self._decided[key] = text

@@ -215,3 +215,39 @@ def test_a_kernel_at_the_latency_floor_is_not_measured(tmp_path):
     tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, PerfLib(tmp_path / FILE_NAME))
     assert tuner.kernel_for(compiled.kernels[0], []) is compiled.kernels[0]
     assert not measure.calls and tuner.at_floor == 1 and tuner.tuned == 0
+
+
+def _tune_after(barrier, path: str, results) -> None:
+    import time
+
+    compiled = _layernorm()
+    measured = []
+
+    def slow(kernels, inputs):  # long enough for the other process to reach the same pattern
+        measured.append(len(kernels))
+        time.sleep(1.0)
+        return [10.0] * (len(kernels) - 1) + [1.0]
+
+    tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", slow, PerfLib(path))
+    barrier.wait()
+    chosen = tuner.kernel_for(compiled.kernels[0], [])
+    results.put((len(measured), tuner.hits, str(chosen.template)))
+
+
+def test_processes_meeting_a_pattern_at_once_measure_it_once(tmp_path):
+    """The ranks of a data-parallel job meet the same patterns at once: one measures, the others
+    wait for its lock and take its winner, so every rank runs the same kernel."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(2), context.Queue()
+    workers = [context.Process(target=_tune_after, args=(barrier, str(tmp_path / FILE_NAME), results))
+               for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    outcomes = sorted(results.get(timeout=120) for _ in workers)
+    for worker in workers:
+        worker.join(timeout=60)
+    assert [(m, h) for m, h, _ in outcomes] == [(0, 1), (1, 0)]
+    assert outcomes[0][2] == outcomes[1][2]
+    assert not list((tmp_path / f"{FILE_NAME}.locks").glob("*.lock"))
