@@ -262,7 +262,7 @@ def test_module_imports_without_cuda_bindings():
     )
 
 
-def _compile_after(barrier, source: str, cache_dir: str, results) -> None:
+def _compile_after(barrier, results, source: str, cache_dir: str) -> None:
     barrier.wait()
     results.put(compile_cuda(source, "sm_90", cache_dir=cache_dir).cached)
 
@@ -270,17 +270,8 @@ def _compile_after(barrier, source: str, cache_dir: str, results) -> None:
 def test_processes_missing_the_same_entry_compile_it_once(tmp_path):
     """The ranks of a data-parallel job miss the same kernels at once: one compiles, the others
     wait for its lock and read its entry."""
-    import multiprocessing
+    from tests.concurrency import at_once
 
-    context = multiprocessing.get_context("spawn")
-    barrier, results = context.Barrier(3), context.Queue()
     source = "\n".join(AXPY.replace("\nk(", f"\nk{k}(") for k in range(40))  # 40 kernels: a compile takes a while
-    workers = [context.Process(target=_compile_after, args=(barrier, source, str(tmp_path), results))
-               for _ in range(3)]
-    for worker in workers:
-        worker.start()
-    cached = sorted(results.get(timeout=60) for _ in workers)
-    for worker in workers:
-        worker.join(timeout=60)
-    assert cached == [False, True, True]
+    assert at_once(_compile_after, (source, str(tmp_path)), 3, timeout=60) == [False, True, True]
     assert len(list((tmp_path / "nvrtc").glob("*.entry"))) == 1

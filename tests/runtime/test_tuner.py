@@ -217,7 +217,7 @@ def test_a_kernel_at_the_latency_floor_is_not_measured(tmp_path):
     assert not measure.calls and tuner.at_floor == 1 and tuner.tuned == 0
 
 
-def _tune_after(barrier, path: str, results) -> None:
+def _tune_after(barrier, results, path: str) -> None:
     import time
 
     compiled = _layernorm()
@@ -237,17 +237,9 @@ def _tune_after(barrier, path: str, results) -> None:
 def test_processes_meeting_a_pattern_at_once_measure_it_once(tmp_path):
     """The ranks of a data-parallel job meet the same patterns at once: one measures, the others
     wait for its lock and take its winner, so every rank runs the same kernel."""
-    import multiprocessing
+    from tests.concurrency import at_once
 
-    context = multiprocessing.get_context("spawn")
-    barrier, results = context.Barrier(2), context.Queue()
-    workers = [context.Process(target=_tune_after, args=(barrier, str(tmp_path / FILE_NAME), results))
-               for _ in range(2)]
-    for worker in workers:
-        worker.start()
-    outcomes = sorted(results.get(timeout=120) for _ in workers)
-    for worker in workers:
-        worker.join(timeout=60)
+    outcomes = at_once(_tune_after, (str(tmp_path / FILE_NAME),), 2)
     assert [(m, h) for m, h, _ in outcomes] == [(0, 1), (1, 0)]
     assert outcomes[0][2] == outcomes[1][2]
     assert not list((tmp_path / f"{FILE_NAME}.locks").glob("*.lock"))
