@@ -142,7 +142,7 @@ def _compiler(kind: str, options: Options, mode: str | None
     def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         _STATS["graphs"] += 1
         name = f"{kind}_{_STATS['graphs']}"
-        return _Runner(gm, example_inputs, name, options, mode)
+        return _Runner(gm, example_inputs, name, options, mode, _saved_outputs() if kind == "forward" else slice(0, 0))
 
     return compile_graph
 
@@ -151,7 +151,7 @@ class _Runner:
     """One ATen graph: compiled per shape signature, called with AOTAutograd's boxed arguments."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], name: str, options: Options,
-                 mode: str | None = None) -> None:
+                 mode: str | None = None, saved: slice = slice(0, 0)) -> None:
         # Called with one list of arguments. An instance attribute, not a class one: TorchDynamo's
         # ``disable`` around a backward compiler's result copies the instance's ``__dict__`` only.
         self._boxed_call = True
@@ -168,6 +168,12 @@ class _Runner:
         # per specialization: {output index: value}.
         self.numbers: dict[tuple, dict[int, Any]] = {}
         self.origins: dict[str, str] = {}  # the converted graph's node origins (for failure evidence)
+        # A training forward's outputs saved for the backward, whose layout the compiler may choose
+        # (``graph.layout.saved_layouts``) where it can tell AOTAutograd before the backward is
+        # compiled: at a static compile, inside the forward compiler's call. {output: strides}
+        # of those it chose unlike eager; outputs computed by PyTorch are given these strides too.
+        self.saved = tuple(range(self.outputs))[saved]
+        self.promised: dict[int, tuple[int, ...]] = {}
         # A graph with static shapes and only tensor inputs is called with exactly the example
         # inputs' shapes, strides, dtypes and devices (TorchDynamo's guards and AOTAutograd ensure
         # it): its one specialization needs no signature per call.
@@ -185,7 +191,8 @@ class _Runner:
                     return
                 traced, numbers = concrete
             self.numbers[key] = numbers
-            self.static = self._compile(traced, example_inputs, key)
+            self.static = self._compile(traced, example_inputs, key, choose_layouts=True)
+            _report_output_strides(self.outputs, self.promised)
             if all(isinstance(x, torch.Tensor) for x in example_inputs):
                 self.static_key = key
             else:
@@ -200,7 +207,7 @@ class _Runner:
             return compiled.run(args, trusted=True)[: self.outputs]
         args = list(args)
         if self.fallback is not None:
-            return list(self.gm(*args))
+            return self._eager(args)
         key = self.static_key if self.static_key is not None else _signature(args)
         compiled = self.compiled.get(key)
         first = compiled is not None and compiled is self.static
@@ -214,7 +221,7 @@ class _Runner:
                     concrete = self._concrete(args)
                     compiled = self._compile(concrete[0], args, key) if concrete is not None else None
                     if compiled is None:
-                        return list(self.gm(*args))
+                        return self._eager(args)
                     self.numbers[key] = concrete[1]
                     first = True
         if not first:
@@ -245,7 +252,7 @@ class _Runner:
         except Exception as err:  # noqa: BLE001 -- the failure policy: any internal error
             eager_error = None
             try:
-                results = list(self.gm(*args))
+                results = self._eager(args)
             except Exception as eager:  # compared with the compiled run's error
                 if _same_error(err, eager):  # the user's error, met by a library op: eager's own
                     raise
@@ -265,7 +272,17 @@ class _Runner:
             warnings.warn(f"fusionstitching: graph {self.name} was called with more than "
                           f"{self.options.max_specializations} shapes (Options.max_specializations); "
                           "further shapes run in PyTorch", FallbackWarning, stacklevel=3)
-        return list(self.gm(*args))
+        return self._eager(args)
+
+    def _eager(self, args: list[Any]) -> list[Any]:
+        """The graph run by PyTorch, its saved outputs in the strides promised to the backward."""
+        from fusionstitching.graph.reference import with_strides
+
+        results = list(self.gm(*args))
+        for k, strides in self.promised.items():
+            if isinstance(results[k], torch.Tensor) and results[k].stride() != strides:
+                results[k] = with_strides(results[k], strides)
+        return results
 
     def _concrete(self, args: list[Any]) -> tuple[fx.GraphModule, dict[int, Any]] | None:
         try:
@@ -274,20 +291,21 @@ class _Runner:
             self._failed(err, "capture")
             return None
 
-    def _compile(self, gm: fx.GraphModule, inputs: list[Any], key: tuple):
+    def _compile(self, gm: fx.GraphModule, inputs: list[Any], key: tuple, choose_layouts: bool = False):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         # AOTAutograd may call the compiler under its fake mode; constants of the graph are real.
         with unset_fake_temporarily():
             try:
-                return self._compile_real(gm, inputs, key)
+                return self._compile_real(gm, inputs, key, choose_layouts)
             except Exception as err:  # noqa: BLE001 -- the failure policy: any internal error
                 self._failed(err, None, gm)
                 return None
 
-    def _compile_real(self, gm: fx.GraphModule, inputs: list[Any], key: tuple):
+    def _compile_real(self, gm: fx.GraphModule, inputs: list[Any], key: tuple, choose_layouts: bool = False):
         from fusionstitching.frontend.context import Unsupported
         from fusionstitching.frontend.torch_fx import convert
+        from fusionstitching.graph.layout import saved_layouts
         from fusionstitching.pipeline import compile_graph
 
         try:
@@ -306,7 +324,14 @@ class _Runner:
         except Unsupported as err:  # a program outside what the compiler takes: announced, not an error
             self._fall_back(str(err))
             return None
+        promised = {}
+        if choose_layouts and self.saved and self.options.channels_last:
+            chosen = saved_layouts(graph, self.saved)
+            promised = {k: tuple(chosen.output_layouts[k].strides) for k in self.saved
+                        if chosen.output_layouts[k] is not graph.output_layouts[k]}
+            graph = chosen
         compiled = compile_graph(graph, self.options, self.mode, device=device, output_devices=output_devices)
+        self.promised = promised
         plan = compiled.plan
         _STATS["kernels"] += plan.kernel_count
         _STATS["library calls"] += plan.library_count
@@ -328,6 +353,32 @@ class _Runner:
         _STATS["fallbacks"] += 1
         warnings.warn(f"fusionstitching: graph {self.name} runs in PyTorch: {reason}", FallbackWarning,
                       stacklevel=4)
+
+
+def _saved_outputs() -> slice:
+    """The outputs of a training forward being compiled that it saves for its backward
+    (AOTAutograd's metadata, set before the forward compiler is called); none where unknown."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    metadata = getattr(context, "fw_metadata", None)
+    try:
+        saved = metadata.tensors_saved_for_backwards_slice
+    except (AttributeError, AssertionError):
+        return slice(0, 0)
+    return saved
+
+
+def _report_output_strides(outputs: int, promised: dict[int, tuple[int, ...]]) -> None:
+    """Tell AOTAutograd the strides of the outputs laid out unlike eager, so that it compiles the
+    backward for the saved tensors as they come (``TracingContext.report_output_strides``)."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    strides = getattr(context, "output_strides", None)
+    if strides is None or not promised:
+        return
+    strides.extend(promised.get(k) for k in range(outputs))
 
 
 def _same_error(err: BaseException, eager: BaseException) -> bool:

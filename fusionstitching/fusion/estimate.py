@@ -8,7 +8,8 @@ of a plan costs
 
 with L = N_wave × L_warp (``cost/latency.py``, launch dims of the schedule the plan carries), M(V)
 the memory time of the bytes the kernel reads and writes (``cost/bandwidth.py``, the same ``V`` as
-the delta evaluator's ``pattern_bytes``) and φ the launch cost. The plan's time is the sum over its
+the delta evaluator's ``pattern_bytes``, scaled by the sectors its schedule's accesses move per
+byte used, ``score.access_factor``) and φ the launch cost. The plan's time is the sum over its
 generated kernels: kernels of one stream run one after the other. Library calls are left out: every
 plan of one graph makes the same library calls (``legality.Roles``), so they add the same constant
 to every candidate; views cost nothing.
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 
 from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us
 from fusionstitching.fusion.plan import FusionPlan
-from fusionstitching.fusion.score import Scorer, counts_as_kernel, pattern_bytes
+from fusionstitching.fusion.score import Scorer, access_factor, counts_as_kernel, pattern_bytes
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.options import Options
 from fusionstitching.schedule.template import KernelSchedule
@@ -31,7 +32,7 @@ from fusionstitching.schedule.template import KernelSchedule
 
 def kernel_time_us(scorer: Scorer, nodes: Sequence[Node], schedule: KernelSchedule | None) -> float:
     """T(P) of one generated kernel (see the module docstring); a lone reshape is a copy kernel."""
-    memory = scorer.memory.time_us(pattern_bytes(scorer.graph, nodes))
+    memory = scorer.memory.time_us(pattern_bytes(scorer.graph, nodes) * access_factor(scorer.graph, schedule))
     latency = 0.0
     if schedule is not None and any(counts_as_kernel(n) for n in nodes):
         blocks, threads = schedule.launch.blocks, schedule.launch.threads

@@ -68,7 +68,7 @@ from fusionstitching.fusion.select import Selection, select_ilp
 from fusionstitching.fusion.split import split_underfilled_reductions
 from fusionstitching.graph.collapse import collapse_reduced_runs
 from fusionstitching.graph.graph import Graph, Node
-from fusionstitching.graph.layout import channels_last_convolutions, sink_transposes
+from fusionstitching.graph.layout import laid_out_convolutions
 from fusionstitching.graph.transforms import (
     check_indices,
     duplicate_broadcasts,
@@ -141,9 +141,9 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
     notes = []
     graph = duplicate_broadcasts(merge_duplicates(fold_views(fold_empty(check_indices(graph)))))
     if options.channels_last:
-        laid_out = channels_last_convolutions(graph)
+        laid_out = laid_out_convolutions(graph)
         if laid_out is not graph:
-            graph = fold_views(sink_transposes(laid_out))
+            graph = laid_out
             notes.append("convolutions read and write channels-last (NHWC) nodes")
     if options.collapse_dims:
         graph = collapse_reduced_runs(graph)

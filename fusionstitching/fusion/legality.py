@@ -91,6 +91,7 @@ class Roles:
                                  "(GEMM library)")
         views = gemm_operand_views(graph, library)
         views.update(output_views(graph, library, views))
+        views.update(permuted_input_views(graph, views))
         views.update(merged_input_views(graph, inputs, library, views))
         views.update(restored_shape_views(graph, inputs, library, views))
         fusable = tuple(n for n in graph.nodes if n not in inputs and n not in library and n not in views)
@@ -146,10 +147,29 @@ def output_views(graph: Graph, library: dict[Node, str], views: dict[Node, str])
     return found
 
 
+def permuted_input_views(graph: Graph, views: dict[Node, str]) -> dict[Node, str]:
+    """Transposes of a parameter whose result is contiguous in the parameter's storage (the NHWC
+    view of a tensor a training forward saved channels-last, ``graph/layout.py``): views, so that
+    the kernels reading them read a contiguous input. Inside a kernel the same read looked like a
+    transpose of the input's innermost dim, which the templates tile through shared memory."""
+    outputs = graph.index.output_ids
+    found: dict[Node, str] = {}
+    for node in graph.nodes:
+        if node.op != "transpose" or node in views or id(node) in outputs:
+            continue
+        x = node.operands[0]
+        if x.op != "parameter" or x.layout is None or x.layout.offset != 0:
+            continue
+        strides = tuple(x.layout.strides[p] for p in node.attrs["permutation"])
+        if _same_strides(node.shape, strides, contiguous_strides(node.shape)):
+            found[node] = "transpose of an input laid out so that the result is contiguous"
+    return found
+
+
 def merged_input_views(graph: Graph, inputs: set[Node], library: dict[Node, str],
                        views: dict[Node, str]) -> dict[Node, str]:
-    """Reshapes that only merge adjacent dims of a contiguous input or of a library call's output
-    (``graph/collapse.py`` reads a BatchNorm's saved activations and its convolutions' outputs
+    """Reshapes that only merge adjacent dims of a contiguous input, of a contiguous view of one or
+    of a library call's output (``graph/collapse.py`` reads a BatchNorm's saved activations and its convolutions' outputs
     with H x W as one dim), read by no graph output: views, so that the kernels reading them take
     the buffer in the merged shape and no kernel writes a reshaped copy for the others."""
     outputs = graph.index.output_ids
@@ -159,7 +179,9 @@ def merged_input_views(graph: Graph, inputs: set[Node], library: dict[Node, str]
             continue
         x = node.operands[0]
         contiguous = x in library or (x in inputs and (x.op == "constant" or x.layout is None
-                                                       or x.layout.is_contiguous(x.shape)))
+                                                       or x.layout.is_contiguous(x.shape))) \
+            or (x in views and x.op == "transpose" and _view_strides(x, views) is not None
+                and _same_strides(x.shape, _view_strides(x, views), contiguous_strides(x.shape)))
         if contiguous and _merges_only(x.shape, node.shape):
             found[node] = "reshape merging dims of a contiguous input or library output"
     return found

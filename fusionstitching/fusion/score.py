@@ -7,7 +7,9 @@ Delta evaluator [C §5.4]: ``f = T_reduced_mem + T_reduced_calls − T_penalty``
 
 - ``T_reduced_mem = Σ_ops M(bytes(op)) − M(bytes(P))``: the memory time of the unfused kernels
   minus the fused kernel's, M being the bandwidth model of ``cost/bandwidth.py`` (which charges
-  every kernel its floor, so small kernels cost more than their bytes);
+  every kernel its floor, so small kernels cost more than their bytes); bytes(P) counts the
+  sectors the schedule's accesses move (``access_factor``: a block of threads walking down a
+  column moves a sector per element);
 - ``T_reduced_calls = (N − 1) φ``: launches saved, φ from the GPU spec (N = ops that would be
   kernels);
 - ``T_penalty = max(0, L(P) − M(bytes(P)))``: how much longer than its memory time the fused
@@ -22,6 +24,7 @@ Patterns with a score ≤ 0 are dropped by the selector.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,8 +32,10 @@ from fusionstitching.cost.bandwidth import BandwidthModel, bandwidth_model
 from fusionstitching.cost.gpu_spec import GpuSpec, gpu_spec
 from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us
 from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.pattern import is_reduction, iteration_space
 from fusionstitching.options import Options
-from fusionstitching.schedule.template import KernelSchedule
+from fusionstitching.schedule.grouping import SECTOR_BYTES
+from fusionstitching.schedule.template import KernelSchedule, Level, Schedule, tile_extents
 
 
 def _bytes(node: Node) -> int:
@@ -68,6 +73,57 @@ def pattern_bytes(graph: Graph, nodes: Sequence[Node]) -> int:
     return total + sum(_bytes(o) for o in inputs.values())
 
 
+def sector_factor(schedule: Schedule, space: Sequence[int], itemsize: int) -> float:
+    """Bytes moved per byte used by the accesses of one root's schedule over its row-major
+    iteration space ``space``. Neighbouring lanes of a warp take neighbouring indices of the
+    innermost CTA factor (``schedule/template.py``); where the elements between them span a
+    sector or more, each lane's access is a sector of its own, of which it uses its contiguous
+    run: the THREAD factors after its CTA one (a vector), and of the dims after its own. A column of a row-major matrix read by the
+    threads of one block (``reduce[CTA,GRID]`` over a channels-last [N·H·W, C]) moves 16 bytes
+    per 2-byte element used."""
+    lane = None
+    for d, tiles in enumerate(schedule.dims):
+        for k, tile in enumerate(tiles):
+            if tile.level == Level.CTA:
+                lane = (d, k)
+    if lane is None:
+        return 1.0
+    d, k = lane
+    inner = tile_extents(space[d], schedule.dims[d])[k + 1:]
+    stride = math.prod(inner) * math.prod(space[d + 1:])
+    if stride * itemsize < SECTOR_BYTES:
+        return 1.0
+    run = 1  # the elements a lane reads one after the other: the THREAD factors after its CTA one
+    if all(t.level == Level.THREAD for t in schedule.dims[d][k + 1:]):
+        run = math.prod(inner)
+        for size, tiles in zip(space[d + 1:], schedule.dims[d + 1:]):
+            if size > 1 and any(t.level != Level.THREAD for t in tiles):
+                break
+            run *= size
+    return max(1.0, min(SECTOR_BYTES, stride * itemsize) / min(SECTOR_BYTES, run * itemsize))
+
+
+def access_factor(graph: Graph, schedule: KernelSchedule | None) -> float:
+    """``sector_factor`` over a kernel's roots, weighted by their iteration spaces' sizes. A
+    transpose root is left out: its iteration space is not the order of the memory it reads
+    (the shared-memory transpose template reads along the input's innermost dim)."""
+    if schedule is None:
+        return 1.0
+    total = weighted = 0.0
+    for s in schedule.schedules:
+        node = graph.index.by_name.get(s.root)
+        if node is None or node.op == "transpose":
+            continue
+        space = iteration_space(node)
+        if len(space) != len(s.dims):
+            continue
+        itemsize = (node.operands[0] if is_reduction(node) else node).dtype.itemsize
+        size = math.prod(space)
+        total += size
+        weighted += size * sector_factor(s, space, itemsize)
+    return weighted / total if total else 1.0
+
+
 @dataclass(frozen=True)
 class Score:
     value: float
@@ -95,7 +151,7 @@ class Scorer:
 
     def score(self, nodes: Sequence[Node], schedule: KernelSchedule | None) -> Score:
         kernels = sum(1 for n in nodes if counts_as_kernel(n))
-        fused = pattern_bytes(self.graph, nodes)
+        fused = round(pattern_bytes(self.graph, nodes) * access_factor(self.graph, schedule))
         unfused = sum(unfused_bytes(n) for n in nodes)
         calls = max(kernels - 1, 0) * self.launch_us
         if self.options.score == "model":

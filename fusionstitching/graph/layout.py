@@ -29,86 +29,234 @@ import dataclasses
 from collections.abc import Sequence
 
 from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.node import Layout
 from fusionstitching.graph.ops import is_elementwise
-from fusionstitching.graph.transforms import _make, _Names, _rebuilt
+from fusionstitching.graph.transforms import _make, _Names, _rebuilt, fold_views
 
 CONVOLUTION = "aten.convolution.default"
+CONVOLUTION_BACKWARD = "aten.convolution_backward.default"
 TO_NHWC = (0, 2, 3, 1)
 TO_NCHW = (0, 3, 1, 2)
 
 
 # Library ops given NHWC operands (the positions of their NCHW tensor arguments) that then return
-# NHWC results: convolutions, and the max pooling after ResNet's first convolution.
-CHANNELS_LAST_OPS = {CONVOLUTION: (0, 1), "aten.max_pool2d_with_indices.default": (0,)}
+# NHWC results: convolutions and their backward, and the max pooling after ResNet's first
+# convolution and its backward.
+CHANNELS_LAST_OPS = {CONVOLUTION: (0, 1), CONVOLUTION_BACKWARD: (0, 1, 2),
+                     "aten.max_pool2d_with_indices.default": (0,),
+                     "aten.max_pool2d_with_indices_backward.default": (0, 1, 7)}
+# The positions among those of activations (not weights).
+ACTIVATIONS = {CONVOLUTION: (0,), CONVOLUTION_BACKWARD: (0, 1), "aten.max_pool2d_with_indices.default": (0,),
+               "aten.max_pool2d_with_indices_backward.default": (0, 1, 7)}
+# Where a convolution's ``transposed`` flag is among its arguments.
+TRANSPOSED_ARG = {CONVOLUTION: 6, CONVOLUTION_BACKWARD: 7}
 
 
 def channels_last_convolutions(graph: Graph) -> Graph:
-    """A copy of ``graph`` whose 2-D convolutions (and max poolings) read and write NHWC nodes
-    (module docstring)."""
-    outputs = graph.index.output_ids
-    chosen = {id(n) for n in graph.nodes if _convertible(n, outputs)}
+    """A copy of ``graph`` whose 2-D convolutions and max poolings, forward and backward, read and
+    write NHWC nodes (module docstring)."""
+    promised = _promised(graph)
+    chosen = [results for results in _library_calls(graph).values() if _convertible(results, promised)]
     if not chosen:
         return graph
     names = _Names(n.name for n in graph.nodes)
     copies: dict[int, Node] = {id(p): p for p in graph.parameters}
-    nhwc: dict[int, Node] = {}  # operand → its transpose, one for all calls (and outputs of a call)
+    # A 4-D parameter laid out channels-last (an activation the forward saved NHWC for the backward)
+    # is read as the NCHW transpose of its NHWC view: a transpose that sinks as a result's does.
+    for p in graph.parameters:
+        if len(p.shape) == 4 and p.layout is not None and not p.layout.is_contiguous(p.shape) \
+                and _is_channels_last(p.shape, p.layout):
+            view = _make("transpose", [p], names.new(f"{p.name}_nhwc"), permutation=TO_NHWC)
+            copies[id(p)] = _make("transpose", [view], names.new(f"{p.name}_nchw"), permutation=TO_NCHW)
+    calls = {id(r): results for results in chosen for r in results}
+    nhwc: dict[int, Node] = {}  # operand → its transpose, one for all calls
+    rewritten: dict[int, tuple[dict, tuple[Node, ...]]] = {}  # first result → the call's attrs and operands
     for n in graph.nodes:
         if id(n) in copies:
             continue
         operands = tuple(copies[id(x)] for x in n.operands)
-        if id(n) not in chosen:
+        if id(n) not in calls:
             copies[id(n)] = dataclasses.replace(n, operands=operands)
             continue
-        call = dict(n.attrs["call"])
-        args = list(call["args"])
-        permuted = list(operands)
-        for position in CHANNELS_LAST_OPS[n.attrs["target"]]:
-            template = dict(args[position])
-            k = template["operand"]
-            x = operands[k]
-            if id(x) not in nhwc:
-                nhwc[id(x)] = _make("transpose", [x], names.new(f"{x.name}_nhwc"), permutation=TO_NHWC)
-            permuted[k] = nhwc[id(x)]
-            template["permute"] = list(TO_NCHW)
-            template["strides"] = _channels_last_strides(x.shape)
-            args[position] = template
-        call["args"] = args
-        call["permute_result"] = list(TO_NHWC)
+        first = id(calls[id(n)][0])
+        if first not in rewritten:
+            rewritten[first] = _nhwc_call(n, operands, nhwc, names)
+        call, permuted = rewritten[first]
+        attrs = {**n.attrs, "call": call}
+        if len(n.shape) != 4:  # a bias gradient: as it was, from the same call
+            copies[id(n)] = dataclasses.replace(n, operands=permuted, attrs=attrs)
+            continue
         shape = tuple(n.shape[d] for d in TO_NHWC)
-        result = dataclasses.replace(n, name=names.new(f"{n.name}_nhwc"), operands=tuple(permuted), shape=shape,
-                                     attrs={**n.attrs, "call": call}, layout=None)
+        result = dataclasses.replace(n, name=names.new(f"{n.name}_nhwc"), operands=permuted, shape=shape,
+                                     attrs=attrs, layout=None)
         copies[id(n)] = _make("transpose", [result], n.name, permutation=TO_NCHW, layout=n.layout)
     return _rebuilt(graph, copies)
 
 
-def _convertible(node: Node, outputs: set[int]) -> bool:
-    if node.op != "library" or node.attrs["target"] not in CHANNELS_LAST_OPS or len(node.shape) != 4:
-        return False
+def _nhwc_call(n: Node, operands: tuple[Node, ...], nhwc: dict[int, Node], names: _Names
+               ) -> tuple[dict, tuple[Node, ...]]:
+    """The call of library node ``n`` given NHWC transposes of its NCHW tensors, and its operands."""
+    call = dict(n.attrs["call"])
+    args = list(call["args"])
+    permuted = list(operands)
+    for position in CHANNELS_LAST_OPS[n.attrs["target"]]:
+        template = dict(args[position])
+        k = template["operand"]
+        x = operands[k]
+        if id(x) not in nhwc:
+            nhwc[id(x)] = _make("transpose", [x], names.new(f"{x.name}_nhwc"), permutation=TO_NHWC)
+        permuted[k] = nhwc[id(x)]
+        template["permute"] = list(TO_NCHW)
+        template["strides"] = _channels_last_strides(x.shape)
+        args[position] = template
+    call["args"] = args
+    call["permute_result"] = list(TO_NHWC)  # every 4-D result (``reference.library_result``)
+    return call, tuple(permuted)
+
+
+def _library_calls(graph: Graph) -> dict[tuple, list[Node]]:
+    """The results of each call of a library op in ``CHANNELS_LAST_OPS``: a multi-output op's
+    results are laid out together, as they come from one call."""
+    calls: dict[tuple, list[Node]] = {}
+    for n in graph.nodes:
+        if n.op == "library" and n.attrs["target"] in CHANNELS_LAST_OPS:
+            key = (n.attrs["target"], repr(n.attrs["call"]), tuple(id(x) for x in n.operands))
+            calls.setdefault(key, []).append(n)
+    return calls
+
+
+def _promised(graph: Graph) -> dict[int, list]:
+    """Each graph output node → the layouts promised for it (one per output position)."""
+    promised: dict[int, list] = {}
+    for out, layout in zip(graph.outputs, graph.output_layouts):
+        if out is not None:
+            promised.setdefault(id(out), []).append(layout)
+    return promised
+
+
+def _convertible(results: Sequence[Node], promised: dict[int, list]) -> bool:
+    """Whether the call whose results are ``results`` is better run channels-last. Given NCHW
+    activations, cuDNN converts them itself; channels-last, the kernels around the call write and
+    read them NHWC instead, at no cost, except an activation that must stay NCHW (an input image,
+    an output promised NCHW): one transposing copy, as cuDNN's conversion. A weight read straight
+    from a parameter held NCHW is transposed by a kernel of its own at every call, where cuDNN may
+    keep it: worth it while the free activations' elements outnumber such weights' (a batch of
+    images, not one image through a wide layer)."""
+    node = results[0]
+    target = node.attrs["target"]
     call = node.attrs["call"]
     args = call.get("args", [])
-    positions = CHANNELS_LAST_OPS[node.attrs["target"]]
+    positions = CHANNELS_LAST_OPS[target]
     if call.get("kwargs") or len(args) <= max(positions):
         return False
-    if node.attrs["target"] == CONVOLUTION and (len(args) < 9 or args[6] is not False):
+    if target in TRANSPOSED_ARG and (len(args) <= TRANSPOSED_ARG[target] or args[TRANSPOSED_ARG[target]] is not False):
         return False  # transposed convolutions stay
     if not all(isinstance(args[k], dict) and "operand" in args[k] for k in positions):
         return False
-    tensors = [node.operands[args[k]["operand"]] for k in positions]
-    if any(len(x.shape) != 4 for x in tensors):
+    if any(len(node.operands[args[k]["operand"]].shape) != 4 for k in positions):
         return False
-    if id(node) in outputs or id(tensors[0]) in outputs:
+    if any(len(r.shape) not in (1, 4) for r in results) or not any(len(r.shape) == 4 for r in results):
         return False
-    # A weight read straight from a parameter is transposed by a kernel of its own at every call,
-    # where cuDNN would convert the activations instead: worth it while the activations' elements
-    # outnumber the weight's (a batch of images, not one image through a wide layer).
-    weights = sum(x.size for x in tensors[1:] if x.op == "parameter")
-    return tensors[0].size + node.size >= weights
+    activations = {id(x): x for k in ACTIVATIONS[target] for x in [node.operands[args[k]["operand"]]]}
+    activations.update({id(r): r for r in results if len(r.shape) == 4})
+    weights = {id(x): x for k in positions for x in [node.operands[args[k]["operand"]]] if id(x) not in activations}
+    free = sum(x.size for x in activations.values() if not _stays_nchw(x, promised))
+    transposed = sum(x.size for x in weights.values() if _stays_nchw(x, promised))
+    return free > 0 and free >= transposed
+
+
+def _stays_nchw(x: Node, promised: dict[int, list]) -> bool:
+    """Whether ``x`` must be held NCHW: a parameter laid out so, or an output promised so."""
+    if x.op == "parameter" and not (x.layout is not None and _is_channels_last(x.shape, x.layout)):
+        return True
+    return any(layout is None or not _is_channels_last(x.shape, layout) for layout in promised.get(id(x), ()))
+
+
+def _is_channels_last(shape: Sequence[int], layout: Layout) -> bool:
+    """Whether ``layout`` stores the NCHW ``shape`` as NHWC (dims of size 1 take any stride)."""
+    want = _channels_last_strides(shape)
+    return layout.offset == 0 and len(layout.strides) == 4 and all(
+        size == 1 or have == w for size, have, w in zip(shape, layout.strides, want))
 
 
 def _channels_last_strides(shape: Sequence[int]) -> list[int]:
     """The strides of an NCHW tensor stored NHWC."""
     _, c, h, w = shape
     return [h * w * c, 1, w * c, c]
+
+
+def laid_out_convolutions(graph: Graph) -> Graph:
+    """``graph`` with its convolutions channels-last and the transposes sunk (``fold_views`` of
+    ``sink_transposes`` of ``channels_last_convolutions``) where that pays (``_pays``), else
+    ``graph`` itself."""
+    laid_out = channels_last_convolutions(graph)
+    if laid_out is graph:
+        return graph
+    laid_out = fold_views(sink_transposes(laid_out))
+    return laid_out if _pays(laid_out) else graph
+
+
+def _pays(laid_out: Graph) -> bool:
+    """Whether the transposes left between NHWC and NCHW values after sinking are few beside the
+    conversions the channels-last calls save. A transpose left is written or read by a kernel
+    (a GroupNorm's reshape into groups stops the sinking, so that every convolution's input and
+    result is transposed around it), and a kernel that reads through a transpose inside a
+    reduction runs far below a copy's speed: a UNet block of GroupNorms and convolutions ran its
+    memory-intensive kernels 2.2× as long channels-last, its transposes as many elements as the
+    conversions saved, where ResNet-50's are the input image and the weights. Kept while the
+    transposed elements are at most half the converted ones."""
+    promised = _promised(laid_out)
+    users = laid_out.index.users
+    converted = transposed = 0
+    for results in _library_calls(laid_out).values():
+        call = results[0].attrs["call"]
+        if "permute_result" not in call:
+            continue
+        args = call["args"]
+        operands = {id(x): x for k in ACTIVATIONS[results[0].attrs["target"]]
+                    for x in [results[0].operands[args[k]["operand"]]]}
+        converted += sum(x.size for x in operands.values()) + sum(r.size for r in results if len(r.shape) == 4)
+    for n in laid_out.nodes:
+        if n.op != "transpose" or len(n.shape) != 4 or n.operands[0].op == "parameter":
+            continue
+        if tuple(n.attrs["permutation"]) not in (TO_NHWC, TO_NCHW):
+            continue
+        layouts = promised.get(id(n), ())
+        if not users[n] and layouts and all(lay is not None and _is_channels_last(n.shape, lay) for lay in layouts):
+            continue  # only an output promised channels-last: a view
+        transposed += n.size
+    return 2 * transposed <= converted
+
+
+def saved_layouts(graph: Graph, free: Sequence[int]) -> Graph:
+    """``graph`` with the layouts of its outputs ``free`` (a training forward's tensors saved for
+    its backward, whose layout no user sees) chosen: channels-last where the convolutions' layout
+    pass leaves the output a transpose of an NHWC value, so that it is returned as a view of that
+    value and the backward reads it NHWC; the promised layout elsewhere."""
+    free = [k for k in free if graph.outputs[k] is not None and len(graph.outputs[k].shape) == 4]
+    if not free:
+        return graph
+    layouts = list(graph.output_layouts)
+    trial = list(layouts)
+    for k in free:
+        trial[k] = Layout(tuple(_channels_last_strides(graph.outputs[k].shape)))
+    candidate = Graph(graph.parameters, graph.outputs, name=graph.name, mutations=graph.mutations,
+                      output_layouts=trial)
+    laid_out = laid_out_convolutions(candidate)
+    if laid_out is candidate:
+        return graph
+    changed = False
+    for k in free:
+        out = laid_out.outputs[k]
+        if out.op == "transpose" and tuple(out.attrs["permutation"]) == TO_NCHW:
+            layouts[k] = trial[k]
+            changed = True
+    if not changed:
+        return graph
+    result = Graph(graph.parameters, graph.outputs, name=graph.name, mutations=graph.mutations,
+                   output_layouts=layouts)
+    result.origins, result.checks = graph.origins, graph.checks
+    return result
 
 
 # ----------------------------------------------------------------------------------------------

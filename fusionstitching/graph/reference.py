@@ -535,12 +535,13 @@ def library_operand(template: Mapping, tensor: Any) -> Any:
 def library_result(call: Mapping, result: Any) -> Any:
     """A library call's result as the graph holds it: permuted where the call says
     (``"permute_result"``, ``graph/layout.py``: a channels-last convolution's NCHW result, whose
-    NHWC permutation is contiguous)."""
+    NHWC permutation is contiguous; of a multi-output op, each result of the permutation's rank)."""
     permutation = call.get("permute_result")
     if permutation is None:
         return result
-    if isinstance(result, (tuple, list)):  # every output of a multi-output op (values and indices)
-        return type(result)(r.permute(*permutation) for r in result)
+    if isinstance(result, (tuple, list)):  # every output of its rank (not a convolution's bias gradient)
+        return type(result)(r.permute(*permutation) if r is not None and r.dim() == len(permutation) else r
+                            for r in result)
     return result.permute(*permutation)
 
 

@@ -97,3 +97,38 @@ def test_scores_follow_the_device():
     scores = {device: _score(graph, nodes, device=device).value for device in ("H100", "V100")}
     assert all(v > 0 for v in scores.values())
     assert scores["V100"] != scores["H100"]  # different bandwidth model, same pattern
+
+
+def test_a_block_walking_down_a_column_moves_a_sector_per_element():
+    """``sector_factor``: lanes along the rows of a row-major [rows, 64] bf16 matrix (a BatchNorm's
+    statistics over a channels-last tensor, one block per channel) touch a 32-byte sector per
+    2-byte element; lanes along the row, or each lane's vector along it, move what they use."""
+    from fusionstitching.fusion.score import sector_factor
+    from fusionstitching.schedule.template import parse_template
+
+    def factor(text, space, itemsize):
+        return sector_factor(parse_template(text + "; launch(blocks=1,threads=256)").schedules[0], space, itemsize)
+
+    assert factor("r[CTA,GRID]", (4096, 64), 2) == 16
+    assert factor("r[CTA,GRID]", (4096, 64), 4) == 8
+    assert factor("r[CTA,GRID]", (4096, 4), 2) == 1  # neighbouring rows share a sector
+    assert factor("r[GRID,GRID-CTA_64]", (4096, 64), 2) == 1
+    assert factor("r[GRID,THREAD_2-CTA_256-THREAD_8]", (8192, 4096), 4) == 1  # a vector per lane
+    assert factor("r[GRID-CTA_256,THREAD_8]", (4096, 8), 2) == 1  # each lane's whole row
+
+
+def test_the_estimate_counts_the_sectors_a_schedule_moves():
+    """The latency evaluator's memory side charges a column walked by a block's threads its
+    sectors (16 per element used here), so that it costs more than two blocks reading along the
+    rows, which the evaluator sees as latency-bound."""
+    from fusionstitching.fusion.estimate import kernel_time_us
+    from fusionstitching.schedule.template import parse_template
+
+    b = GraphBuilder("columns")
+    x = b.parameter((65536, 64), DType.BF16, "x")
+    r = b.reduce(x, (0,), "sum")
+    graph = b.build([r])
+    scorer = Scorer(graph, Options())
+    down = parse_template("reduce[CTA,GRID]; launch(blocks=64,threads=256)")
+    along = parse_template("reduce[THREAD_8-WARP_8,GRID-CTA_32]; launch(blocks=2,threads=256)")
+    assert kernel_time_us(scorer, [r], down) > kernel_time_us(scorer, [r], along)

@@ -5,6 +5,7 @@ transposes left are those of the inputs, the weights and values that leave NHWC.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from fusionstitching.frontend.torch_fx import capture
@@ -13,6 +14,8 @@ from fusionstitching.graph.layout import TO_NCHW, channels_last_convolutions, si
 from fusionstitching.graph.ops import DType
 from fusionstitching.graph.reference import evaluate
 from fusionstitching.graph.transforms import fold_views
+
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _same_values(a, b, rtol=1e-5):
@@ -90,8 +93,9 @@ CONVOLUTIONS = {
 
 def test_convolutions_of_every_kind_compute_what_eager_does():
     """Through the whole backend on the CPU (strict: no fallback): the channels-last layout for
-    strided, depthwise, grouped and dilated convolutions; a transposed one stays NCHW, and so does one
-    whose result is the graph's output."""
+    strided, depthwise, grouped and dilated convolutions; a transposed one stays NCHW. The last one,
+    whose result is the graph's output, is channels-last too: its input is written NHWC for free,
+    and a kernel transposes its result back as cuDNN would have."""
     import fusionstitching
     from fusionstitching import Options
 
@@ -104,7 +108,7 @@ def test_convolutions_of_every_kind_compute_what_eager_does():
             graph = capture(model, inputs).forward
             laid_out = channels_last_convolutions(graph)
             calls = [n for n in laid_out.nodes if n.op == "library"]
-            expected = 0 if name == "transposed" else 1  # the last one's result is the graph's output
+            expected = 1 if name == "transposed" else 2
             assert sum("permute_result" in n.attrs["call"] for n in calls) == expected, name
             torch._dynamo.reset()
             compiled = fusionstitching.compile(model, Options(strict=True))
@@ -119,5 +123,106 @@ def test_a_weight_larger_than_the_activations_stays_nchw():
     with torch.no_grad():
         small = capture(model, torch.randn(1, 256, 4, 4)).forward
         large = capture(model, torch.randn(8, 256, 32, 32)).forward
-    assert channels_last_convolutions(small) is small
-    assert channels_last_convolutions(large) is not large
+
+    def channels_last(graph):  # the weight's input channels of each convolution run channels-last
+        return sorted(n.operands[1].shape[-1] for n in channels_last_convolutions(graph).nodes
+                      if n.op == "library" and "permute_result" in n.attrs["call"])
+
+    assert channels_last(small) == [256]  # the 1 × 1 one: its 256 × 8 weight is smaller than its input
+    assert channels_last(large) == [256, 256]
+
+
+def _runners(monkeypatch):
+    """The backend's graph runners made from now on, in order."""
+    from fusionstitching import backend
+
+    made = []
+    init = backend._Runner.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(backend._Runner, "__init__", record)
+    return made
+
+
+def _train_step(model, x):
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    out.square().mean().backward()
+    return out, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu_only])])
+def test_training_saves_the_convolutions_tensors_channels_last(monkeypatch, device):
+    """Through the whole backend (strict): the forward returns the tensors it saves around its
+    convolutions and pooling as views of NHWC values, tells AOTAutograd their strides, and the
+    backward, given them so, runs every convolution and pooling backward channels-last too; the
+    gradients are eager's (on a GPU, the generated kernels read the saved tensors through the
+    strides promised)."""
+    import fusionstitching
+    from fusionstitching import Options
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # eager's and our algorithms differ
+    runners = _runners(monkeypatch)
+    model = _block().train().to(device)
+    eager = _block().train().to(device)
+    x = torch.randn(4, 3, 10, 10).to(device)
+    torch._dynamo.reset()
+    compiled = fusionstitching.compile(model, Options(strict=True))
+    for _ in range(2):  # the second step runs the compiled graphs on their lean path
+        out, grads = _train_step(compiled, x)
+        want, wanted = _train_step(eager, x)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+        for g, w in zip(grads, wanted):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    forward, backward = runners
+    assert forward.name.startswith("forward") and backward.name.startswith("backward")
+    assert forward.promised and all(strides[1] == 1 for strides in forward.promised.values())
+    for runner in runners:
+        calls = [n for n in runner.static.plan.graph.nodes if n.op == "library"]
+        assert calls and all("permute_result" in n.attrs["call"] for n in calls), runner.name
+    first = forward.saved[0]  # the saved tensors lead the backward's inputs, in order
+    for k, strides in forward.promised.items():
+        assert backward.static.graph.parameters[k - first].layout.strides == strides
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu_only])])
+def test_a_forward_run_by_pytorch_returns_its_saved_tensors_as_promised(monkeypatch, device):
+    """The forward's first run fails (an internal error, not strict): PyTorch computes it, and the
+    tensors it saves are laid out as the backward was compiled for, so that gradients stay right."""
+    import warnings
+
+    import fusionstitching
+    from fusionstitching import Options, backend
+    from fusionstitching.runtime.executor import CompiledGraph
+
+    runners = _runners(monkeypatch)
+    run = CompiledGraph.run
+
+    def failing(self, *args, **kwargs):
+        if self.graph.name.startswith("forward"):
+            raise RuntimeError("an internal error")
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompiledGraph, "run", failing)
+    returned = []
+    call = backend._Runner.__call__
+    monkeypatch.setattr(backend._Runner, "__call__", lambda self, args: returned.append(call(self, args)) or returned[-1])
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    model = _block().train().to(device)
+    eager = _block().train().to(device)
+    x = torch.randn(4, 3, 10, 10).to(device)
+    torch._dynamo.reset()
+    compiled = fusionstitching.compile(model, Options(strict=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, grads = _train_step(compiled, x)
+    want, wanted = _train_step(eager, x)
+    assert runners[0].fallback is not None and runners[0].promised
+    for k, strides in runners[0].promised.items():  # on a GPU the backward reads them through these strides
+        assert returned[0][k].stride() == strides
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    for g, w in zip(grads, wanted):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
