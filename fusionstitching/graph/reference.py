@@ -521,15 +521,29 @@ def library_operand(template: Mapping, tensor: Any) -> Any:
     layouts eager gives it. An operand traced on the host (``"host": true``) is passed there:
     efficient attention's backward reads its dropout seed and offset on the host, and a GPU
     program had moved those 0-d inputs to the GPU."""
-    if template.get("host") and tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if "permute" in template:  # an operand the graph holds permuted (``graph/layout.py``): a view
-        tensor = tensor.permute(*template["permute"])
-    strides = template.get("strides")
-    if strides is None or tensor.dim() != len(strides) or all(
-            size <= 1 or have == want for size, have, want in zip(tensor.shape, tensor.stride(), strides)):
-        return tensor
-    return with_strides(tensor, strides)
+    return operand_function({**template, "operand": 0})([tensor])
+
+
+def operand_function(template: Mapping) -> Any:
+    """``library_operand`` for the operand ``template`` names, as a function of a call's operands
+    with the template read once (the runtime's library calls)."""
+    k = template["operand"]
+    host = bool(template.get("host"))
+    permutation = tuple(template["permute"]) if "permute" in template else None
+    strides = tuple(template["strides"]) if template.get("strides") is not None else None
+
+    def operand(args: Sequence[Any]) -> Any:
+        tensor = args[k]
+        if host and tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        if permutation is not None:  # an operand the graph holds permuted (``graph/layout.py``): a view
+            tensor = tensor.permute(permutation)
+        if strides is None or tensor.stride() == strides or tensor.dim() != len(strides) or all(
+                size <= 1 or have == want for size, have, want in zip(tensor.shape, tensor.stride(), strides)):
+            return tensor
+        return with_strides(tensor, strides)
+
+    return operand
 
 
 def library_result(call: Mapping, result: Any) -> Any:

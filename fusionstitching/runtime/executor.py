@@ -461,10 +461,13 @@ def _library_function(node: Node, siblings: Sequence[int] = ()) -> Callable[...,
         if fill is not None:
             target = torch.ops.aten.index_put_.default
 
+        raw = (0,) if fill is not None else ()  # replaced below: not laid out as traced first
+        fill_args = _filler(list(call.get("args", [])), raw)
+        fill_kwargs = _filler(dict(call.get("kwargs", {})), raw)
+
         def library_op(*args: Any) -> Any:
-            raw = (0,) if fill is not None else ()  # replaced below: not laid out as traced first
-            positional = _fill(call.get("args", []), list(args), raw)
-            keywords = {k: _fill(v, list(args), raw) for k, v in call.get("kwargs", {}).items()}
+            positional = fill_args(args)
+            keywords = fill_kwargs(args)
             if fill is not None:  # a new filled tensor, put into in place: no copy of a broadcast
                 dest = positional[0]
                 positional[0] = torch.full(dest.shape, fill, dtype=dest.dtype, device=dest.device)
@@ -542,8 +545,20 @@ def _filled_destination(node: Node) -> float | int | bool | None:
     return value.item() if value.size == 1 else None
 
 
-def _fill(template: Any, args: list[Any], raw: Sequence[int] = ()) -> Any:
-    """``template`` with its operands filled in, laid out as traced, except the operands ``raw``."""
+def _filler(template: Any, raw: Sequence[int] = ()) -> Callable[[Sequence[Any]], Any]:
+    """A function of a call's operands that fills ``template`` in (operands laid out as traced,
+    except the operands ``raw``). The template is walked once, here: its constant parts (sizes,
+    strides, flags, dtypes) are built once and shared by every call, and a call only places its
+    tensors. Walking the template at every call cost a convolution backward ~40 µs of host time."""
+    value, constant = _filled(template, raw)
+    if constant:
+        return lambda args: value
+    return value
+
+
+def _filled(template: Any, raw: Sequence[int]) -> tuple[Any, bool]:
+    """(the filled value, True) for a constant part of a template; (a function of the operands
+    making it, False) for a part holding operands."""
     from collections.abc import Mapping
 
     from fusionstitching.graph.ops import DType
@@ -551,15 +566,25 @@ def _fill(template: Any, args: list[Any], raw: Sequence[int] = ()) -> Any:
 
     if isinstance(template, Mapping):
         if "operand" in template:
-            if template["operand"] in raw:
-                return args[template["operand"]]
-            return reference.library_operand(template, args[template["operand"]])
+            k = template["operand"]
+            if k in raw:
+                return (lambda args: args[k]), False
+            return reference.operand_function(template), False
         if set(template) == {"dtype"}:
-            return DTYPE_TO_TORCH[DType(template["dtype"])]
-        return {key: _fill(value, args, raw) for key, value in template.items()}
+            return DTYPE_TO_TORCH[DType(template["dtype"])], True
+        parts = {key: _filled(value, raw) for key, value in template.items()}
+        if all(constant for _, constant in parts.values()):
+            return {key: value for key, (value, _) in parts.items()}, True
+        makers = [(key, value if not constant else (lambda args, v=value: v)) for key, (value, constant) in parts.items()]
+        return (lambda args: {key: make(args) for key, make in makers}), False
     if isinstance(template, (list, tuple)):
-        return type(template)(_fill(value, args, raw) for value in template)
-    return template
+        kind = type(template)
+        parts = [_filled(value, raw) for value in template]
+        if all(constant for _, constant in parts):
+            return kind(value for value, _ in parts), True
+        makers = [value if not constant else (lambda args, v=value: v) for value, constant in parts]
+        return (lambda args: kind([make(args) for make in makers])), False
+    return template, True
 
 
 def _to_numpy(tensor: Any, node: Node) -> np.ndarray:

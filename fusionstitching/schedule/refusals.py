@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from fusionstitching.graph.graph import Node
 from fusionstitching.graph.pattern import is_reduction, reduced_dims
 from fusionstitching.graph.pattern import iteration_space as _space
-from fusionstitching.schedule.packing import recomputed_work
+from fusionstitching.schedule.packing import needs_composition, packed_groups, recomputed_work
 from fusionstitching.schedule.template import KernelSchedule, Level, tile_extents
 
 MAX_ELEMENTS_PER_THREAD = 1024  # feasible refuses templates that leave a thread more work (``crowded``)
@@ -78,19 +78,36 @@ def refolded(pattern, template: KernelSchedule) -> Reason | None:
     """A template whose root folds a reduction inline for each of several elements that read the
     same result (a softmax output computing its row's max and sum once per element of the row):
     the work grows with the row length squared, and the cost model does not see it. A root that
-    reads each result once (the cast of a column sum) is fine."""
+    reads each result once (the cast of a column sum) is fine. In a packed template a reduction
+    another loop nest computes counts as inline too (``_packed_nests``)."""
     by_name = {n.name: n for n in pattern.nodes}
     roots = {s.root for s in template.schedules}
+    nest = _packed_nests(pattern, template, by_name)
     for sched in template.schedules:
         root = by_name.get(sched.root)
         if root is None or is_reduction(root):
             continue
-        for node in _inline_reductions(root, roots, by_name):
+        available = roots if nest is None else {r for r in roots if nest.get(r) == nest.get(root.name)}
+        for node in _inline_reductions(root, available, by_name):
             folded = _reduced_points(node)
             if folded > REFOLD_POINTS and root.size > node.size:
                 return Reason(f"{root.name} would fold {node.name} ({folded} points) again for each of the "
                               f"{root.size // max(node.size, 1)} elements that read one of its results")
     return None
+
+
+def _packed_nests(pattern, template: KernelSchedule, by_name: dict[str, Node]) -> dict[str, int] | None:
+    """Each root's loop nest when the template is packed (``codegen/packed.py``), where a nest
+    reads no other nest's values: a root reduction of another nest is recomputed inline (the
+    final sums of BatchNorm's statistics, 32 partials each, packed beside the gradient that reads
+    them: every element of it summed them again). None for a composed template."""
+    outputs = {o.name: o for o in pattern.outputs}
+    if any(s.root not in by_name for s in template.schedules) \
+            or needs_composition(template.schedules, outputs, by_name):
+        return None
+    inside = {id(n) for n in pattern.nodes}
+    nests = packed_groups([(s, by_name[s.root]) for s in template.schedules], inside)
+    return {m.name: k for k, (_, members) in enumerate(nests) for m in members}
 
 
 def recomputed(pattern, template: KernelSchedule) -> Reason | None:

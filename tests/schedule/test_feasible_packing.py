@@ -230,3 +230,23 @@ def test_a_root_of_other_dims_is_not_tiled_as_column_sums():
     lanes = [size for size, tiles in zip(cast.shape, schedule.dims)
              for tile, extent in zip(tiles, tile_extents(size, tiles)) if tile.level == Level.CTA and extent > 1]
     assert lanes and all(size > 1 for size in lanes), str(template)
+
+
+def test_a_packed_nest_does_not_refold_another_nests_column_sums():
+    """BatchNorm's backward channels-last: the final sums of the statistics (32 partials per
+    channel) packed beside the gradient that reads them. Packed nests share no values, so every
+    element of the gradient would sum its channel's 32 partials again (225 µs for 26 MB on an
+    H100): ``refolded`` refuses the packed template, as it does for a reduction left inline."""
+    from fusionstitching.graph.graph import GraphBuilder
+    from fusionstitching.graph.ops import DType
+    from fusionstitching.graph.pattern import resolve_pattern
+    from fusionstitching.schedule.packing import _packed_template
+    from fusionstitching.schedule.refusals import refolded
+
+    b = GraphBuilder("finals_and_gradient")
+    sums = b.reduce(b.parameter((32, 2048), DType.F32, "partials"), (0,), "sum")
+    x = b.parameter((1568, 2048), DType.F32, "x")
+    gradient = b.binary("mul", x, b.broadcast(sums, (1568, 2048), (1,)))
+    graph = b.build([sums, gradient])
+    pattern = resolve_pattern(graph, [n for n in graph.nodes if n.op != "parameter"])
+    assert refolded(pattern, _packed_template(pattern, 256)) is not None
