@@ -152,11 +152,8 @@ def permuted_input_views(graph: Graph, views: dict[Node, str]) -> dict[Node, str
     view of a tensor a training forward saved channels-last, ``graph/layout.py``): views, so that
     the kernels reading them read a contiguous input. Inside a kernel the same read looked like a
     transpose of the input's innermost dim, which the templates tile through shared memory."""
-    outputs = graph.index.output_ids
     found: dict[Node, str] = {}
-    for node in graph.nodes:
-        if node.op != "transpose" or node in views or id(node) in outputs:
-            continue
+    for node in _unviewed(graph, "transpose", views):
         x = node.operands[0]
         if x.op != "parameter" or x.layout is None or x.layout.offset != 0:
             continue
@@ -166,17 +163,20 @@ def permuted_input_views(graph: Graph, views: dict[Node, str]) -> dict[Node, str
     return found
 
 
+def _unviewed(graph: Graph, op: str, views: dict[Node, str]) -> list[Node]:
+    """The nodes of ``op`` that are no view yet and no graph output."""
+    outputs = graph.index.output_ids
+    return [n for n in graph.nodes if n.op == op and n not in views and id(n) not in outputs]
+
+
 def merged_input_views(graph: Graph, inputs: set[Node], library: dict[Node, str],
                        views: dict[Node, str]) -> dict[Node, str]:
     """Reshapes that only merge adjacent dims of a contiguous input, of a contiguous view of one or
-    of a library call's output (``graph/collapse.py`` reads a BatchNorm's saved activations and its convolutions' outputs
-    with H x W as one dim), read by no graph output: views, so that the kernels reading them take
+    of a library call's output (``graph/collapse.py`` reads a BatchNorm's saved activations and
+    its convolutions' outputs with H x W as one dim), read by no graph output: views, so that the kernels reading them take
     the buffer in the merged shape and no kernel writes a reshaped copy for the others."""
-    outputs = graph.index.output_ids
     found: dict[Node, str] = {}
-    for node in graph.nodes:
-        if node.op != "reshape" or node in views or id(node) in outputs:
-            continue
+    for node in _unviewed(graph, "reshape", views):
         x = node.operands[0]
         contiguous = x in library or (x in inputs and (x.op == "constant" or x.layout is None
                                                        or x.layout.is_contiguous(x.shape))) \
