@@ -18,9 +18,17 @@ dims of its operand; a pad or a slice of a transpose pads or slices the permuted
 pooling's windows). Values leave NHWC only where a reader needs NCHW: a graph output, a library
 call that is not a convolution, a reshape.
 
-A convolution is left as it is where its input or its result is a graph output: a training
-forward saves both for the backward in NCHW, so that an NHWC copy would be written besides them;
-and where it is transposed, grouped in a way torch does not take channels-last, or not 2-D.
+The same holds for the backward ops (``convolution_backward``, the max pooling's backward), whose
+NHWC gradients sink alike. A parameter laid out channels-last is read as the NCHW transpose of
+its NHWC view. ``_convertible`` decides per call (the activations that become NHWC for free
+against the weights a kernel must transpose at every call); ``laid_out_convolutions`` keeps the
+result only where the transposes left after sinking are few (``_pays``). A transposed convolution
+stays NCHW, as does one that is not 2-D.
+
+A training forward saves tensors for its backward, whose layout no user sees: ``saved_layouts``
+promises channels-last strides for those the pass leaves as transposes of NHWC values, so that
+they are returned as views and the backward, compiled for those strides (``backend.py`` reports
+them to AOTAutograd), reads them NHWC.
 """
 
 from __future__ import annotations
