@@ -235,3 +235,62 @@ def test_a_forward_run_by_pytorch_returns_its_saved_tensors_as_promised(monkeypa
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
     for g, w in zip(grads, wanted):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(CONVOLUTIONS))
+def test_training_of_every_kind_of_convolution_matches_eager(name, monkeypatch):
+    """Strided, depthwise, grouped, dilated and transposed convolutions with BatchNorm and a
+    bias-free 1 × 1 one after them, trained through the whole backend on the CPU (strict): every
+    gradient is eager's, whichever calls went channels-last, and with an input that needs its own
+    gradient (the backward's input gradient of the first convolution is computed, not None)."""
+    import fusionstitching
+    from fusionstitching import Options
+
+    runners = _runners(monkeypatch)
+
+    def make():
+        torch.manual_seed(0)
+        conv = CONVOLUTIONS[name]()
+        return torch.nn.Sequential(conv, torch.nn.BatchNorm2d(conv.out_channels), torch.nn.ReLU(),
+                                   torch.nn.Conv2d(conv.out_channels, 6, 1, bias=False)).train()
+
+    model, eager = make(), make()
+    channels = model[0].in_channels
+    x = torch.randn(4, channels, 9, 9, generator=torch.Generator().manual_seed(1))
+    x_compiled, x_eager = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch._dynamo.reset()
+    compiled = fusionstitching.compile(model, Options(strict=True))
+    for _ in range(2):
+        for m, inp in ((compiled, x_compiled), (eager, x_eager)):
+            inp.grad = None
+            m.zero_grad(set_to_none=True)
+            m(inp).square().mean().backward()
+        torch.testing.assert_close(x_compiled.grad, x_eager.grad, rtol=1e-4, atol=1e-5)
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    backward = [r for r in runners if r.name.startswith("backward")][-1]
+    converted = [n for n in backward.static.plan.graph.nodes
+                 if n.op == "library" and "permute_result" in n.attrs["call"]]
+    assert converted or name == "transposed", name
+
+
+def test_a_model_and_input_in_channels_last_memory_format_train_as_eager():
+    """``model.to(memory_format=torch.channels_last)`` with a channels-last input: the weights and
+    the image are parameters laid out NHWC, read through their NHWC views; the gradients are
+    eager's."""
+    import fusionstitching
+    from fusionstitching import Options
+
+    def make():
+        return _block().train().to(memory_format=torch.channels_last)
+
+    model, eager = make(), make()
+    x = torch.randn(4, 3, 10, 10).to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    compiled = fusionstitching.compile(model, Options(strict=True))
+    for _ in range(2):
+        out, grads = _train_step(compiled, x)
+        want, wanted = _train_step(eager, x)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+        for g, w in zip(grads, wanted):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
