@@ -10,9 +10,10 @@ the two files import each other.
 
 - BERT (``BertModel``), GPT-2 (``GPT2LMHeadModel``: tied embedding and head), Llama (``LlamaModel``:
   RMSNorm, rotary embedding, SwiGLU, grouped-query attention) with ``attn_implementation`` "sdpa"
-  and "eager", T5 (``T5Model``: encoder, decoder, relative position buckets) and ViT (``ViTModel``,
-  32×32 images in 8×8 patches), and on request ``bert-eager`` and ``t5-eager``; 2 layers, hidden
-  128, batch 2 × 32 tokens with padding in the mask;
+  and "eager", T5 (``T5Model``: encoder, decoder, relative position buckets), ViT (``ViTModel``,
+  32×32 images in 8×8 patches) and a ResNet (``ResNetModel``: bottleneck blocks, BatchNorm,
+  convolutions channels-last forward and backward; 64×64 images), and on request ``bert-eager``
+  and ``t5-eager``; 2 layers, hidden 128, batch 2 × 32 tokens with padding in the mask;
 - each in four rows: inference (``no_grad``) and a training step (forward, then backward of the sum
   over the floating outputs ``o`` of ``(o.float() * r).mean()``, ``r`` fixed random weights), in f32
   and under bf16 autocast.
@@ -200,6 +201,20 @@ def vit(sizes: Sizes, device: torch.device) -> Case:
     return Case("vit", ViTModel(config), {"pixel_values": pixels})
 
 
+def resnet(sizes: Sizes, device: torch.device) -> Case:
+    """A ResNet of bottleneck blocks with BatchNorm (``transformers``' ResNetModel), ``sizes.layers``
+    stages; images of at least 64 pixels a side, so that BatchNorm's last statistics still have
+    several elements per channel at batch 2."""
+    from transformers import ResNetConfig, ResNetModel
+
+    widths = [sizes.hidden // 2 ** (sizes.layers - 1 - k) for k in range(sizes.layers)]
+    config = ResNetConfig(embedding_size=max(8, widths[0] // 2), hidden_sizes=widths, depths=[1] * sizes.layers,
+                          layer_type="bottleneck", hidden_act="relu")
+    side = max(64, sizes.image)
+    pixels = torch.randn(sizes.batch, 3, side, side, device=device)
+    return Case("resnet", ResNetModel(config), {"pixel_values": pixels})
+
+
 ZOO: dict[str, Callable[[Sizes, torch.device], Case]] = {
     "bert": bert,
     "bert-eager": lambda sizes, device: bert(sizes, device, "eager"),
@@ -209,10 +224,11 @@ ZOO: dict[str, Callable[[Sizes, torch.device], Case]] = {
     "t5": t5,
     "t5-eager": lambda sizes, device: t5(sizes, device, "eager"),
     "vit": vit,
+    "resnet": resnet,
 }
 # The zoo's run: eager attention of BERT is in correctness.py's checks already, T5's is the
 # same attention as its "sdpa" (a float bias, a causal mask) in other ops.
-DEFAULT_MODELS = ("bert", "gpt2", "llama-sdpa", "llama-eager", "t5", "vit")
+DEFAULT_MODELS = ("bert", "gpt2", "llama-sdpa", "llama-eager", "t5", "vit", "resnet")
 
 
 def build(name: str, sizes: Sizes, device: torch.device) -> Case:

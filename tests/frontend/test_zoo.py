@@ -59,3 +59,14 @@ def test_every_zoo_row_passes_on_gpu():
     print(report)
     assert all(row.passed for row in rows), report
     assert all(row.fallbacks == 0 for row in rows), report
+
+
+def test_tiny_resnet_inference_and_training_step_on_cpu():
+    """Convolutions and BatchNorm: the convolutions run channels-last, forward and backward (the
+    tensors the forward saves laid out NHWC), and every gradient is eager's."""
+    case = zoo.build("resnet", zoo.Sizes(layers=2, hidden=32, batch=2, image=64), CPU)
+    rows = [zoo.run_row(case, v, CPU, systems=("eager", "fusionstitching")) for v in INFERENCE_AND_TRAINING]
+    report = zoo.table(rows)
+    assert all(row.passed for row in rows), report
+    assert all(row.fallbacks == 0 for row in rows), report
+    assert rows[1].tensors > 10, report
