@@ -172,8 +172,8 @@ def explain(fn: Any, *example_inputs: Any, out: str | os.PathLike, train: bool =
     (it compiles every kernel with NVRTC). Returns the files written."""
     from fusionstitching.frontend.torch_fx import capture
 
-    return [path for _, _, files in explain_captured(capture(fn, *example_inputs, train=train), out, options, arch)
-            for path in files]
+    captured = capture(fn, *example_inputs, train=train, channels_last=(options or Options()).channels_last)
+    return [path for _, _, files in explain_captured(captured, out, options, arch) for path in files]
 
 
 def explain_captured(captured: Captured, out: str | os.PathLike, options: Options | None = None,

@@ -30,7 +30,7 @@ import operator
 import types
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -450,8 +450,10 @@ def _spec(name: str, t: torch.Tensor) -> ParamSpec:
 
 
 def capture(fn_or_module: Callable[..., Any], *example_inputs: Any, train: bool = False,
-            name: str | None = None) -> Captured:
-    """Capture ``fn_or_module(*example_inputs)`` as IR graphs (forward, and backward when ``train``)."""
+            name: str | None = None, channels_last: bool = True) -> Captured:
+    """Capture ``fn_or_module(*example_inputs)`` as IR graphs (forward, and backward when ``train``).
+    ``channels_last`` (``Options.channels_last``): the tensors a training forward saves are laid out
+    as the backend lays them out (``graph.layout.saved_layouts``), the backward converted for them."""
     module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
     if name is None:
         name = type(module).__name__ if module is not None else getattr(fn_or_module, "__name__", "graph")
@@ -498,7 +500,7 @@ def capture(fn_or_module: Callable[..., Any], *example_inputs: Any, train: bool 
     if recording.calls != 1:
         raise CaptureError(f"capture of {name}: TorchDynamo produced {recording.calls} graphs, expected 1")
     placeholder_slots = [slots.get(id(t), t) for t in recording.dynamo_inputs]
-    return _convert_recording(recording, specs, placeholder_slots, name)
+    return _convert_recording(recording, specs, placeholder_slots, name, channels_last)
 
 
 def _mutation_outputs(metadata: Any, placeholder_slots: Sequence[int | torch.Tensor]) -> dict[int, int]:
@@ -517,7 +519,7 @@ def _mutation_outputs(metadata: Any, placeholder_slots: Sequence[int | torch.Ten
 
 
 def _convert_recording(recording: _Recording, specs: list[ParamSpec],
-                       placeholder_slots: list[int | torch.Tensor], name: str) -> Captured:
+                       placeholder_slots: list[int | torch.Tensor], name: str, channels_last: bool = True) -> Captured:
     warned: set[str] = set()
     names = [s.name for s in specs]
     if recording.backward is None:
@@ -544,6 +546,16 @@ def _convert_recording(recording: _Recording, specs: list[ParamSpec],
     if [p.name for p in bw_placeholders[: len(saved)]] != saved_names:
         raise CaptureError(f"backward of {name}: saved tensors {saved_names} do not lead its inputs")
     bw_specs = [_spec(p.name, p.meta["val"]) for p in bw_placeholders]
+    # The saved tensors' layouts the backend chooses (``graph.layout.saved_layouts``): the forward
+    # returns them so, and the backward is converted for them, as AOTAutograd compiles it.
+    from fusionstitching.graph.layout import saved_layouts
+
+    chosen = saved_layouts(forward, range(n_user, n_user + len(saved))) if channels_last else forward
+    for k in range(len(saved)):
+        layout = chosen.output_layouts[n_user + k]
+        if layout is not forward.output_layouts[n_user + k]:
+            bw_specs[k] = replace(bw_specs[k], layout=layout)
+    forward = chosen
     # Gradients come in AOTAutograd's input order; put them in forward-parameter order.
     grad_of = {slot: i for i, slot in enumerate(placeholder_slots) if isinstance(slot, int)}
     bw_order = [grad_of.get(p, -1) for p in range(len(specs))]

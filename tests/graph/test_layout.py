@@ -46,10 +46,27 @@ def test_inference_runs_nhwc_between_the_convolutions():
     _same_values(graph, laid_out)
 
 
-def test_training_keeps_convolutions_whose_tensors_are_saved():
+def test_training_keeps_convolutions_whose_tensors_are_saved_nchw():
+    """Saved tensors promised NCHW (``capture(channels_last=False)``, eager's layouts) keep their
+    convolutions NCHW: converting would write an NHWC copy besides each."""
     model = _block().train()
-    graph = capture(model, torch.randn(2, 3, 10, 10, requires_grad=True), train=True).forward
+    graph = capture(model, torch.randn(2, 3, 10, 10, requires_grad=True), train=True, channels_last=False).forward
     assert channels_last_convolutions(graph) is graph
+
+
+def test_capture_lays_out_the_saved_tensors_as_the_backend_does():
+    """``capture`` of a training step promises the saved tensors the backend lays out channels-last,
+    and its backward reads them so: what ``fusionstitching explain`` shows is what compiles."""
+    model = _block().train()
+    captured = capture(model, torch.randn(2, 3, 10, 10, requires_grad=True), train=True)
+    first = captured.num_user_outputs
+    promised = {k - first: lay for k, lay in enumerate(captured.forward.output_layouts)
+                if k >= first and lay is not None and len(lay.strides) == 4 and lay.strides[1] == 1
+                and captured.forward.outputs[k].shape[1] > 1}
+    assert promised
+    for k, layout in promised.items():
+        assert captured.backward.parameters[k].layout == layout
+    assert channels_last_convolutions(captured.forward) is not captured.forward
 
 
 def _transposed_statistics(dims, broadcast_dims=(1,)):
