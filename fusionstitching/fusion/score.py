@@ -78,9 +78,9 @@ def sector_factor(schedule: Schedule, space: Sequence[int], itemsize: int) -> fl
     iteration space ``space``. Neighbouring lanes of a warp take neighbouring indices of the
     innermost CTA factor (``schedule/template.py``); where the elements between them span a
     sector or more, each lane's access is a sector of its own, of which it uses its contiguous
-    run: the THREAD factors after its CTA one (a vector), and of the dims after its own. A column of a row-major matrix read by the
-    threads of one block (``reduce[CTA,GRID]`` over a channels-last [N·H·W, C]) moves 16 bytes
-    per 2-byte element used."""
+    run: the THREAD factors after its CTA one (a vector), and of the dims after its own. A column
+    of a row-major matrix read by the threads of one block (``reduce[CTA,GRID]`` over a
+    channels-last [N·H·W, C]) moves 16 bytes per 2-byte element used."""
     lane = None
     for d, tiles in enumerate(schedule.dims):
         for k, tile in enumerate(tiles):

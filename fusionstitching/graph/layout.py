@@ -209,10 +209,10 @@ def _pays(laid_out: Graph) -> bool:
     conversions the channels-last calls save. A transpose left is written or read by a kernel
     (a GroupNorm's reshape into groups stops the sinking, so that every convolution's input and
     result is transposed around it), and a kernel that reads through a transpose inside a
-    reduction runs far below a copy's speed: a UNet block of GroupNorms and convolutions ran its
-    memory-intensive kernels 2.2× as long channels-last, its transposes as many elements as the
-    conversions saved, where ResNet-50's are the input image and the weights. Kept while the
-    transposed elements are at most half the converted ones."""
+    reduction runs far below a copy's speed: a UNet block of GroupNorms and convolutions, whose
+    transposes left are as many elements as the conversions saved, ran slower channels-last, where
+    ResNet-50, whose transposes left are the input image and the weights, ran faster
+    (CHANGELOG.md). Kept while the transposed elements are at most half the converted ones."""
     promised = _promised(laid_out)
     users = laid_out.index.users
     converted = transposed = 0
