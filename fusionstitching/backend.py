@@ -331,7 +331,8 @@ class _Runner:
                         if chosen.output_layouts[k] is not graph.output_layouts[k]}
             graph = chosen
         compiled = compile_graph(graph, self.options, self.mode, device=device, output_devices=output_devices)
-        self.promised = promised
+        if choose_layouts:  # the one compile whose layouts AOTAutograd is told
+            self.promised = promised
         plan = compiled.plan
         _STATS["kernels"] += plan.kernel_count
         _STATS["library calls"] += plan.library_count
