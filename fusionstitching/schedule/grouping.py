@@ -100,7 +100,7 @@ def choose_template(pattern, threads: int = DEFAULT_THREADS) -> KernelSchedule:
         return batched_template(pattern, reductions)
     if reductions and _column_pattern(pattern, reductions):
         return column_template(pattern, reductions)
-    if reductions and _wide_columns(reductions) and _kept_alike(pattern, reductions):
+    if reductions and _wide_columns(reductions) and _lanes_on_long_dims(pattern, reductions):
         return thread_serial_template(pattern, reductions, threads)
     if reductions:
         space, reduced = _space(reductions[0]), reduced_dims(reductions[0])
@@ -557,7 +557,7 @@ def _independent_outputs(pattern) -> bool:
     return True
 
 
-def _kept_alike(pattern, reductions: list[Node]) -> bool:
+def _lanes_on_long_dims(pattern, reductions: list[Node]) -> bool:
     """Whether no root of the pattern would have its lanes on a dim of size 1 under
     ``thread_serial_template``, which tiles every root's last kept dim ``GRID-CTA``: a root of
     other dims packed beside the reductions (a weight's cast [256, 1024, 1, 1] beside the final
@@ -576,10 +576,10 @@ def thread_serial_template(pattern, reductions: list[Node], threads: int = DEFAU
     its own results, so no value crosses threads: the kept dims are tiled alike in every group, the
     last one ``GRID-CTA_<threads>``. Fits column reductions whose consumers have the reduced shape
     (a bias gradient and its convert back to bf16, a column sum and its epilogue); a ValueError
-    for other roots (``_kept_alike``)."""
-    if not _kept_alike(pattern, reductions):
+    where a root's lanes would fall on a dim of size 1 (``_lanes_on_long_dims``)."""
+    if not _lanes_on_long_dims(pattern, reductions):
         raise ValueError("the thread-serial template tiles every root as the reductions' kept dims, "
-                         "and some root has other dims")
+                         "which would put some root's lanes on a dim of size 1")
     roots = _roots(pattern, reductions)
     schedules = []
     for root in roots:
