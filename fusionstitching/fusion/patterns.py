@@ -355,6 +355,33 @@ class NeighbourMerging(PlanSeeded):
         for a, b in pairs:
             if (a, b) in edges:
                 found += self._evicting(seeds[a], seeds[b])
+                found += self._moving(seeds[a], seeds[b])
+        return found
+
+    def _moving(self, producer: Sequence[Node], consumer: Sequence[Node]) -> list[Candidate]:
+        """The producer's nodes that only the consumer reads (with the nodes that only feed them)
+        moved into the consumer: their values are then never written to memory. A selected plan
+        can hold such a node in a pattern packed for another reason (ResNet's backward packed the
+        ReLU masks of several layers into one kernel, which wrote each mask as bytes its layer's
+        kernel read back); then merging producer and consumer whole is too large or makes a cycle,
+        and only moving the nodes lets the consumer compute them."""
+        users = self.graph.index.users
+        outputs = self.graph.index.output_ids
+        reader = set(consumer)
+        moved: set[Node] = set()
+        for node in sorted(producer, key=self.graph.index.position.__getitem__, reverse=True):
+            if id(node) not in outputs and users[node] and all(u in reader or u in moved for u in users[node]):
+                moved.add(node)
+        rest = [n for n in producer if n not in moved]
+        if not moved or not rest or len(moved) + len(consumer) > MERGE_MAX_OPS:
+            return []
+        position = self.graph.index.position
+        found = []
+        for nodes in (rest, sorted(moved | reader, key=position.__getitem__)):
+            candidate = _propose_union(list(nodes), self.seen, self.legality,
+                                       "exploratory fusion of neighbouring patterns, producer nodes moved")
+            if candidate is not None:
+                found.append(candidate)
         return found
 
     def _evicting(self, producer: Sequence[Node], consumer: Sequence[Node]) -> list[Candidate]:

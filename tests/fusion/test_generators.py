@@ -341,3 +341,37 @@ def test_neighbour_merging_joins_a_producer_and_consumer_of_any_size():
     roles, legality, _ = _tools(graph)
     found = NeighbourMerging(graph, roles, legality, set()).run([first, second])
     assert any(set(c.nodes) == set(first) | set(second) for c in found)
+
+
+def test_neighbour_merging_moves_a_packed_producers_nodes_into_their_only_reader():
+    """Two ReLU masks packed into one kernel (as ResNet-50's backward selected them), each read
+    only by its own layer's kernel: moving a mask's compare into its reader is proposed, with the
+    packed kernel left without it, so that no mask is written to memory and read back; the two
+    moved plans score higher than the packed one."""
+    from fusionstitching.fusion.patterns import NeighbourMerging
+
+    b = GraphBuilder("packed_masks")
+    packed, readers = [], []
+    for k in range(2):
+        saved = b.parameter(SHAPE, DType.F32, f"relu{k}")
+        grad = b.parameter(SHAPE, DType.F32, f"grad{k}")
+        below = b.broadcast(b.constant(0.0, DType.F32), SHAPE, ())
+        mask = b.compare("LE", saved, below)
+        zero = b.broadcast(b.constant(0.0, DType.F32), SHAPE, ())
+        chosen = b.select(mask, zero, grad)
+        packed.append((below, mask))
+        readers.append((zero, chosen, b.unary("neg", chosen)))
+    graph = b.build([reader[-1] for reader in readers])
+    packed = [tuple(graph.node(n.name) for n in layer) for layer in packed]
+    readers = [tuple(graph.node(n.name) for n in reader) for reader in readers]
+    roles, legality, scorer = _tools(graph)
+    seeds = [packed[0] + packed[1], *readers]
+    found = {frozenset(c.nodes): c for c in NeighbourMerging(graph, roles, legality, set()).run(seeds)}
+    moved = frozenset(readers[0] + packed[0])
+    assert moved in found and found[moved].origin.endswith("producer nodes moved")
+    assert frozenset(packed[1]) in found  # the packed kernel left without the moved mask
+
+    def score(nodes):
+        return scorer.score(list(nodes), legality.check(list(nodes)).schedule).value
+
+    assert score(moved) + score(packed[1]) > score(seeds[0]) + score(readers[0])
