@@ -109,7 +109,17 @@ def _param(b: K.Buffer) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def _stmt(s: K.Stmt, depth: int) -> list[str]:
+# The unroll factor of a serial loop inside an unrolled one. NVCC unrolls a short constant-trip
+# loop whole, and the enclosing unroll then multiplies the copies: compile time grows with their
+# product (a packed kernel of many column sums, each an unrolled loop around a serial one over the
+# rows, took NVRTC seconds per sub-kernel). Sixteen loads in flight per thread are what one
+# 256-thread block per SM needs to keep its share of bandwidth x latency in flight (Little's law
+# with an H100's figures: about 15 KB per SM), the worst case a latency-bound loop meets.
+NESTED_SERIAL_UNROLL = 16
+
+
+def _stmt(s: K.Stmt, depth: int, unrolled: bool = False) -> list[str]:
+    """The lines of ``s`` at indentation ``depth``; ``unrolled``: inside a loop unrolled whole."""
     pad = "  " * depth
     if isinstance(s, K.Let):
         return [f"{pad}{C_TYPES[s.var.dtype]} {s.var.name} = {expr(s.value)};"]
@@ -118,15 +128,19 @@ def _stmt(s: K.Stmt, depth: int) -> list[str]:
     if isinstance(s, K.Store):
         return [f"{pad}{s.buffer}[{expr(s.index)}] = {expr(s.value)};"]
     if isinstance(s, K.For):
-        head = [f"{pad}#pragma unroll"] if s.kind == "unroll" else []
+        head = []
+        if s.kind == "unroll":
+            head.append(f"{pad}#pragma unroll")
+        elif s.kind == "serial" and unrolled and _trips(s) > NESTED_SERIAL_UNROLL:
+            head.append(f"{pad}#pragma unroll {NESTED_SERIAL_UNROLL}")
         v = s.var
         head.append(f"{pad}for ({C_TYPES[v.dtype]} {v.name} = {expr(s.start)}; {v.name} < {expr(s.stop)}; "
                     f"{v.name} += {expr(s.step)}) {{")
-        return head + _body(s.body, depth + 1) + [f"{pad}}}"]
+        return head + _body(s.body, depth + 1, unrolled or s.kind == "unroll") + [f"{pad}}}"]
     if isinstance(s, K.If):
-        out = [f"{pad}if ({expr(s.cond)}) {{"] + _body(s.then, depth + 1)
+        out = [f"{pad}if ({expr(s.cond)}) {{"] + _body(s.then, depth + 1, unrolled)
         if s.orelse:
-            out += [f"{pad}}} else {{"] + _body(s.orelse, depth + 1)
+            out += [f"{pad}}} else {{"] + _body(s.orelse, depth + 1, unrolled)
         return out + [f"{pad}}}"]
     if isinstance(s, K.Barrier):
         return [f"{pad}__syncthreads();"]
@@ -143,8 +157,16 @@ def _stmt(s: K.Stmt, depth: int) -> list[str]:
     raise TypeError(f"no CUDA C for statement {s!r}")
 
 
-def _body(stmts, depth: int) -> list[str]:
-    return [line for s in stmts for line in _stmt(s, depth)]
+def _trips(loop: K.For) -> float:
+    """The trip count of ``loop`` where its bounds are constants, else infinity."""
+    bounds = (loop.start, loop.stop, loop.step)
+    if not all(isinstance(b, K.Const) for b in bounds) or loop.step.value <= 0:
+        return math.inf
+    return max(0, -(-(loop.stop.value - loop.start.value) // loop.step.value))
+
+
+def _body(stmts, depth: int, unrolled: bool = False) -> list[str]:
+    return [line for s in stmts for line in _stmt(s, depth, unrolled)]
 
 
 def _vec_load(s: K.VecLoad, pad: str) -> list[str]:

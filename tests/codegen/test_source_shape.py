@@ -71,3 +71,37 @@ def test_small_integral_powers_are_products_and_others_call_powf():
         with np.errstate(invalid="ignore"):
             want = np.power(values, np.float32(exponent))
         np.testing.assert_allclose(kernel.simulate([values])[0], want, rtol=1e-6, equal_nan=True)
+
+
+def test_a_long_serial_loop_inside_an_unrolled_one_is_unrolled_by_a_bounded_factor():
+    """An unrolled loop around a serial one over 64 rows (a packed kernel's column sums): NVCC
+    unrolled the inner loop whole inside each unrolled copy, and NVRTC took seconds per sub-kernel.
+    The inner loop is unrolled ``NESTED_SERIAL_UNROLL`` times; a short nested loop, and a long loop
+    outside any unrolled one, print as before (no pragma)."""
+    from fusionstitching.codegen import kernel_ir as K
+    from fusionstitching.codegen.cuda_c import NESTED_SERIAL_UNROLL, render
+
+    def const(value):
+        return K.Const(value, "i32")
+
+    outer, inner, short, alone = (K.Var(name, "i32") for name in ("t_outer", "t_inner", "t_short", "t_alone"))
+    acc = K.Var("acc", "f32")
+
+    def summed(var):
+        return (K.Assign(acc, K.Binary("add", acc, K.Load("x", var, "f32"), "f32")),)
+
+    body = (
+        K.Let(acc, K.Const(0.0, "f32")),
+        K.For(outer, const(0), const(8), const(1), (
+            K.For(inner, const(0), const(64), const(1), summed(inner)),
+            K.For(short, const(0), const(NESTED_SERIAL_UNROLL), const(1), summed(short)),
+        ), "unroll"),
+        K.For(alone, const(0), const(64), const(1), summed(alone)),
+        K.Store("out", const(0), acc),
+    )
+    params = (K.Buffer("out", "f32", 1), K.Buffer("x", "f32", 64, readonly=True))
+    source = render(K.Kernel("nested", params, body, 32, 1, ()))
+    check_in_order(source, r"#pragma unroll\n\s*for \(int t_outer",
+                   rf"#pragma unroll {NESTED_SERIAL_UNROLL}\n\s*for \(int t_inner",
+                   r"\}\n\s*for \(int t_short", r"\}\n\s*\}\n\s*for \(int t_alone")
+    assert source.count("#pragma unroll") == 3  # the outer loop, the inner one and the prelude's
