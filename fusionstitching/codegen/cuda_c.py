@@ -110,9 +110,9 @@ def _param(b: K.Buffer) -> str:
 
 
 # The unroll factor of a serial loop inside an unrolled one. NVCC unrolls a short constant-trip
-# loop whole, and the enclosing unroll then multiplies the copies: compile time grows with their
+# loop whole, and the enclosing unroll then multiplies the copies: NVRTC's time grows with their
 # product (a packed kernel of many column sums, each an unrolled loop around a serial one over the
-# rows, took NVRTC seconds per sub-kernel). Sixteen loads in flight per thread are what one
+# rows, has one such nest per sub-kernel). Sixteen loads in flight per thread are what one
 # 256-thread block per SM needs to keep its share of bandwidth x latency in flight (Little's law
 # with an H100's figures: about 15 KB per SM), the worst case a latency-bound loop meets.
 NESTED_SERIAL_UNROLL = 16

@@ -367,15 +367,15 @@ class NeighbourMerging(PlanSeeded):
         and only moving the nodes lets the consumer compute them."""
         users = self.graph.index.users
         outputs = self.graph.index.output_ids
+        position = self.graph.index.position
         reader = set(consumer)
         moved: set[Node] = set()
-        for node in sorted(producer, key=self.graph.index.position.__getitem__, reverse=True):
+        for node in sorted(producer, key=position.__getitem__, reverse=True):
             if id(node) not in outputs and users[node] and all(u in reader or u in moved for u in users[node]):
                 moved.add(node)
         rest = [n for n in producer if n not in moved]
         if not moved or not rest or len(moved) + len(consumer) > MERGE_MAX_OPS:
             return []
-        position = self.graph.index.position
         found = []
         for nodes in (rest, sorted(moved | reader, key=position.__getitem__)):
             candidate = _propose_union(list(nodes), self.seen, self.legality,
