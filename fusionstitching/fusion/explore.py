@@ -69,6 +69,7 @@ from fusionstitching.fusion.split import split_underfilled_reductions
 from fusionstitching.graph.collapse import collapse_reduced_runs
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.layout import laid_out_convolutions
+from fusionstitching.graph.refine import refine_reshaped_regions
 from fusionstitching.graph.transforms import (
     check_indices,
     duplicate_broadcasts,
@@ -145,8 +146,10 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
         if laid_out is not graph:
             graph = laid_out
             notes.append("convolutions read and write channels-last (NHWC) nodes")
+    if options.split_reshaped_dims:
+        graph = refine_reshaped_regions(graph)
     if options.collapse_dims:
-        graph = collapse_reduced_runs(graph)
+        graph = collapse_reduced_runs(graph, rows=options.split_reshaped_dims)
     if options.widen_dots:
         graph = widen_dots(graph)
     if options.pad_gemms:

@@ -19,7 +19,9 @@ Nodes that must agree share a variable (union-find):
 - a broadcast and its operand where both result dims come from adjacent operand dims that the
   broadcast either both keeps or both stretches from 1 (a kept dim of 1 counts as kept, so that a
   run of three never mixes the two); two new dims may merge freely; a new dim and an operand dim
-  may not, nor may operand dims whose result dims are not adjacent;
+  of 1 that the broadcast stretches may with ``rows`` (the merged dim is stretched from that 1) unless the run
+  would reach a second such dim past more new dims; a new dim and any other operand dim may not,
+  nor may operand dims whose result dims are not adjacent;
 - an ``rng_uniform`` draws by row-major position, which merging keeps: no constraint.
 
 Every other node (parameters, constants, library calls, dots, reshapes, transposes, slices, ...)
@@ -31,10 +33,13 @@ A pair of a graph output stored with strides that do not merge, or of an output 
 into a parameter, is not merged.
 
 A set of variables tied together is merged when nothing forbids it and it holds at least one
-pair that a reduction reduces together whose inner dim is not a whole number of warps (32): a
-kernel lays a warp's lanes along the innermost reduced dim, and where that dim is a multiple of 32
-they tile it alone as well as the merged run (a bias gradient's batch × sequence), while merging
-would change the shapes of a whole region and add reshapes at its edges for nothing. The values are unchanged: each merged node
+pair that a reduction reduces together whose inner dim is not a whole number of warps (32), or,
+with ``rows``, that ends a row (the reduced dims run to the innermost one): a kernel lays a warp's lanes along
+the innermost reduced dim, and where that dim is a multiple of 32 they tile it alone as well as
+the merged run of a column reduction (a bias gradient's batch × sequence), while merging would
+change the shapes of a whole region and add reshapes at its edges for nothing; a row of several
+dims is one contiguous run, which the row templates read as one (GroupNorm's rows of C/G × H × W
+after ``refine.py`` split them out of one dim). The values are unchanged: each merged node
 holds the same elements in the same row-major order.
 """
 
@@ -89,11 +94,12 @@ class _Pairs:
         return {k for k in self.parent if self.find(k) in wanted and self.find(k) not in forbidden}
 
 
-def collapse_reduced_runs(graph: Graph) -> Graph:
+def collapse_reduced_runs(graph: Graph, rows: bool = False) -> Graph:
     """A copy of ``graph`` where adjacent dims reduced together are one dim (see the module
-    docstring); ``graph`` itself when no pair merges."""
+    docstring); ``graph`` itself when no pair merges. ``rows`` also merges the dims of every row
+    and new dims beside stretched ones: what ``refine.py`` split for one region's sake."""
     interior = {id(n) for n in graph.nodes if _interior(n)}
-    pairs = _constraints(graph, interior)
+    pairs = _constraints(graph, interior, rows)
     if not pairs.wanted:
         return graph
     merged = pairs.merged()
@@ -109,7 +115,7 @@ def _key(node: Node, k: int, dim: int, interior: set[int]) -> tuple:
     return (id(x), dim) if id(x) in interior else ("in", id(node), k, dim)
 
 
-def _constraints(graph: Graph, interior: set[int]) -> _Pairs:
+def _constraints(graph: Graph, interior: set[int], rows: bool = False) -> _Pairs:
     pairs = _Pairs()
     kept_shape = _fixed_outputs(graph)
     for n in graph.nodes:
@@ -121,9 +127,9 @@ def _constraints(graph: Graph, interior: set[int]) -> _Pairs:
             if id(n) in kept_shape:
                 pairs.forbid((id(n), d))
         if n.op == "reduce":
-            _reduce_pairs(n, pairs, interior)
+            _reduce_pairs(n, pairs, interior, rows)
         elif n.op == "broadcast_in_dim":
-            _broadcast_pairs(n, pairs, interior)
+            _broadcast_pairs(n, pairs, interior, rows)
         else:  # elementwise (operands of its shape) or rng_uniform (scalar operands)
             for k, x in enumerate(n.operands):
                 if x.shape == n.shape:
@@ -142,7 +148,7 @@ def _fixed_outputs(graph: Graph) -> set[int]:
     return fixed
 
 
-def _reduce_pairs(n: Node, pairs: _Pairs, interior: set[int]) -> None:
+def _reduce_pairs(n: Node, pairs: _Pairs, interior: set[int], rows: bool = False) -> None:
     reduced = set(n.attrs["dims"])
     x_shape = n.operands[0].shape
     rank = len(x_shape)
@@ -150,8 +156,8 @@ def _reduce_pairs(n: Node, pairs: _Pairs, interior: set[int]) -> None:
     for e in range(rank - 1):
         key = _key(n, 0, e, interior)
         if e in reduced and e + 1 in reduced:
-            if x_shape[e + 1] % WARP_SIZE:
-                pairs.want(key)  # lanes do not tile the inner dim alone evenly
+            if x_shape[e + 1] % WARP_SIZE or (rows and all(d in reduced for d in range(e, rank))):
+                pairs.want(key)  # lanes do not tile the inner dim alone evenly, or a row is one run
             else:
                 pairs.find(key)  # may merge along with others, asks for nothing
         elif (e in reduced) != (e + 1 in reduced):
@@ -163,7 +169,7 @@ def _reduce_pairs(n: Node, pairs: _Pairs, interior: set[int]) -> None:
             pairs.forbid((id(n), k))
 
 
-def _broadcast_pairs(n: Node, pairs: _Pairs, interior: set[int]) -> None:
+def _broadcast_pairs(n: Node, pairs: _Pairs, interior: set[int], rows: bool = False) -> None:
     x, dims = n.operands[0], tuple(n.attrs["broadcast_dimensions"])
     source = {d: e for e, d in enumerate(dims)}
     tied: set[int] = set()
@@ -171,6 +177,10 @@ def _broadcast_pairs(n: Node, pairs: _Pairs, interior: set[int]) -> None:
         a, b = source.get(d), source.get(d + 1)
         if a is None and b is None:
             continue  # two new dims
+        if rows and a is None and _stretched(x.shape[b], n.shape[d + 1]) and not _stretched_beyond(n, x, source, d, -1):
+            continue  # a new dim beside an operand dim of 1 stretched: the merged dim is stretched from 1
+        if rows and b is None and _stretched(x.shape[a], n.shape[d]) and not _stretched_beyond(n, x, source, d + 1, 1):
+            continue
         if a is not None and b == a + 1 and _expands(x.shape[a], n.shape[d]) == _expands(x.shape[b], n.shape[d + 1]):
             pairs.union((id(n), d), _key(n, 0, a, interior))
             tied.add(a)
@@ -179,6 +189,19 @@ def _broadcast_pairs(n: Node, pairs: _Pairs, interior: set[int]) -> None:
     for e in range(len(x.shape) - 1):
         if e not in tied:
             pairs.forbid(_key(n, 0, e, interior))
+
+
+def _stretched(before: int, after: int) -> bool:
+    return before == 1 and after != 1
+
+
+def _stretched_beyond(n: Node, x: Node, source: dict[int, int], d: int, step: int) -> bool:
+    """Whether, past the new dims next to ``d`` in direction ``step``, another stretched operand dim
+    comes: a run holding both would take two operand dims into one."""
+    e = d + step
+    while 0 <= e < len(n.shape) and source.get(e) is None:
+        e += step
+    return 0 <= e < len(n.shape) and _stretched(x.shape[source[e]], n.shape[e])
 
 
 def _expands(before: int, after: int) -> bool:

@@ -13,6 +13,7 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 
 from fusionstitching import capture
 from fusionstitching.bench.check import forward_arrays
@@ -193,3 +194,23 @@ def test_layernorm_backward_on_several_blocks_simulates_like_the_reference():
     plan = explore(captured.backward)
     check_plan(plan)
     check_kernels(plan, _backward_arrays(captured, workload))
+
+
+def test_groupnorm_silu_backward_reads_the_silu_gradient_in_one_shape():
+    """GroupNorm's backward reshapes the SiLU gradient to [N, C, H·W] for its per-channel sums and
+    to [N, G, C/G, H·W] for dx; in one finer shape (graph/refine.py) the sums share the kernel that
+    computes the gradient, and the plan has two kernels instead of three."""
+    workload = make("groupnorm_silu", train=True, dtype=torch.float32)
+    captured = _capture(workload)
+    plan = explore(captured.backward, options=Options(split_reshaped_dims=True))
+    check_plan(plan)
+    assert plan.kernel_count == 2, plan.explain()
+    reduces = [n for n in plan.graph.nodes if n.op == "reduce" and n.operands[0].size == workload.inputs[0].numel()]
+    assert reduces and all(len(n.attrs["dims"]) == 1 for n in reduces), "rows merged back into one dim"
+    unsplit = explore(captured.backward, options=Options(split_reshaped_dims=False))
+    assert unsplit.kernel_count == 3, unsplit.explain()
+    outputs = run_plan(plan, _backward_arrays(captured, workload), rtol=1e-4)
+    for k, (got, want) in enumerate(zip(outputs, reference.evaluate(captured.backward,
+                                                                      _backward_arrays(captured, workload)))):
+        if want is not None:
+            assert_close(got, want, f"groupnorm backward output {k}")

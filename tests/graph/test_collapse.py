@@ -157,12 +157,13 @@ def test_random_graphs_keep_their_values():
     merged_any = 0
     for case in range(300):
         graph = _random_graph(rng)
-        merged = collapse_reduced_runs(graph)
-        merged_any += merged is not graph
-        try:
-            _same_values(graph, merged, seed=case)
-        except AssertionError as err:
-            raise AssertionError(f"COLLAPSE_SEED={seed} case {case}: {err}") from None
+        for rows in (False, True):
+            merged = collapse_reduced_runs(graph, rows=rows)
+            merged_any += merged is not graph
+            try:
+                _same_values(graph, merged, seed=case)
+            except AssertionError as err:
+                raise AssertionError(f"COLLAPSE_SEED={seed} case {case} rows={rows}: {err}") from None
     assert merged_any > 0
 
 
@@ -193,4 +194,34 @@ def test_a_run_of_three_never_mixes_a_stretched_dim_with_a_kept_one():
     merged = collapse_reduced_runs(graph)
     broadcast = next(n for n in merged.nodes if n.op == "broadcast_in_dim")
     assert broadcast.shape == (63, 5) and broadcast.operands[0].shape == (1, 5)
+    _same_values(graph, merged)
+
+
+def test_rows_merge_a_row_of_whole_warps_and_new_dims_beside_a_stretched_one():
+    """With ``rows`` (after graph/refine.py split GroupNorm's rows): the row [8, 64, 64] is one dim,
+    and a per-row statistic [R, 1] broadcast to [R, 64, 64] merges into [R, 4096]."""
+    b = GraphBuilder("rows")
+    x = b.parameter((4, 8, 64, 64), DType.F32, "x")
+    mean = b.parameter((4, 8, 1), DType.F32, "mean")
+    e = b.unary("exp", x)
+    centered = b.binary("sub", e, b.broadcast(mean, (4, 8, 64, 64), (0, 1, 2)))
+    graph = b.build([b.reduce(centered, (1, 2, 3), "sum"), b.reduce(centered, (2, 3), "sum")])
+    assert collapse_reduced_runs(graph) is graph
+    merged = collapse_reduced_runs(graph, rows=True)
+    shapes = {n.operands[0].shape for n in merged.nodes if n.op == "reduce"}
+    assert shapes == {(4, 8, 4096)}, shapes
+    broadcast = next(n for n in merged.nodes if n.op == "broadcast_in_dim")
+    assert broadcast.shape == (4, 8, 4096) and broadcast.operands[0].shape == (4, 8, 1)
+    _same_values(graph, merged)
+
+
+def test_rows_never_take_two_stretched_dims_into_one():
+    """[3, 1, 1] broadcast to [3, 4, 5, 6] with dims (0, 1, 3): dims 1 and 3 are stretched from 1
+    with the new dim 2 between them; merging 1..3 would map two operand dims to one."""
+    b = GraphBuilder("two_stretched")
+    x = b.parameter((3, 4, 5, 6), DType.F32, "x")
+    v = b.parameter((3, 1, 1), DType.F32, "v")
+    y = b.binary("add", x, b.broadcast(v, (3, 4, 5, 6), (0, 1, 3)))
+    graph = b.build([b.reduce(y, (1, 2, 3), "sum")])
+    merged = collapse_reduced_runs(graph, rows=True)
     _same_values(graph, merged)
