@@ -132,13 +132,30 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
     """The fusion plan of ``graph`` for ``options.device`` (default: ``Options()``), from the candidates
     of ``generators`` (names in ``GENERATORS``), selected by ``solver`` (``"ilp"`` or ``"beam"``)."""
     options = options or Options()
+    start = time.perf_counter()
+    plan, refined = _explore(graph, solver, options, generators, split=options.split_reshaped_dims)
+    if refined:
+        # Split shapes fuse more, but a reshape they move next to a gather or a dot may fuse less:
+        # the latency evaluator chooses between the two plans.
+        plain, _ = _explore(graph, solver, options, generators, split=False)
+        keep = plan.estimated_us < plain.estimated_us
+        note = (f"reshapes resolved by splitting dims (graph/refine.py): estimated {plan.estimated_us:.1f} us "
+                f"against {plain.estimated_us:.1f} us unsplit; kept {'split' if keep else 'unsplit'}")
+        plan = plan if keep else plain
+        plan.notes.append(note)
+    plan.seconds = time.perf_counter() - start
+    return plan
+
+
+def _explore(graph: Graph, solver: str, options: Options, generators: Sequence[str],
+             split: bool) -> tuple[FusionPlan, bool]:
+    """``explore`` with reshapes resolved by splitting dims or not; whether splitting changed the graph."""
     if solver not in SOLVERS:
         raise ValueError(f"explore: unknown solver {solver!r}; known: {', '.join(map(repr, SOLVERS))}")
     unknown = [g for g in generators if g not in GENERATORS]
     if unknown or not any(g in GRAPH_SEEDED for g in generators):
         raise ValueError(f"explore: generators {tuple(generators)!r} need one of {GRAPH_SEEDED} and only "
                          f"names of {GENERATORS}")
-    start = time.perf_counter()
     notes = []
     graph = duplicate_broadcasts(merge_duplicates(fold_views(fold_empty(check_indices(graph)))))
     if options.channels_last:
@@ -146,10 +163,10 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
         if laid_out is not graph:
             graph = laid_out
             notes.append("convolutions read and write channels-last (NHWC) nodes")
-    if options.split_reshaped_dims:
-        graph = refine_reshaped_regions(graph)
+    refined = refine_reshaped_regions(graph) if split else graph
+    split, graph = refined is not graph, refined
     if options.collapse_dims:
-        graph = collapse_reduced_runs(graph, rows=options.split_reshaped_dims)
+        graph = collapse_reduced_runs(graph, rows=split)
     if options.widen_dots:
         graph = widen_dots(graph)
     if options.pad_gemms:
@@ -199,8 +216,7 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
                           f"evaluator; kept number {plans.index(plan) + 1}")
     plan.notes.append(f"schedule checks: {legality.feasible_calls} lowered, {legality.cache_hits} answered by "
                       "structure from the cache")
-    plan.seconds = time.perf_counter() - start
-    return plan
+    return plan, split
 
 
 def _finalize(graph: Graph, roles: Roles, legality: Legality, scorer: Scorer, candidates: Sequence[Candidate],

@@ -39,9 +39,13 @@ Some dims take no cuts, and a reshape that would split them stays:
 - those of nodes whose storage is fixed (outputs written in place into a parameter, outputs or
   nodes with non-contiguous strides);
 - those of nodes read by, and operands read from, a node that is neither interior nor a reshape
-  but can share a kernel with them (a gather, a transpose, a slice, a dot): splitting them would
-  only move the reshape next to that node, inside the kernel. Parameters, constants and library
-  calls are buffers, which a split reads as a view; reshapes compose with the split into one.
+  but can share a kernel with them (a gather, a transpose, a slice): splitting them would only
+  move the reshape next to that node, inside the kernel. Parameters, constants, library calls and
+  dots (mostly library GEMMs) are buffers, which a split reads as a view; reshapes compose with
+  the split into one.
+
+Splitting is a choice: ``fusion/explore.py`` plans a graph this pass changes both ways and keeps
+the plan the latency evaluator estimates faster.
 """
 
 from __future__ import annotations
@@ -133,8 +137,10 @@ def _key(node: Node, k: int, dim: int, interior: set[int], edges: set[int]) -> t
 
 def _fused_boundary(node: Node) -> bool:
     """Whether ``node`` is not interior but may share a kernel with interior nodes (a transpose, a
-    gather, a dot, ...): a reshape between it and a split node would sit inside that kernel."""
-    return node.category.fusable and node.op != "reshape" and not _interior(node)
+    gather, a slice, ...): a reshape between it and a split node would sit inside that kernel. A
+    dot is left out: most run as library GEMMs, which read and write buffers, and where one would
+    share a kernel the latency evaluator weighs the split plan against the unsplit one."""
+    return node.category.fusable and node.op not in ("reshape", "dot_general") and not _interior(node)
 
 
 def _classes(graph: Graph, interior: set[int], edges: list[Node], readers: dict[int, list[Node]]) -> _Cuts:
