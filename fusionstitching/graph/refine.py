@@ -38,11 +38,12 @@ Some dims take no cuts, and a reshape that would split them stays:
 
 - those of nodes whose storage is fixed (outputs written in place into a parameter, outputs or
   nodes with non-contiguous strides);
-- those of nodes read by, and operands read from, a node that is neither interior nor a reshape
-  but can share a kernel with them (a gather, a transpose, a slice): splitting them would only
-  move the reshape next to that node, inside the kernel. Parameters, constants, library calls and
-  dots (mostly library GEMMs) are buffers, which a split reads as a view; reshapes compose with
-  the split into one.
+- those of nodes a gather reads, and of gathers' results: a reshape between a gather and a split
+  node would index by loaded data inside the kernel they share, which the schedule cannot place
+  (a cross-entropy's picked log-probability would leave its log-softmax kernel). Other readers
+  outside the region (transposes, slices, dots, library calls) read the split node through a
+  reshape back to its shape, and the region reads them through a split view: reshapes compose
+  into one, and a split of a buffer is a view of it.
 
 Splitting is a choice: ``fusion/explore.py`` plans a graph this pass changes both ways and keeps
 the plan the latency evaluator estimates faster.
@@ -135,12 +136,12 @@ def _key(node: Node, k: int, dim: int, interior: set[int], edges: set[int]) -> t
     return (id(x), dim) if id(x) in interior or id(x) in edges else ("in", id(node), k, dim)
 
 
-def _fused_boundary(node: Node) -> bool:
-    """Whether ``node`` is not interior but may share a kernel with interior nodes (a transpose, a
-    gather, a slice, ...): a reshape between it and a split node would sit inside that kernel. A
-    dot is left out: most run as library GEMMs, which read and write buffers, and where one would
-    share a kernel the latency evaluator weighs the split plan against the unsplit one."""
-    return node.category.fusable and node.op not in ("reshape", "dot_general") and not _interior(node)
+def _indexed_by_data(node: Node) -> bool:
+    """Whether ``node`` indexes its operand by loaded values (a gather). A reshape between it and a
+    split node would sit in the kernel they share with its index computed from loaded data, which
+    a kernel's block-locality analysis cannot place (``compose.DataDependentRead``), so they would
+    no longer share one."""
+    return node.op == "gather"
 
 
 def _classes(graph: Graph, interior: set[int], edges: list[Node], readers: dict[int, list[Node]]) -> _Cuts:
@@ -159,11 +160,11 @@ def _classes(graph: Graph, interior: set[int], edges: list[Node], readers: dict[
             for d, size in enumerate(x.shape):
                 cuts.add(_key(n, k, d, interior, edge_ids), size)
         if (id(n) in fixed or (n.layout is not None and not n.layout.is_contiguous(n.shape))
-                or any(_fused_boundary(u) for u in readers.get(id(n), ()))):
+                or any(_indexed_by_data(u) for u in readers.get(id(n), ()))):
             for d in range(len(n.shape)):
                 cuts.freeze((id(n), d))
         for k, x in enumerate(n.operands):
-            if _fused_boundary(x):
+            if _indexed_by_data(x):
                 for d in range(len(x.shape)):
                     cuts.freeze(_key(n, k, d, interior, edge_ids))
         if n.op == "reduce":

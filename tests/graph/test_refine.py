@@ -93,6 +93,29 @@ def test_an_output_with_fixed_strides_takes_no_cuts():
     _same_values(graph, refined)
 
 
+def test_a_gathered_node_keeps_its_shape_and_a_transposed_one_is_reshaped_back():
+    """A cross-entropy picks one log-probability per row with a gather: the log-softmax it reads
+    stays in the gather's shape. A transpose reads its split operand through a reshape back."""
+    b = GraphBuilder("pick")
+    logits = b.parameter((2, 3, 8), DType.F32, "logits")
+    target = b.parameter((6, 1), DType.I64, "target")
+    shifted = b.unary("exp", logits)
+    rows = b.reshape(shifted, (6, 8))
+    log = b.unary("log", rows)
+    picked = b.node("gather", [log, target], axis=1, batch_dims=1)
+    graph = b.build([picked, b.reduce(rows, (1,), "sum")])
+    assert refine_reshaped_regions(graph) is graph
+    b = GraphBuilder("transposed")
+    x = b.parameter((2, 3, 8), DType.F32, "x")
+    rows = b.unary("neg", b.reshape(b.unary("exp", x), (6, 8)))
+    graph = b.build([b.transpose(rows, (1, 0)), b.reduce(rows, (1,), "sum")])
+    refined = refine_reshaped_regions(graph)
+    assert _interior_reshapes(refined) == []
+    transpose = next(n for n in refined.nodes if n.op == "transpose")
+    assert transpose.operands[0].op == "reshape" and transpose.operands[0].shape == (6, 8)
+    _same_values(graph, refined)
+
+
 # ------------------------------------------------------------------------------------------
 # Random graphs: elementwise chains read through random regroupings of one finer shape
 # ------------------------------------------------------------------------------------------
