@@ -61,13 +61,11 @@ def _interior(node: Node) -> bool:
     return node.op in INTERIOR_OPS or is_elementwise(node.op)
 
 
-class _Pairs:
-    """Union-find over pair variables, with the sets that may not merge and those that ask to."""
+class UnionFind:
+    """Union-find over hashable keys (a key is its own set until joined)."""
 
     def __init__(self) -> None:
         self.parent: dict[Hashable, Hashable] = {}
-        self.forbidden: set[Hashable] = set()
-        self.wanted: set[Hashable] = set()
 
     def find(self, key: Hashable) -> Hashable:
         root = self.parent.setdefault(key, key)
@@ -77,10 +75,22 @@ class _Pairs:
             self.parent[key], key = root, self.parent[key]
         return root
 
-    def union(self, a: Hashable, b: Hashable) -> None:
+    def union(self, a: Hashable, b: Hashable) -> tuple[Hashable, Hashable] | None:
+        """Join the sets of ``a`` and ``b``: (the root joined, the root kept), or None if one already."""
         ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[ra] = rb
+        if ra == rb:
+            return None
+        self.parent[ra] = rb
+        return ra, rb
+
+
+class _Pairs(UnionFind):
+    """Union-find over pair variables, with the sets that may not merge and those that ask to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forbidden: set[Hashable] = set()
+        self.wanted: set[Hashable] = set()
 
     def forbid(self, key: Hashable) -> None:
         self.forbidden.add(key)
@@ -225,22 +235,30 @@ def _shape(shape: Sequence[int], groups: list[list[int]]) -> tuple[int, ...]:
     return tuple(math.prod(shape[d] for d in g) for g in groups)
 
 
+class ShapeBack:
+    """A rewritten node's value in its original shape, for readers outside the rewritten region and
+    for outputs: its copy, or one reshape of the copy per node (named ``<node>_<suffix>``)."""
+
+    def __init__(self, names: _Names, copies: dict[int, Node], suffix: str) -> None:
+        self.names, self.copies, self.suffix = names, copies, suffix
+        self.restored: dict[int, Node] = {}
+
+    def __call__(self, x: Node) -> Node:
+        new = self.copies[id(x)]
+        if new.shape == x.shape:
+            return new
+        if id(x) not in self.restored:
+            self.restored[id(x)] = _make("reshape", [new], self.names.new(f"{x.name}_{self.suffix}"),
+                                         shape=x.shape, layout=x.layout)
+        return self.restored[id(x)]
+
+
 def _rewrite(graph: Graph, interior: set[int], merged: set) -> Graph:
     names = _Names(n.name for n in graph.nodes)
     copies: dict[int, Node] = {id(p): p for p in graph.parameters}
     groups: dict[int, list[list[int]]] = {}  # interior node → its dims' runs
     flat_inputs: dict[tuple[int, tuple[int, ...]], Node] = {}  # (boundary node, merged shape) → reshape
-    restored: dict[int, Node] = {}  # changed interior node → the reshape back to its shape
-
-    def back(x: Node) -> Node:
-        """``x``'s value in its original shape (for a boundary node or an output)."""
-        new = copies[id(x)]
-        if new.shape == x.shape:
-            return new
-        if id(x) not in restored:
-            restored[id(x)] = _make("reshape", [new], names.new(f"{x.name}_unflat"), shape=x.shape,
-                                    layout=x.layout)
-        return restored[id(x)]
+    back = ShapeBack(names, copies, "unflat")
 
     for n in graph.nodes:
         if id(n) in copies:

@@ -56,16 +56,16 @@ import itertools
 import math
 from collections.abc import Hashable, Sequence
 
-from fusionstitching.graph.collapse import _fixed_outputs, _interior
+from fusionstitching.graph.collapse import ShapeBack, UnionFind, _fixed_outputs, _interior
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.transforms import _make, _Names, _rebuilt
 
 
-class _Cuts:
+class _Cuts(UnionFind):
     """Union-find over dims, each class with its size and cut points, and the frozen classes."""
 
     def __init__(self) -> None:
-        self.parent: dict[Hashable, Hashable] = {}
+        super().__init__()
         self.size: dict[Hashable, int] = {}
         self.cuts: dict[Hashable, frozenset[int]] = {}
         self.frozen: set[Hashable] = set()
@@ -74,21 +74,14 @@ class _Cuts:
         if key not in self.parent:
             self.parent[key], self.size[key], self.cuts[key] = key, size, frozenset()
 
-    def find(self, key: Hashable) -> Hashable:
-        root = key
-        while root != self.parent[root]:
-            root = self.parent[root]
-        while key != root:
-            self.parent[key], key = root, self.parent[key]
-        return root
-
-    def union(self, a: Hashable, b: Hashable) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[ra] = rb
+    def union(self, a: Hashable, b: Hashable) -> tuple[Hashable, Hashable] | None:
+        joined = super().union(a, b)
+        if joined is not None:
+            ra, rb = joined
             self.cuts[rb] |= self.cuts[ra]
             if ra in self.frozen:
                 self.frozen.add(rb)
+        return joined
 
     def freeze(self, key: Hashable) -> None:
         self.frozen.add(self.find(key))
@@ -244,7 +237,6 @@ def _proposal(cuts: _Cuts, r: Node) -> dict[Hashable, frozenset[int]] | None:
 def _rewrite(graph: Graph, interior: set[int], cuts: _Cuts, edges: set[int]) -> Graph:
     names = _Names(n.name for n in graph.nodes)
     copies: dict[int, Node] = {id(p): p for p in graph.parameters}
-    restored: dict[int, Node] = {}
     views: dict[tuple[int, tuple[int, ...]], Node] = {}
 
     def view(x: Node, shape: tuple[int, ...], name: str) -> Node:
@@ -259,15 +251,7 @@ def _rewrite(graph: Graph, interior: set[int], cuts: _Cuts, edges: set[int]) -> 
             views[key] = _make("reshape", [source], names.new(name), shape=shape)
         return views[key]
 
-    def back(x: Node) -> Node:
-        """``x``'s value in its original shape, for readers outside the refined region."""
-        new = copies[id(x)]
-        if new.shape == x.shape:
-            return new
-        if id(x) not in restored:
-            restored[id(x)] = _make("reshape", [new], names.new(f"{x.name}_unsplit"), shape=x.shape,
-                                    layout=x.layout)
-        return restored[id(x)]
+    back = ShapeBack(names, copies, "unsplit")
 
     def split(keys: Sequence[Hashable], shape: Sequence[int]) -> list[list[int]]:
         return [cuts.parts(key) if size != 1 else [1] for key, size in zip(keys, shape)]
