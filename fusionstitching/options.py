@@ -8,6 +8,7 @@ library (cuBLAS through PyTorch).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -71,6 +72,10 @@ class Options:
     tune_min_seconds: float = 2.0
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"Options.{field.name} must be True or False, got {value!r}")
         if self.solver not in ("ilp", "beam"):
             raise ValueError(f"Options.solver: unknown solver {self.solver!r}; known: 'ilp', 'beam'")
         if self.tune not in ("off", "measure", "exhaustive"):

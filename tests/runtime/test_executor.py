@@ -408,6 +408,8 @@ def test_pipeline_takes_the_selector_and_generators_from_options():
         assert plan.strategy.startswith(f"fusionstitching ({options.solver},"), plan.strategy
     with pytest.raises(ValueError, match="unknown solver 'guess'"):
         Options(solver="guess")
+    with pytest.raises(ValueError, match="Options.split_reshaped_dims must be True or False, got 'yes'"):
+        Options(split_reshaped_dims="yes")
 
 
 def test_structurally_equal_patterns_share_one_kernel_and_keep_their_own_nodes():
