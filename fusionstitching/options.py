@@ -40,9 +40,9 @@ class Options:
     # Reshapes between elementwise, reduce and broadcast nodes are resolved by splitting dims, so
     # that a region computed in several shapes of the same elements tiles one iteration space
     # (GroupNorm's [N, C, H, W], [N, C, H*W] and [N, G, C/G, H*W]; ``graph/refine.py``), and
-    # ``collapse_dims`` then merges every reduced row back into one dim. Off until measured on a
-    # GPU with the row merging (CHANGELOG.md).
-    split_reshaped_dims: bool = False
+    # ``collapse_dims`` then merges every reduced row back into one dim. A graph the split changes
+    # is planned both ways and the lower estimate kept.
+    split_reshaped_dims: bool = True
     # 2-D convolutions take and give NHWC nodes, so the kernels around them write and read what
     # cuDNN's channels-last kernels use without conversions (``graph/layout.py``).
     channels_last: bool = True
