@@ -3,7 +3,7 @@ store it (no value crosses threads), for ``lower.lower``.
 
 Kernel packing [C §4.1]: roots whose iteration spaces and tilings are identical share one loop
 nest (same-shape ops in one loop) when they read a common value; groups with different shapes are
-sub-kernels that each get a range of blocks, proportional to their element counts, and dispatch on
+sub-kernels that each get a range of blocks, proportional to their steps (``_block_ranges``), and dispatch on
 ``blockIdx.x``. A root's loop nest follows its schedule (see the tiling note in
 ``schedule/template.py``): a grid-stride loop over the GRID space, a block-stride loop over the
 CTA space (or warp/lane loops when there are WARP tiles), serial loops over THREAD factors, dim
@@ -77,21 +77,25 @@ def _group_schedules(schedule: KernelSchedule, outputs: dict[str, Node], inside:
     return packed_groups(roots, inside)
 
 
-def _grid_extent(sched: Schedule, root: Node) -> int:
+def _level_extent(sched: Schedule, root: Node, level: Level) -> int:
     space = iteration_space(root)
     return math.prod(e for size, tiles in zip(space, sched.dims) for t, e in zip(tiles, tile_extents(size, tiles))
-                     if t.level == Level.GRID)
+                     if t.level == level)
 
 
 def _block_ranges(groups: list[tuple[Schedule, list[Node]]], blocks: int) -> list[tuple[int, int]]:
-    """Block ranges of packed sub-kernels: proportional to each one's elements, at least one block,
-    never more than its GRID space; one sub-kernel takes all blocks."""
+    """Block ranges of packed sub-kernels: proportional to each one's steps (its GRID iterations
+    times each thread's serial THREAD points, times its roots), at least one block, never more than
+    its GRID space; one sub-kernel takes all blocks. Steps, not elements: a cast of a [64, 64, 3, 3]
+    weight tiled CTA_256 over its innermost dim keeps 3 of each block's 256 threads busy, and given
+    blocks by its elements beside a large reduction it ran 12288 block iterations on 2 blocks."""
     if len(groups) == 1:
         return [(0, blocks)]
     if blocks < len(groups):
         raise CodegenError(f"launch has {blocks} blocks for {len(groups)} packed sub-kernels")
-    grids = [_grid_extent(s, members[0]) for s, members in groups]
-    work = [math.prod(iteration_space(members[0])) * len(members) for _, members in groups]
+    grids = [_level_extent(s, members[0], Level.GRID) for s, members in groups]
+    work = [g * _level_extent(s, members[0], Level.THREAD) * len(members)
+            for g, (s, members) in zip(grids, groups)]
     total = sum(work) or 1
     counts = [max(1, min(g, round(blocks * w / total))) for g, w in zip(grids, work)]
     while sum(counts) > blocks:

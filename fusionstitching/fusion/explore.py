@@ -169,6 +169,9 @@ def _explore(graph: Graph, solver: str, options: Options, generators: Sequence[s
         graph = collapse_reduced_runs(graph, rows=split)
     if options.widen_dots:
         graph = widen_dots(graph)
+    # widening converts of computed values, copied per user only now: refine's and widen_dots'
+    # rewrites look for one convert with its users
+    graph = duplicate_broadcasts(graph, computed=True)
     if options.pad_gemms:
         graph, padded = pad_unaligned_dots(graph, gpu_spec(options.device), options)
         notes += [f"pad {d}" for d in padded]

@@ -287,6 +287,28 @@ def _propose_union(union: list[Node], seen: set[frozenset[Node]], legality: Lega
     return Candidate(tuple(union), verdict, origin) if verdict else None
 
 
+def _connected_parts(graph: Graph, group: Sequence[Node]) -> list[list[Node]]:
+    """``group``'s nodes split into the parts its own edges connect (one part for a fused pattern,
+    several for a packing of independent ones)."""
+    members = set(group)
+    parent = {n: n for n in group}
+
+    def find(n: Node) -> Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for node in group:
+        for operand in node.operands:
+            if operand in members:
+                parent[find(operand)] = find(node)
+    parts: dict[Node, list[Node]] = {}
+    for node in group:
+        parts.setdefault(find(node), []).append(node)
+    return list(parts.values())
+
+
 MERGE_MAX_OPS = 64
 MERGE_SMALL_OPS = 4
 
@@ -356,6 +378,37 @@ class NeighbourMerging(PlanSeeded):
             if (a, b) in edges:
                 found += self._evicting(seeds[a], seeds[b])
                 found += self._moving(seeds[a], seeds[b])
+                found += self._unpacking(seeds[a], seeds[b])
+        return found
+
+    def _unpacking(self, producer: Sequence[Node], consumer: Sequence[Node]) -> list[Candidate]:
+        """The parts of two packed patterns that the edge joins merged, each pattern's other parts
+        left packed as they were. A pattern can be a packing of unconnected parts (a softmax's
+        division packed with a weight's cast); merged whole with its neighbour, the unconnected part
+        can make the union illegal or slow, and the connected parts (a softmax split in two, its
+        exponentials written in f32 and read back) stay apart."""
+        joined, rest = [], []
+        for side, other in ((producer, consumer), (consumer, producer)):
+            parts = _connected_parts(self.graph, side)
+            if len(parts) == 1:
+                joined += parts[0]
+                continue
+            read = {x for n in other for x in n.operands}
+            members = set(other)
+            for part in parts:
+                if any(n in read or any(x in members for x in n.operands) for n in part):
+                    joined.extend(part)
+                else:
+                    rest.append(part)
+        if not rest or len(joined) > MERGE_MAX_OPS:
+            return []
+        position = self.graph.index.position
+        found = []
+        for nodes in [joined, *rest]:
+            candidate = _propose_union(sorted(nodes, key=position.__getitem__), self.seen, self.legality,
+                                       "exploratory fusion of neighbouring patterns, unconnected parts left packed")
+            if candidate is not None:
+                found.append(candidate)
         return found
 
     def _moving(self, producer: Sequence[Node], consumer: Sequence[Node]) -> list[Candidate]:

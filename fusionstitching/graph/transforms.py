@@ -429,33 +429,37 @@ def _merge_key(node: Node) -> tuple | None:
 DUPLICATED_OPS = ("broadcast_in_dim", "iota")
 
 
-def _duplicated(node: Node) -> bool:
+def _duplicated(node: Node, computed: bool) -> bool:
     """Whether each user gets its own copy of ``node``: a broadcast or an iota (index arithmetic), or a
-    widening convert of a graph input (``x.float()`` in a norm, ``_widened_input``): a kernel recomputing it reads the
-    narrower input, never more bytes than reading a materialized copy, and two kernels that both
-    need it (a norm's input gradient and its weight gradient) no longer force it into memory."""
+    widening convert (``x.float()`` in a norm, ``_widened``): a kernel recomputing it reads the
+    narrower value, and two kernels that both need it (a norm's input gradient and its weight
+    gradient) no longer force the wider one into memory. Wherever the value converted is computed,
+    writing it narrow once and reading it narrow moves fewer bytes than writing and reading the
+    converted copy."""
     if node.op in DUPLICATED_OPS:
         return True
-    return _widened_input(node) or _recomputed_size(node) is not None
+    return _widened(node, computed) or _recomputed_size(node, computed) is not None
 
 
 RECOMPUTED_NODES = 8  # the most light elementwise nodes a user recomputes instead of reading
 
 
-def _recomputed_size(node: Node, depth: int = 0) -> int | None:
+def _recomputed_size(node: Node, computed: bool, depth: int = 0) -> int | None:
     """The light elementwise nodes above and including ``node`` when every value under them is a
-    broadcast, an iota, a constant or a widened input (``_duplicated``), else None. A user
+    broadcast, an iota, a constant or a widened value (``_duplicated``), else None. A user
     recomputing them reads only those smaller sources: cross-entropy's one-hot gradient
     ``select(iota == target, -1/n, 0) * weight`` is [tokens, vocabulary] from [tokens] inputs, read
     by its row sum's kernel and by the softmax gradient's; shared, the first kernel wrote it whole
-    (800 MB for GPT-2's vocabulary) for the second to read back. At most ``RECOMPUTED_NODES``."""
+    (800 MB for GPT-2's vocabulary) for the second to read back. BatchNorm's centred input
+    ``conv_out.float() - mean`` is read by its variance's kernel and its normalization's; shared, it
+    was written in f32 beside the bf16 convolution output. At most ``RECOMPUTED_NODES``."""
     if OPS[node.op].category != Category.LIGHT_ELEMENTWISE or depth >= RECOMPUTED_NODES:
         return None
     total = 1
     for x in node.operands:
-        if x.op in DUPLICATED_OPS or x.op == "constant" or _widened_input(x):
+        if x.op in DUPLICATED_OPS or x.op == "constant" or _widened(x, computed):
             continue
-        below = _recomputed_size(x, depth + 1)
+        below = _recomputed_size(x, computed, depth + 1)
         if below is None:
             return None
         total += below
@@ -464,35 +468,37 @@ def _recomputed_size(node: Node, depth: int = 0) -> int | None:
     return total
 
 
-def _widened_input(node: Node) -> bool:
-    """A widening convert of a graph input, through reshapes on either side (GroupNorm's
-    ``x.float().reshape(n, groups, -1)``: the reshape is what its several users read)."""
+def _widened(node: Node, computed: bool) -> bool:
+    """A widening convert, through reshapes on either side (GroupNorm's
+    ``x.float().reshape(n, groups, -1)``: the reshape is what its several users read), of a graph
+    input, or of any value with ``computed``."""
     while node.op == "reshape":
         node = node.operands[0]
-    if node.op != "convert":
+    if node.op != "convert" or node.dtype.itemsize < node.operands[0].dtype.itemsize:
         return False
     source = node.operands[0]
     while source.op == "reshape":
         source = source.operands[0]
-    return source.op == "parameter" and node.dtype.itemsize >= source.dtype.itemsize
+    return computed or source.op == "parameter"
 
 
-def duplicate_broadcasts(graph: Graph) -> Graph:
+def duplicate_broadcasts(graph: Graph, computed: bool = False) -> Graph:
     """A copy of ``graph`` where each broadcast, iota or widening convert of an input
-    (``_duplicated``) with k > 1 users is k nodes, one per user (repeated until no such node is
-    left: the copies of an outer broadcast share the inner one)."""
+    (``_duplicated``; with ``computed``, a widening convert of any value) with k > 1 users is k
+    nodes, one per user (repeated until no such node is left: the copies of an outer broadcast
+    share the inner one)."""
     while True:
-        result = _duplicate_once(graph)
+        result = _duplicate_once(graph, computed)
         if result is graph:
             return graph
         graph = result
 
 
-def _duplicate_once(graph: Graph) -> Graph:
+def _duplicate_once(graph: Graph, computed: bool) -> Graph:
     users = graph.index.users
     outputs = graph.index.output_ids
     shared = {id(n) for n in graph.nodes
-              if _duplicated(n) and len(users[n]) > 1 and id(n) not in outputs}
+              if _duplicated(n, computed) and len(users[n]) > 1 and id(n) not in outputs}
     if not shared:
         return graph
     names = _Names(n.name for n in graph.nodes)

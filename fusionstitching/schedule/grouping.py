@@ -574,8 +574,13 @@ def _lanes_on_long_dims(pattern, reductions: list[Node]) -> bool:
 def thread_serial_template(pattern, reductions: list[Node], threads: int = DEFAULT_THREADS) -> KernelSchedule:
     """Each thread reduces whole columns by itself (reduced dims THREAD) and applies the epilogue to
     its own results, so no value crosses threads: the kept dims are tiled alike in every group, the
-    last one ``GRID-CTA_<threads>``. Fits column reductions whose consumers have the reduced shape
-    (a bias gradient and its convert back to bf16, a column sum and its epilogue); a ValueError
+    last one ``GRID-CTA_<threads>``. A root that reduces nothing (a cast packed beside the sums)
+    spreads the lanes over its innermost dims that fit whole with lanes to spare, then
+    ``GRID-CTA_<the lanes left>`` over the next: a [64, 64, 3, 3] weight's cast tiled over its last
+    dim alone kept 3 of each block's 256 lanes busy. The reductions keep one block per GRID point of
+    their last kept dim, so that their few active threads are spread over the GPU's SMs. Fits
+    column reductions whose consumers have the reduced shape (a bias gradient and its convert back
+    to bf16, a column sum and its epilogue); a ValueError
     where a root's lanes would fall on a dim of size 1 (``_lanes_on_long_dims``)."""
     if not _lanes_on_long_dims(pattern, reductions):
         raise ValueError("the thread-serial template tiles every root as the reductions' kept dims, "
@@ -588,8 +593,14 @@ def thread_serial_template(pattern, reductions: list[Node], threads: int = DEFAU
         kept = [d for d in range(len(space)) if d not in reduced]
         dims: list[tuple[Tile, ...]] = [(Tile(Level.THREAD),) if d in reduced else (Tile(Level.GRID),)
                                         for d in range(len(space))]
-        if kept:
-            dims[kept[-1]] = (Tile(Level.GRID), Tile(Level.CTA, threads))
+        remaining = threads
+        for d in reversed(kept):
+            if not reduced and d != kept[0] and space[d] * 2 <= remaining:
+                dims[d] = (Tile(Level.CTA),)  # the whole dim, the lanes left over to the dims outside it
+                remaining //= max(space[d], 1)
+                continue
+            dims[d] = (Tile(Level.GRID), Tile(Level.CTA, remaining))
+            break
         schedules.append(Schedule(root.name, tuple(dims)))
     grid = level_extent(schedules[0], _space(roots[0]), Level.GRID)
     return KernelSchedule(tuple(schedules), Launch(max(1, min(grid, MAX_BLOCKS)), threads))

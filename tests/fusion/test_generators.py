@@ -375,3 +375,31 @@ def test_neighbour_merging_moves_a_packed_producers_nodes_into_their_only_reader
         return scorer.score(list(nodes), legality.check(list(nodes)).schedule).value
 
     assert score(moved) + score(packed[1]) > score(seeds[0]) + score(readers[0])
+
+
+def test_neighbour_merging_joins_the_connected_part_of_a_packed_consumer():
+    """A softmax's division and cast packed with an unrelated weight cast (as BERT's inference
+    selected them once broadcast chains were recomputed per user): merged whole with the softmax's
+    first half, the weight cast's grid makes the union illegal. The union of the first half with the
+    division's part alone is proposed, and the weight cast left as its own pattern."""
+    from fusionstitching.fusion.patterns import NeighbourMerging
+
+    b = GraphBuilder("packed_softmax")
+    x = b.parameter(SHAPE, DType.F32, "x")
+    weight = b.parameter((768, 768), DType.F32, "weight")
+    shifted = b.binary("sub", x, b.broadcast(b.reduce(x, (1,), "max"), SHAPE, (0,)))
+    e = b.unary("exp", shifted)
+    total = b.broadcast(b.reduce(e, (1,), "sum"), SHAPE, (0,))
+    y = b.convert(b.binary("div", e, total), DType.BF16)
+    cast = b.convert(weight, DType.BF16)
+    graph = b.build([y, cast])
+    nodes = [n for n in graph.nodes if n.op not in ("parameter", "constant")]
+    split = nodes.index(graph.node(total.name)) - 1  # the sum's reduce starts the second half
+    first = tuple(nodes[:split])
+    second = tuple(n for n in nodes[split:] if n.name != cast.name)
+    roles, legality, _ = _tools(graph)
+    found = {frozenset(c.nodes): c for c in
+             NeighbourMerging(graph, roles, legality, set()).run([first, second + (graph.node(cast.name),)])}
+    joined = frozenset(first + second)
+    assert joined in found and found[joined].origin.endswith("unconnected parts left packed")
+    assert frozenset([graph.node(cast.name)]) in found

@@ -213,6 +213,41 @@ def test_a_reshape_of_a_widened_input_is_copied_per_user_with_its_convert():
                 and any(plan.pattern_of(u.name) is not plan.pattern_of(n.name) for u in plan.graph.index.users[n])]
 
 
+def test_a_widened_computed_value_and_its_centred_copy_are_recomputed_by_each_user():
+    """BatchNorm under autocast: ``x = relu(a + b)`` in bf16, its statistics and normalization in
+    f32 (``x.float() - mean``). Written by one kernel in f32 and read back by the variance's and
+    the normalization's kernels, the centred copy moved twice the bytes of the bf16 ``x`` it comes
+    from; each user now recomputes it from ``x``, and no f32 tensor of ``x``'s size crosses a kernel
+    boundary."""
+    from fusionstitching.fusion import explore
+
+    rows, channels = 4096, 64
+    b = GraphBuilder("batchnorm_bf16")
+    a = b.parameter((rows, channels), DType.BF16, "a")
+    c = b.parameter((rows, channels), DType.BF16, "c")
+    summed = b.binary("add", a, c)
+    x = b.binary("max", summed, b.broadcast(b.constant(0.0, DType.BF16), (rows, channels), ()))
+    wide = b.convert(x, DType.F32)
+    mean = b.binary("div", b.reduce(wide, (0,), "sum"),
+                    b.broadcast(b.constant(float(rows), DType.F32), (channels,), ()))
+    centred = b.binary("sub", wide, b.broadcast(mean, (rows, channels), (1,)))
+    var = b.reduce(b.binary("mul", centred, centred), (0,), "sum")
+    scale = b.unary("rsqrt", b.binary("add", var, b.broadcast(b.constant(1e-5, DType.F32), (channels,), ())))
+    y = b.convert(b.binary("mul", centred, b.broadcast(scale, (rows, channels), (1,))), DType.BF16)
+    graph = b.build([y, mean, var])
+    assert sum(1 for n in duplicate_broadcasts(graph).nodes if n.op == "sub") == 1
+    dup = duplicate_broadcasts(graph, computed=True)
+    assert sum(1 for n in dup.nodes if n.op == "sub") == 2, [n.name for n in dup.nodes]
+    arrays = random_arrays(graph)
+    for want, got in zip(reference.evaluate(graph, arrays), reference.evaluate(dup, arrays)):
+        np.testing.assert_array_equal(got, want)
+    plan = explore(graph)
+    crossing = [n.name for n in plan.graph.nodes if n.dtype == DType.F32 and n.shape == (rows, channels)
+                and plan.pattern_of(n.name) is not None
+                and any(plan.pattern_of(u.name) is not plan.pattern_of(n.name) for u in plan.graph.index.users[n])]
+    assert crossing == [], plan.explain()
+
+
 def test_a_one_hot_built_from_small_inputs_is_recomputed_by_each_user():
     """Cross-entropy's gradient one-hot ``select(iota == target, -1, 0) * weight``: [rows, vocab]
     made from [rows] inputs. Its row sum and the softmax gradient each recompute it; written once

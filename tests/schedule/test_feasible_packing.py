@@ -4,11 +4,15 @@ column-sum sub-kernel recomputing another sub-kernel's work."""
 
 from __future__ import annotations
 
+import math
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
 
 from fusionstitching.codegen import generate
+from fusionstitching.graph import reference
 from fusionstitching.graph.graph import GraphBuilder
 from fusionstitching.graph.ops import DType
 from fusionstitching.schedule import feasible
@@ -250,3 +254,40 @@ def test_a_packed_nest_does_not_refold_another_nests_column_sums():
     graph = b.build([sums, gradient])
     pattern = resolve_pattern(graph, [n for n in graph.nodes if n.op != "parameter"])
     assert refolded(pattern, _packed_template(pattern, 256)) is not None
+
+
+def test_thread_serial_lanes_fill_the_block_over_a_packed_casts_small_dims():
+    """A BatchNorm statistic split in 256 parts of 392 rows over 64 channels, packed beside a
+    [64, 64, 3, 3] weight cast: the cast's lanes cover its 3 × 3 window and 28 input channels
+    (tiled over its last dim alone, 253 of each block's 256 lanes were idle, and it ran 12288 block
+    iterations on the 2 blocks its element count earned it), the sum keeps a block per part, and the
+    cast's blocks are sized by its steps. Simulated equal to the reference."""
+    from fusionstitching.codegen.lower import resolve_pattern
+    from fusionstitching.schedule.grouping import _crossing, thread_serial_template
+    from fusionstitching.schedule.template import Level, tile_extents
+
+    b = GraphBuilder("split_stat_and_cast")
+    x = b.parameter((256, 392, 64), DType.BF16, "x")
+    w = b.parameter((64, 64, 3, 3), DType.F32, "w")
+    partial = b.reduce(b.convert(x, DType.F32), [1], "sum")
+    cast = b.convert(w, DType.BF16)
+    graph = b.build([partial, cast])
+    nodes = [n for n in graph.nodes if n.op not in ("parameter", "constant")]
+    pattern = resolve_pattern(graph, nodes)
+    template = thread_serial_template(pattern, _crossing(pattern))
+    assert template.launch.blocks == 256
+    sched = next(s for s in template.schedules if s.root == cast.name)
+    space = (64, 64, 3, 3)
+    busy = math.prod(min(size, math.prod(e for t, e in zip(tiles, tile_extents(size, tiles)) if t.level == Level.CTA))
+                     for size, tiles in zip(space, sched.dims))
+    assert busy >= 0.9 * template.launch.threads, sched
+    kernel = generate(graph, nodes, template)
+    ranges = re.findall(r"sub-kernel (\w+): blocks \[(\d+), (\d+)\)", kernel.cuda_source)
+    assert {name: int(stop) - int(start) for name, start, stop in ranges}[cast.name] == 1, ranges
+    rng = np.random.default_rng(0)
+    data = [rng.standard_normal((256, 392, 64)).astype(ml_dtypes.bfloat16),
+            rng.standard_normal((64, 64, 3, 3)).astype(np.float32)]
+    got = dict(zip((n.name for n in kernel.lowered.pattern.outputs), kernel.simulate(data)))
+    for node, want in zip(graph.outputs, reference.evaluate(graph, data)):
+        np.testing.assert_allclose(np.asarray(got[node.name], np.float32), np.asarray(want, np.float32),
+                                   rtol=1e-5, atol=1e-3)
