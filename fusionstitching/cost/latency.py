@@ -26,7 +26,7 @@ memory-intensive kernel takes about max(L, M(V))). Units: cycles inside, µs out
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
 from fusionstitching.cost.bandwidth import BandwidthModel
@@ -142,11 +142,13 @@ def node_work(node: Node) -> int:
     return node.size
 
 
-def instructions_per_thread(nodes: Iterable[Node], blocks: int, threads_per_block: int) -> float:
+def instructions_per_thread(nodes: Iterable[Node], blocks: int, threads_per_block: int,
+                            computed: Mapping[int, float] | None = None) -> float:
     """N_instruction × CPI of one thread of a fused pattern's kernel, in cycles.
 
-    Σ over ``nodes`` of work × ``CYCLES_PER_ELEMENT[category]``, divided by blocks × threads; a
-    library call cannot be inside a generated kernel and raises ``ValueError``.
+    Σ over ``nodes`` of work × ``CYCLES_PER_ELEMENT[category]`` (× the fraction of the node the
+    kernel computes, ``computed`` by id, where given), divided by blocks × threads; a library call
+    cannot be inside a generated kernel and raises ``ValueError``.
     """
     threads = blocks * threads_per_block
     if threads < 1:
@@ -156,7 +158,7 @@ def instructions_per_thread(nodes: Iterable[Node], blocks: int, threads_per_bloc
         weight = CYCLES_PER_ELEMENT.get(node.category)
         if weight is None:
             raise ValueError(f"node {node.name} ({node.op}, {node.category.value}) cannot be part of a kernel")
-        cycles += weight * node_work(node)
+        cycles += weight * node_work(node) * (computed.get(id(node), 1.0) if computed else 1.0)
     return cycles / threads
 
 

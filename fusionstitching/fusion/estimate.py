@@ -24,7 +24,13 @@ from collections.abc import Sequence
 
 from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us
 from fusionstitching.fusion.plan import FusionPlan
-from fusionstitching.fusion.score import Scorer, access_factor, counts_as_kernel, pattern_bytes
+from fusionstitching.fusion.score import (
+    Scorer,
+    access_factor,
+    computed_fractions,
+    counts_as_kernel,
+    pattern_bytes,
+)
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.options import Options
 from fusionstitching.schedule.template import KernelSchedule
@@ -36,7 +42,8 @@ def kernel_time_us(scorer: Scorer, nodes: Sequence[Node], schedule: KernelSchedu
     latency = 0.0
     if schedule is not None and any(counts_as_kernel(n) for n in nodes):
         blocks, threads = schedule.launch.blocks, schedule.launch.threads
-        latency = kernel_latency_us(scorer.spec, blocks, threads, instructions_per_thread(list(nodes), blocks, threads))
+        work = instructions_per_thread(list(nodes), blocks, threads, computed_fractions(scorer.graph, nodes))
+        latency = kernel_latency_us(scorer.spec, blocks, threads, work)
     return max(latency, memory) + scorer.launch_us
 
 

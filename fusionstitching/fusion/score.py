@@ -32,6 +32,7 @@ from fusionstitching.cost.bandwidth import BandwidthModel, bandwidth_model
 from fusionstitching.cost.gpu_spec import GpuSpec, gpu_spec
 from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us
 from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.ops import OPS, Category
 from fusionstitching.graph.pattern import is_reduction, iteration_space
 from fusionstitching.options import Options
 from fusionstitching.schedule.grouping import SECTOR_BYTES
@@ -47,9 +48,12 @@ def _is_scalar_constant(node: Node) -> bool:
 
 
 def unfused_bytes(node: Node) -> int:
-    """Global-memory bytes of ``node`` run as its own kernel: distinct operands read, result written."""
+    """Global-memory bytes of ``node`` run as its own kernel: distinct operands read, result written
+    (a slice reads only the elements it keeps)."""
     if node.op == "reshape":
         return 0
+    if node.op == "slice":
+        return 2 * _bytes(node)
     operands = {id(o): o for o in node.operands if not _is_scalar_constant(o)}
     return _bytes(node) + sum(_bytes(o) for o in operands.values())
 
@@ -59,7 +63,9 @@ def counts_as_kernel(node: Node) -> bool:
 
 
 def pattern_bytes(graph: Graph, nodes: Sequence[Node]) -> int:
-    """Bytes the fused kernel reads (inputs from outside, once) and writes (outputs used outside)."""
+    """Bytes the fused kernel reads (inputs from outside, once) and writes (outputs used outside).
+    An input is read in the fraction of its elements the kernel needs (``computed_fractions``):
+    all of it, unless what reads it ends in slices."""
     members = set(nodes)
     index = graph.index
     inputs: dict[int, Node] = {}
@@ -70,7 +76,53 @@ def pattern_bytes(graph: Graph, nodes: Sequence[Node]) -> int:
                 inputs[id(operand)] = operand
         if id(node) in index.output_ids or any(u not in members for u in index.users[node]):
             total += _bytes(node)
-    return total + sum(_bytes(o) for o in inputs.values())
+    needed = computed_fractions(graph, nodes)
+    if needed is None:
+        return total + sum(_bytes(o) for o in inputs.values())
+    return total + sum(round(_bytes(o) * _read_fraction(o, needed, index.users[o], members))
+                       for o in inputs.values())
+
+
+_SAME_INDEX_OPS = ("reshape", "transpose", "reduce")  # a fraction of the result needs that fraction
+
+
+def _passed_on(user: Node, operand: Node, fraction: float) -> float:
+    """The fraction of ``operand``'s elements that ``user`` needs when ``fraction`` of its own are
+    needed: a slice takes its share, an op computing each result from the operand's elements at
+    the same index (elementwise ops, views, reductions) the same fraction, anything else (a
+    broadcast, a gather, a pad) all of them."""
+    if fraction <= 0.0:
+        return 0.0
+    if user.op == "slice":
+        return fraction * user.size / max(operand.size, 1)
+    category = OPS[user.op].category
+    if user.op in _SAME_INDEX_OPS or (category in (Category.LIGHT_ELEMENTWISE, Category.EXPENSIVE_ELEMENTWISE)
+                                      and user.shape == operand.shape):
+        return fraction
+    return 1.0
+
+
+def _read_fraction(node: Node, needed: dict[int, float], users: Sequence[Node], members: set[Node]) -> float:
+    total = sum(_passed_on(u, node, needed[id(u)]) for u in dict.fromkeys(users) if u in members)
+    return min(1.0, total)
+
+
+def computed_fractions(graph: Graph, nodes: Sequence[Node]) -> dict[int, float] | None:
+    """The fraction of each member's elements the kernel computes, by id: all of an output's; of a
+    node read only inside, what its readers need of it (BatchNorm's shift ``x.float()[0, :, 0, 0]``
+    needs 64 elements of the converted input, not all of it). None where no member is a slice:
+    then the kernel computes every member whole."""
+    if not any(n.op == "slice" for n in nodes):
+        return None
+    members = set(nodes)
+    index = graph.index
+    needed: dict[int, float] = {}
+    for node in sorted(nodes, key=index.position.__getitem__, reverse=True):
+        if id(node) in index.output_ids or any(u not in members for u in index.users[node]):
+            needed[id(node)] = 1.0
+        else:
+            needed[id(node)] = _read_fraction(node, needed, index.users[node], members)
+    return needed
 
 
 def sector_factor(schedule: Schedule, space: Sequence[int], itemsize: int) -> float:
@@ -167,6 +219,6 @@ class Scorer:
         if schedule is None:
             return 0.0
         blocks, threads = schedule.launch.blocks, schedule.launch.threads
-        work = instructions_per_thread(list(nodes), blocks, threads)
+        work = instructions_per_thread(list(nodes), blocks, threads, computed_fractions(self.graph, nodes))
         latency = kernel_latency_us(self.spec, blocks, threads, work)
         return max(0.0, latency - self.memory.time_us(fused_bytes))

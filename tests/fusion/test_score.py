@@ -132,3 +132,30 @@ def test_the_estimate_counts_the_sectors_a_schedule_moves():
     down = parse_template("reduce[CTA,GRID]; launch(blocks=64,threads=256)")
     along = parse_template("reduce[THREAD_8-WARP_8,GRID-CTA_32]; launch(blocks=2,threads=256)")
     assert kernel_time_us(scorer, [r], down) > kernel_time_us(scorer, [r], along)
+
+
+def test_a_kernel_ending_in_a_slice_reads_and_computes_only_the_sliced_elements():
+    """BatchNorm's variance shift ``x.float()[0, :, 0, 0]``: a kernel computing it reads 64 of the
+    convolution output's elements and converts 64, not the whole [32, 56, 56, 64] tensor (counted
+    whole, its one-block kernel was estimated at 48 µs and the slice stayed in the statistics'
+    kernel, whose merged template was then refused): a launch and a few µs. Elements read twice
+    through two slices are counted once; a slice kernel alone moves its result twice."""
+    from fusionstitching.fusion.estimate import kernel_time_us
+
+    b = GraphBuilder("shift")
+    x = b.parameter((32, 56, 56, 64), DType.BF16, "x")
+    wide = b.convert(x, DType.F32)
+    first = b.node("slice", [wide], start=(0, 0, 0, 0), limit=(1, 1, 1, 64), stride=(1, 1, 1, 1))
+    graph = b.build([first])
+    nodes = [n for n in graph.nodes if n.op not in ("parameter", "constant")]
+    assert pattern_bytes(graph, nodes) == 64 * 2 + 64 * 4
+    assert unfused_bytes(graph.node(first.name)) == 2 * 64 * 4
+    scorer = Scorer(graph, Options())
+    assert kernel_time_us(scorer, nodes, feasible(graph, nodes)) < scorer.launch_us + 5.0
+    b = GraphBuilder("halves")
+    x = b.parameter((64, 128), DType.F32, "x")
+    left = b.node("slice", [x], start=(0, 0), limit=(64, 64), stride=(1, 1))
+    right = b.node("slice", [x], start=(0, 64), limit=(64, 128), stride=(1, 1))
+    graph = b.build([b.binary("add", left, right)])
+    nodes = [n for n in graph.nodes if n.op not in ("parameter", "constant")]
+    assert pattern_bytes(graph, nodes) == 64 * 128 * 4 + 64 * 64 * 4
