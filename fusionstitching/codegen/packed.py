@@ -33,7 +33,7 @@ from fusionstitching.codegen.vectorize import pack_lanes
 from fusionstitching.graph.graph import Node
 from fusionstitching.graph.pattern import iteration_space
 from fusionstitching.schedule.packing import packed_groups
-from fusionstitching.schedule.template import KernelSchedule, Level, Schedule, tile_extents
+from fusionstitching.schedule.template import KernelSchedule, Level, Schedule, level_extent, tile_extents
 
 
 def lower_packed(emitter, schedule, pattern, out_names, output_layouts, vectorize_access, guard_tails,
@@ -77,12 +77,6 @@ def _group_schedules(schedule: KernelSchedule, outputs: dict[str, Node], inside:
     return packed_groups(roots, inside)
 
 
-def _level_extent(sched: Schedule, root: Node, level: Level) -> int:
-    space = iteration_space(root)
-    return math.prod(e for size, tiles in zip(space, sched.dims) for t, e in zip(tiles, tile_extents(size, tiles))
-                     if t.level == level)
-
-
 def _block_ranges(groups: list[tuple[Schedule, list[Node]]], blocks: int) -> list[tuple[int, int]]:
     """Block ranges of packed sub-kernels: proportional to each one's steps (its GRID iterations
     times each thread's serial THREAD points, times its roots), at least one block, never more than
@@ -93,9 +87,10 @@ def _block_ranges(groups: list[tuple[Schedule, list[Node]]], blocks: int) -> lis
         return [(0, blocks)]
     if blocks < len(groups):
         raise CodegenError(f"launch has {blocks} blocks for {len(groups)} packed sub-kernels")
-    grids = [_level_extent(s, members[0], Level.GRID) for s, members in groups]
-    work = [g * _level_extent(s, members[0], Level.THREAD) * len(members)
-            for g, (s, members) in zip(grids, groups)]
+    spaces = [iteration_space(members[0]) for _, members in groups]
+    grids = [level_extent(s, space, Level.GRID) for (s, _), space in zip(groups, spaces)]
+    work = [g * level_extent(s, space, Level.THREAD) * len(members)
+            for g, (s, members), space in zip(grids, groups, spaces)]
     total = sum(work) or 1
     counts = [max(1, min(g, round(blocks * w / total))) for g, w in zip(grids, work)]
     while sum(counts) > blocks:

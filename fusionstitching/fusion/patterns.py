@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from fusionstitching.fusion.legality import Legality, Roles, Verdict
+from fusionstitching.graph.collapse import UnionFind
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
 from fusionstitching.graph.pattern import is_reduction
@@ -287,25 +288,18 @@ def _propose_union(union: list[Node], seen: set[frozenset[Node]], legality: Lega
     return Candidate(tuple(union), verdict, origin) if verdict else None
 
 
-def _connected_parts(graph: Graph, group: Sequence[Node]) -> list[list[Node]]:
+def _connected_parts(group: Sequence[Node]) -> list[list[Node]]:
     """``group``'s nodes split into the parts its own edges connect (one part for a fused pattern,
     several for a packing of independent ones)."""
-    members = set(group)
-    parent = {n: n for n in group}
-
-    def find(n: Node) -> Node:
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
+    members = {id(n) for n in group}
+    sets = UnionFind()
     for node in group:
         for operand in node.operands:
-            if operand in members:
-                parent[find(operand)] = find(node)
-    parts: dict[Node, list[Node]] = {}
+            if id(operand) in members:
+                sets.union(id(operand), id(node))
+    parts: dict[int, list[Node]] = {}
     for node in group:
-        parts.setdefault(find(node), []).append(node)
+        parts.setdefault(sets.find(id(node)), []).append(node)
     return list(parts.values())
 
 
@@ -389,7 +383,7 @@ class NeighbourMerging(PlanSeeded):
         exponentials written in f32 and read back) stay apart."""
         joined, rest = [], []
         for side, other in ((producer, consumer), (consumer, producer)):
-            parts = _connected_parts(self.graph, side)
+            parts = _connected_parts(side)
             if len(parts) == 1:
                 joined += parts[0]
                 continue

@@ -291,3 +291,23 @@ def test_thread_serial_lanes_fill_the_block_over_a_packed_casts_small_dims():
     for node, want in zip(graph.outputs, reference.evaluate(graph, data)):
         np.testing.assert_allclose(np.asarray(got[node.name], np.float32), np.asarray(want, np.float32),
                                    rtol=1e-5, atol=1e-3)
+
+
+def test_packed_sub_kernels_get_blocks_by_their_steps_not_their_elements():
+    """A [64, 64, 3, 3] cast tiled ``GRID-CTA_256`` over its last dim (3 busy lanes a block, 12288
+    block iterations) beside a partial sum of 256 × 392 × 64 elements (256 block iterations of 392
+    serial points): by elements the cast got 2 of 256 blocks, 6144 iterations each; by steps
+    (iterations × serial points) it gets 28, as long as the sum's blocks take."""
+    from fusionstitching.codegen.packed import _block_ranges
+    from fusionstitching.schedule.template import Level, Schedule, Tile
+
+    b = GraphBuilder("ranges")
+    partial = b.reduce(b.parameter((256, 392, 64), DType.F32, "x"), [1], "sum")
+    cast = b.convert(b.parameter((64, 64, 3, 3), DType.F32, "w"), DType.BF16)
+    b.build([partial, cast])
+    grid, wide = (Tile(Level.GRID),), (Tile(Level.GRID), Tile(Level.CTA, 256))
+    groups = [(Schedule(partial.name, (grid, (Tile(Level.THREAD),), wide)), [partial]),
+              (Schedule(cast.name, (grid, grid, grid, wide)), [cast])]
+    (s0, e0), (s1, e1) = _block_ranges(groups, 256)
+    assert (e0 - s0, e1 - s1) == (228, 28)
+    assert 12288 / (e1 - s1) <= 2 * 392 * 256 / (e0 - s0)
