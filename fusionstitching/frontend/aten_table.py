@@ -448,6 +448,53 @@ def _select(cx: LoweringContext, x: Node, dim: int, index: int) -> Node:
     return cx.reshape(_slice_dim(cx, x, dim, index, index + 1, 1), cx.shape)
 
 
+def _scatter_into(cx: LoweringContext, x: Node, src: Node, dim: int, start: int, count: int, step: int) -> Node:
+    """``x`` with positions ``start, start + step, ...`` (``count`` of them) along ``dim`` taken
+    from ``src``: ``src`` padded to ``x``'s shape (``step - 1`` zeros between its elements), then
+    ``select(position hit, padded, x)``. Every output element is one read of either operand, so it
+    fuses like any elementwise op (the backward of slicing: rotary embedding's halves)."""
+    x = cx.lift(x, cx.dtype, x.shape)
+    if count == 0:
+        return x
+    src = cx.lift(src, cx.dtype, src.shape)
+    size, last = x.shape[dim], start + (count - 1) * step
+    if (start, count, step) == (0, size, 1):
+        return src
+    low, high, interior = [0] * len(x.shape), [0] * len(x.shape), [0] * len(x.shape)
+    low[dim], high[dim], interior[dim] = start, size - 1 - last, step - 1
+    padded = cx.node("pad", src, low=tuple(low), high=tuple(high), interior=tuple(interior), value=0.0)
+    position = cx.b.iota(x.shape, dim, DType.I64)
+    hit = cx.b.binary("and", cx.b.compare("GE", position, cx.constant(start, DType.I64, x.shape)),
+                      cx.b.compare("LE", position, cx.constant(last, DType.I64, x.shape)))
+    if step > 1:
+        offset = cx.b.binary("sub", position, cx.constant(start, DType.I64, x.shape))
+        on_step = cx.b.compare("EQ", cx.b.binary("rem", offset, cx.constant(step, DType.I64, x.shape)),
+                               cx.constant(0, DType.I64, x.shape))
+        hit = cx.b.binary("and", hit, on_step)
+    return cx.b.select(hit, padded, x)
+
+
+@lowers("aten.slice_scatter.default")
+def _slice_scatter(cx: LoweringContext, x: Node, src: Node, dim: int = 0, start: Any = None, end: Any = None,
+                   step: int = 1) -> Node:
+    dim = cx.normalize_dim(dim, len(x.shape))
+    r = range(x.shape[dim])[slice(start, end, step)]
+    expected = tuple(len(r) if d == dim else s for d, s in enumerate(x.shape))
+    if tuple(src.shape) != expected:
+        raise Unsupported(f"slice_scatter of a {list(src.shape)} source into a {list(expected)} slice")
+    return _scatter_into(cx, x, src, dim, r.start if len(r) else 0, len(r), step)
+
+
+@lowers("aten.select_scatter.default")
+def _select_scatter(cx: LoweringContext, x: Node, src: Node, dim: int, index: int) -> Node:
+    dim = cx.normalize_dim(dim, len(x.shape))
+    if not -x.shape[dim] <= index < x.shape[dim]:
+        raise Unsupported(f"select_scatter index {index} out of range for dim {dim} of size {x.shape[dim]}")
+    shape = tuple(1 if d == dim else s for d, s in enumerate(x.shape))
+    return _scatter_into(cx, x, cx.reshape(cx.lift(src, cx.dtype, src.shape), shape), dim,
+                         index % x.shape[dim], 1, 1)
+
+
 @lowers("aten.split_with_sizes.default", "aten.split.Tensor", "aten.unbind.int")
 def _split(cx: LoweringContext, x: Node, sizes: Any = None, dim: int = 0) -> tuple[Node, ...]:
     name = cx.fx_node.target.__name__

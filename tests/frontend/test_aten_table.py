@@ -76,6 +76,13 @@ CASES = {
                             lambda: (_r(4, 6), _i(6, 4, 1, seed=3))),
     # torch takes a 0-d tensor as one element: reducing it over dim 0 or -1 reduces nothing, it is
     # index_select's source or destination of one row, and scatter's of one element.
+    # the backward of slicing (rotary embedding's halves): a padded source selected by position
+    "slice_select_scatter": (lambda x, s, t, r: (torch.slice_scatter(x, s, 1, 1, 6, 2), torch.slice_scatter(x, t, 0, -2),
+                                                 torch.select_scatter(x, r, 1, -1),
+                                                 torch.slice_scatter(x.int(), (s * 4).int(), 1, 1, 6, 2),
+                                                 torch.slice_scatter(x, x[:, 2:5] * 3, 1, 2, 5),
+                                                 torch.slice_scatter(x, x * 2, 1)),
+                             lambda: (_r(4, 7), _r(4, 3, seed=1), _r(2, 7, seed=2), _r(4, seed=3))),
     "zero_dim_reductions": (lambda x: (x.sum(0), x.sum(-1, keepdim=True), x.amax(0), x.amin(-1), x.mean(0),
                                        x.prod(0), torch.logsumexp(x, 0), torch.softmax(x, -1), (x > 0).any(0),
                                        x.sum(0, dtype=torch.float64), x.var(0, correction=0)),
