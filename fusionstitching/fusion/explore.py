@@ -68,7 +68,7 @@ from fusionstitching.fusion.select import Selection, select_ilp
 from fusionstitching.fusion.split import split_underfilled_reductions
 from fusionstitching.graph.collapse import collapse_reduced_runs
 from fusionstitching.graph.graph import Graph, Node
-from fusionstitching.graph.layout import laid_out_convolutions
+from fusionstitching.graph.layout import laid_out_convolutions, permuted_library_layouts
 from fusionstitching.graph.refine import refine_reshaped_regions
 from fusionstitching.graph.transforms import (
     check_indices,
@@ -163,6 +163,10 @@ def _explore(graph: Graph, solver: str, options: Options, generators: Sequence[s
         if laid_out is not graph:
             graph = laid_out
             notes.append("convolutions read and write channels-last (NHWC) nodes")
+    permuted = permuted_library_layouts(graph)
+    if permuted is not graph:
+        graph = permuted
+        notes.append("library calls get and return permuted layouts as views (graph/layout.py)")
     refined = refine_reshaped_regions(graph) if split else graph
     split, graph = refined is not graph, refined
     if options.collapse_dims:

@@ -360,3 +360,158 @@ def _sink_reduce(n: Node, transpose: Node, names: _Names) -> Node:
                                  shape=tuple(source.shape[d] for d in order),
                                  attrs={**n.attrs, "dims": reduced}, layout=None)
     return _make("transpose", [inside], n.name, permutation=tuple(order.index(d) for d in kept), layout=n.layout)
+
+
+# ----------------------------------------------------------------------------------------------
+# Permuted operands and results of other library calls
+# ----------------------------------------------------------------------------------------------
+
+
+def dense_permutation(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...] | None:
+    """The permutation ``p`` for which ``strides`` store ``shape`` as the contiguous tensor of shape
+    ``[shape[d] for d in p]`` (a permuted view of dense storage) when it keeps the last dim last and
+    is not the identity; else None. Dims of size 1 take any stride and keep their place."""
+    if len(shape) < 3 or len(strides) != len(shape):
+        return None
+    order = sorted(range(len(shape)), key=lambda d: (-strides[d] if shape[d] > 1 else 0, d))
+    sized = [d for d in order if shape[d] > 1]
+    if not sized or sized[-1] != len(shape) - 1:
+        return None
+    # dims of size 1 go back where they were among the sized ones' order: keep them in place
+    perm = list(range(len(shape)))
+    slots = [d for d in range(len(shape)) if shape[d] > 1]
+    for slot, d in zip(slots, sized):
+        perm[slot] = d
+    perm_t = tuple(perm)
+    if perm_t == tuple(range(len(shape))):
+        return None
+    want = contiguous_strides_of([shape[d] for d in perm_t])
+    have = [strides[d] for d in perm_t]
+    if any(size > 1 and h != w for size, h, w in zip((shape[d] for d in perm_t), have, want)):
+        return None
+    return perm_t
+
+
+def contiguous_strides_of(shape: Sequence[int]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
+def _inverse(perm: Sequence[int]) -> tuple[int, ...]:
+    inverse = [0] * len(perm)
+    for i, d in enumerate(perm):
+        inverse[d] = i
+    return tuple(inverse)
+
+
+def permuted_library_layouts(graph: Graph) -> Graph:
+    """``graph`` with the permuted layouts of library calls held by the graph (``graph/layout.py``'s
+    convolution form, for any library op). A library call gets each operand with the strides it had
+    when traced (``reference.library_operand``); where those store a permutation of dense storage
+    (attention's query, key and value as ``[batch, heads, seq, dim]`` views of ``[batch, seq, heads,
+    dim]`` projections), the operand becomes the permuted node, which the kernel producing it writes
+    contiguously, and the call receives it as a view (``"permute"``) instead of a copy. A call whose
+    results were traced so (attention's output) holds them permuted (``"permute_result"``),
+    transposed back for its readers, which read through the transpose instead of a copy to
+    contiguous memory. Permutations that move the last dim are left: they make kernels transpose."""
+    promised = _promised(graph)
+    names = _Names(n.name for n in graph.nodes)
+    copies: dict[int, Node] = {id(p): p for p in graph.parameters}
+    permuted_operands: dict[tuple[int, tuple[int, ...]], Node] = {}
+    changed = False
+    calls = _all_library_calls(graph)
+    rewritten: dict[int, tuple[dict, tuple[Node, ...], tuple[int, ...] | None]] = {}
+    for n in graph.nodes:
+        if id(n) in copies:
+            continue
+        operands = tuple(copies[id(x)] for x in n.operands)
+        results = calls.get(id(n))
+        if results is None:
+            copies[id(n)] = dataclasses.replace(n, operands=operands)
+            continue
+        first = id(results[0])
+        if first not in rewritten:
+            rewritten[first] = _permuted_call(results, operands, permuted_operands, names, promised)
+        call, new_operands, result_perm = rewritten[first]
+        if call is n.attrs["call"] and new_operands == operands:
+            copies[id(n)] = dataclasses.replace(n, operands=operands)
+            continue
+        changed = True
+        attrs = {**n.attrs, "call": call}
+        if result_perm is None or len(n.shape) != len(result_perm):
+            copies[id(n)] = dataclasses.replace(n, operands=new_operands, attrs=attrs)
+            continue
+        shape = tuple(n.shape[d] for d in result_perm)
+        held = dataclasses.replace(n, name=names.new(f"{n.name}_p"), operands=new_operands, shape=shape,
+                                   attrs=attrs, layout=None)
+        copies[id(n)] = _make("transpose", [held], n.name, permutation=_inverse(result_perm), layout=n.layout)
+    return fold_views(_rebuilt(graph, copies)) if changed else graph
+
+
+def _all_library_calls(graph: Graph) -> dict[int, list[Node]]:
+    """Each library node (but those already laid out channels-last) → the results of its call."""
+    calls: dict[tuple, list[Node]] = {}
+    for n in graph.nodes:
+        if n.op == "library":
+            call = n.attrs["call"]
+            if "permute_result" in call or any("permute" in a for a in call.get("args", []) if isinstance(a, dict)):
+                continue
+            key = (n.attrs["target"], repr(call), tuple(id(x) for x in n.operands))
+            calls.setdefault(key, []).append(n)
+    return {id(r): results for results in calls.values() for r in results}
+
+
+def _permuted_call(results: Sequence[Node], operands: tuple[Node, ...], permuted: dict, names: _Names,
+                   promised: dict[int, list]) -> tuple[dict, tuple[Node, ...], tuple[int, ...] | None]:
+    """The call of ``results`` with permuted operands where their traced strides are permuted dense
+    storage, the operands, and the permutation its results are held in (None: as traced)."""
+    node = results[0]
+    call = dict(node.attrs["call"])
+    args = list(call.get("args", []))
+    new_operands = list(operands)
+    for position, template in enumerate(args):
+        if not isinstance(template, dict) or "operand" not in template or template.get("strides") is None:
+            continue
+        x = operands[template["operand"]]
+        if x.op in ("parameter", "library"):
+            continue
+        perm = dense_permutation(x.shape, template["strides"])
+        if perm is None:
+            continue
+        key = (id(x), perm)
+        if key not in permuted:
+            permuted[key] = _make("transpose", [x], names.new(f"{x.name}_p"), permutation=perm)
+        new_operands[template["operand"]] = permuted[key]
+        args[position] = {**template, "permute": list(_inverse(perm))}
+    if args:
+        call["args"] = args
+    result_perm = _result_permutation(results, promised)
+    if result_perm is not None:
+        call["permute_result"] = list(result_perm)
+    if call == node.attrs["call"]:
+        call = node.attrs["call"]
+    return call, tuple(new_operands), result_perm
+
+
+def _result_permutation(results: Sequence[Node], promised: dict[int, list]) -> tuple[int, ...] | None:
+    """The one permutation every result of its rank was traced in, where there is one (a result
+    traced contiguous of that rank, or one that is a graph output, leaves the call as it is)."""
+    perms = set()
+    for r in results:
+        if r.layout is None:
+            continue
+        perm = dense_permutation(r.shape, r.layout.strides) if r.layout.offset == 0 else None
+        perms.add((len(r.shape), perm))
+    ranks = {rank for rank, _ in perms}
+    candidates = [(rank, p) for rank, p in perms if p is not None]
+    if len(candidates) != 1:
+        return None
+    rank, perm = candidates[0]
+    if sum(1 for r_, _ in perms if r_ == rank) != 1 or len(ranks) == 0:
+        return None
+    if any(id(r) in promised for r in results if len(r.shape) == rank):
+        return None
+    return perm

@@ -553,8 +553,9 @@ def library_result(call: Mapping, result: Any) -> Any:
     permutation = call.get("permute_result")
     if permutation is None:
         return result
-    if isinstance(result, (tuple, list)):  # every output of its rank (not a convolution's bias gradient)
-        return type(result)(r.permute(*permutation) if r is not None and r.dim() == len(permutation) else r
+    if isinstance(result, (tuple, list)):  # every tensor output of its rank (not a convolution's bias
+        # gradient, nor flash attention's integer sequence lengths)
+        return type(result)(r.permute(*permutation) if hasattr(r, "dim") and r.dim() == len(permutation) else r
                             for r in result)
     return result.permute(*permutation)
 

@@ -311,3 +311,61 @@ def test_a_model_and_input_in_channels_last_memory_format_train_as_eager():
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
         for g, w in zip(grads, wanted):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_a_dense_permutation_keeps_the_last_dim_last():
+    from fusionstitching.graph.layout import dense_permutation
+
+    # [batch, heads, seq, dim] viewed from [batch, seq, heads, dim] storage
+    assert dense_permutation((2, 4, 8, 16), (512, 16, 64, 1)) == (0, 2, 1, 3)
+    assert dense_permutation((2, 4, 8, 16), (512, 128, 16, 1)) is None  # contiguous
+    assert dense_permutation((2, 4, 8, 16), (512, 1, 64, 4)) is None  # the last dim moves
+    assert dense_permutation((2, 4, 8, 16), (512, 16, 64, 2)) is None  # not dense
+    assert dense_permutation((2, 1, 8, 16), (128, 7, 16, 1)) is None  # a size-1 dim's stride is free
+
+
+def _attention(q_proj, k_proj, v_proj, x):
+    b, s, _ = x.shape
+    q = q_proj(x).view(b, s, 2, 8).transpose(1, 2)
+    k = k_proj(x).view(b, s, 2, 8).transpose(1, 2)
+    v = v_proj(x).view(b, s, 2, 8).transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(1, 2).reshape(b, s, 16)
+
+
+def test_attention_gets_its_permuted_operands_and_result_as_views():
+    """Attention's query, key and value traced as transposed views of projections: the call gets
+    them as views of permuted nodes its producers write (no copy to the traced strides), and its
+    result is held permuted; values and gradients stay eager's."""
+    from fusionstitching.fusion import explore
+
+    torch.manual_seed(0)
+    projections = [torch.nn.Linear(16, 16) for _ in range(3)]
+    x = torch.randn(2, 6, 16, requires_grad=True)
+
+    def fn(x):
+        return _attention(*projections, x)
+
+    captured = capture(fn, x, train=True)
+    for graph in (captured.forward, captured.backward):
+        plan = explore(graph)
+        assert any("permuted layouts" in note for note in plan.notes), plan.notes
+        calls = [n for n in plan.graph.nodes if n.op == "library" and "attention" in n.attrs["target"]]
+        assert calls and any("permute" in a for n in calls for a in n.attrs["call"]["args"] if isinstance(a, dict))
+    compiled = torch.compile(fn, backend="fusionstitching")
+    torch._dynamo.reset()
+    want = fn(x)
+    (want_grad,) = torch.autograd.grad(want.square().sum(), x)
+    got = compiled(x)
+    (got_grad,) = torch.autograd.grad(got.square().sum(), x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_permuted_result_leaves_other_outputs_alone():
+    """Flash attention also returns integer sequence lengths and a rank-3 log-sum-exp: only the
+    tensors of the permutation's rank are permuted."""
+    from fusionstitching.graph.reference import library_result
+
+    out = library_result({"permute_result": [0, 2, 1, 3]}, (torch.zeros(2, 3, 4, 5), 7, None, torch.zeros(2, 3, 4)))
+    assert out[0].shape == (2, 4, 3, 5) and out[1] == 7 and out[2] is None and out[3].shape == (2, 3, 4)
