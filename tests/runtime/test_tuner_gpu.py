@@ -93,12 +93,13 @@ def test_dropout_after_tuning_keeps_the_generator_as_eager_does(tmp_path):
 def test_a_measured_choice_beats_the_models_first_choice(tmp_path):
     """Exhaustive tuning of row reductions of several shapes, then the winner and the plan's kernel
     timed again, interleaved: where the tuner picked another template than the model's first
-    choice, it is no slower than the model's (5 % for noise). Prints the table and how often the
-    model's first choice was the measured winner (all of them, on an H100 with the current model:
-    then there is nothing for tuning to beat)."""
+    choice, it is no slower than the model's beyond the noise of two measurements (the tuner's, which
+    a switch must beat by ``NOISE``, and this one; plus the events' resolution). Prints the table and
+    how often the model's first choice was the measured winner (between 1 and 4 of the 4 tuned
+    patterns in H100 runs so far)."""
     from fusionstitching.frontend.torch_fx import capture
     from fusionstitching.pipeline import compile_graph
-    from fusionstitching.runtime.tuner import GpuMeasure
+    from fusionstitching.runtime.tuner import NOISE, RESOLUTION_US, GpuMeasure
 
     cases = {
         "rmsnorm bf16 8192x4096": (_rmsnorm, (torch.randn(8192, 4096, dtype=torch.bfloat16),
@@ -126,7 +127,7 @@ def test_a_measured_choice_beats_the_models_first_choice(tmp_path):
         kernel_inputs = [cuda_inputs[position[x]] for x in plan.lowered.pattern.inputs]
         plan_us, chosen_us = GpuMeasure(torch.device("cuda"), options, rounds=30)([plan, chosen], kernel_inputs)
         print(f"{name}: plan {plan_us:.1f} µs {plan.template}\n    tuned {chosen_us:.1f} µs {chosen.template}")
-        if chosen_us > 1.05 * plan_us:
+        if chosen_us > plan_us * (1 + 2 * NOISE) + 2 * RESOLUTION_US:
             slower.append(f"{name}: tuned {chosen_us:.1f} µs against the plan's {plan_us:.1f} µs")
     print(f"the model's first choice won {right} of {total} tuned patterns")
     assert total > 0 and 0 <= right <= total
