@@ -36,9 +36,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.graph import Graph, Node, verify
 from fusionstitching.graph.node import Layout
-from fusionstitching.graph.ops import is_elementwise
+from fusionstitching.graph.ops import VIEW_OPS, is_elementwise
 from fusionstitching.graph.transforms import _make, _Names, _rebuilt, fold_views
 
 CONVOLUTION = "aten.convolution.default"
@@ -448,7 +448,40 @@ def permuted_library_layouts(graph: Graph) -> Graph:
         held = dataclasses.replace(n, name=names.new(f"{n.name}_p"), operands=new_operands, shape=shape,
                                    attrs=attrs, layout=None)
         copies[id(n)] = _make("transpose", [held], n.name, permutation=_inverse(result_perm), layout=n.layout)
-    return fold_views(_rebuilt(graph, copies)) if changed else graph
+    return _permuted_outputs(fold_views(_rebuilt(graph, copies)) if changed else graph)
+
+
+def _permuted_outputs(graph: Graph) -> Graph:
+    """``graph`` with each computed output promised in a permutation of dense storage that keeps the
+    last dim last (a training forward's attention operands saved for the backward) returned as a
+    view of the permuted node, which a kernel writes contiguously: the promised strides without a
+    copy after the call (``executor._layout_checks``). The permuted node a library operand already
+    reads (``permuted_library_layouts``) is reused. Built after ``fold_views``, which would fold the
+    two transposes back into the node."""
+    users = graph.index.users
+    names = _Names(n.name for n in graph.nodes)
+    outputs = list(graph.outputs)
+    changed = False
+    for k, (out, layout) in enumerate(zip(graph.outputs, graph.output_layouts)):
+        if out is None or layout is None or layout.offset or k in graph.mutations:
+            continue
+        if out.op in ("parameter", "library", "constant") or out.op in VIEW_OPS:
+            continue
+        perm = dense_permutation(out.shape, layout.strides)
+        if perm is None:
+            continue
+        permuted = next((u for u in users[out] if u.op == "transpose" and tuple(u.attrs["permutation"]) == perm), None)
+        if permuted is None:
+            permuted = _make("transpose", [out], names.new(f"{out.name}_p"), permutation=perm)
+        outputs[k] = _make("transpose", [permuted], names.new(f"{out.name}_v"), permutation=_inverse(perm))
+        changed = True
+    if not changed:
+        return graph
+    result = Graph(graph.parameters, outputs, name=graph.name, mutations=graph.mutations,
+                   output_layouts=graph.output_layouts)
+    verify(result)
+    result.origins, result.checks = graph.origins, graph.checks
+    return result
 
 
 def _all_library_calls(graph: Graph) -> dict[int, list[Node]]:

@@ -326,8 +326,8 @@ def test_a_dense_permutation_keeps_the_last_dim_last():
 
 def _attention(q_proj, k_proj, v_proj, x):
     b, s, _ = x.shape
-    q = q_proj(x).view(b, s, 2, 8).transpose(1, 2)
-    k = k_proj(x).view(b, s, 2, 8).transpose(1, 2)
+    q = q_proj(x).view(b, s, 2, 8).transpose(1, 2) * 1.5 + 0.25  # computed in the transposed layout,
+    k = k_proj(x).view(b, s, 2, 8).transpose(1, 2) * 0.5 - 0.25  # as rotary embedding's q and k
     v = v_proj(x).view(b, s, 2, 8).transpose(1, 2)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     return out.transpose(1, 2).reshape(b, s, 16)
@@ -335,8 +335,9 @@ def _attention(q_proj, k_proj, v_proj, x):
 
 def test_attention_gets_its_permuted_operands_and_result_as_views():
     """Attention's query, key and value traced as transposed views of projections: the call gets
-    them as views of permuted nodes its producers write (no copy to the traced strides), and its
-    result is held permuted; values and gradients stay eager's."""
+    them as views of permuted nodes its producers write (no copy to the traced strides), its
+    result is held permuted, and the forward returns the query and key it saves for the backward
+    as views of those nodes, in the strides it promised; values and gradients stay eager's."""
     from fusionstitching.fusion import explore
 
     torch.manual_seed(0)
@@ -352,6 +353,12 @@ def test_attention_gets_its_permuted_operands_and_result_as_views():
         assert any("permuted layouts" in note for note in plan.notes), plan.notes
         calls = [n for n in plan.graph.nodes if n.op == "library" and "attention" in n.attrs["target"]]
         assert calls and any("permute" in a for n in calls for a in n.attrs["call"]["args"] if isinstance(a, dict))
+    saved = [o for o, layout in zip(explore(captured.forward).graph.outputs, captured.forward.output_layouts)
+             if o is not None and layout is not None and not layout.is_contiguous(o.shape) and len(o.shape) == 4]
+    # every one is a view now (the query and key of the permuted nodes; the value of its projection)
+    # or the call's own result
+    assert all(o.op in ("transpose", "library") for o in saved), saved
+    assert sum(o.op == "transpose" and o.operands[0].op == "transpose" for o in saved) == 2, saved
     compiled = torch.compile(fn, backend="fusionstitching")
     torch._dynamo.reset()
     want = fn(x)
