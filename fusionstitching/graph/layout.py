@@ -37,7 +37,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from fusionstitching.graph.graph import Graph, Node, verify
-from fusionstitching.graph.node import Layout
+from fusionstitching.graph.node import Layout, contiguous_strides
 from fusionstitching.graph.ops import VIEW_OPS, is_elementwise
 from fusionstitching.graph.transforms import _make, _Names, _rebuilt, fold_views
 
@@ -385,19 +385,11 @@ def dense_permutation(shape: Sequence[int], strides: Sequence[int]) -> tuple[int
     perm_t = tuple(perm)
     if perm_t == tuple(range(len(shape))):
         return None
-    want = contiguous_strides_of([shape[d] for d in perm_t])
+    want = contiguous_strides([shape[d] for d in perm_t])
     have = [strides[d] for d in perm_t]
     if any(size > 1 and h != w for size, h, w in zip((shape[d] for d in perm_t), have, want)):
         return None
     return perm_t
-
-
-def contiguous_strides_of(shape: Sequence[int]) -> list[int]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return strides[::-1]
 
 
 def _inverse(perm: Sequence[int]) -> tuple[int, ...]:
@@ -538,12 +530,11 @@ def _result_permutation(results: Sequence[Node], promised: dict[int, list]) -> t
             continue
         perm = dense_permutation(r.shape, r.layout.strides) if r.layout.offset == 0 else None
         perms.add((len(r.shape), perm))
-    ranks = {rank for rank, _ in perms}
     candidates = [(rank, p) for rank, p in perms if p is not None]
     if len(candidates) != 1:
         return None
     rank, perm = candidates[0]
-    if sum(1 for r_, _ in perms if r_ == rank) != 1 or len(ranks) == 0:
+    if sum(1 for r_, _ in perms if r_ == rank) != 1:  # another result of that rank traced otherwise
         return None
     if any(id(r) in promised for r in results if len(r.shape) == rank):
         return None
