@@ -68,7 +68,11 @@ from fusionstitching.fusion.select import Selection, select_ilp
 from fusionstitching.fusion.split import split_underfilled_reductions
 from fusionstitching.graph.collapse import collapse_reduced_runs
 from fusionstitching.graph.graph import Graph, Node
-from fusionstitching.graph.layout import laid_out_convolutions, permuted_library_layouts
+from fusionstitching.graph.layout import (
+    convolution_bias_apart,
+    laid_out_convolutions,
+    permuted_library_layouts,
+)
 from fusionstitching.graph.refine import refine_reshaped_regions
 from fusionstitching.graph.transforms import (
     check_indices,
@@ -76,7 +80,7 @@ from fusionstitching.graph.transforms import (
     fold_empty,
     fold_views,
     merge_duplicates,
-    reduce_trailing_first,
+    reduce_in_two_steps,
     widen_dots,
 )
 from fusionstitching.options import Options
@@ -158,6 +162,10 @@ def _explore(graph: Graph, solver: str, options: Options, generators: Sequence[s
                          f"names of {GENERATORS}")
     notes = []
     graph = duplicate_broadcasts(merge_duplicates(fold_views(fold_empty(check_indices(graph)))))
+    unbiased = convolution_bias_apart(graph)
+    if unbiased is not graph:
+        graph = unbiased
+        notes.append("convolutions' biases added, and their gradients summed, by generated kernels")
     if options.channels_last:
         laid_out = laid_out_convolutions(graph)
         if laid_out is not graph:
@@ -180,8 +188,8 @@ def _explore(graph: Graph, solver: str, options: Options, generators: Sequence[s
         graph, padded = pad_unaligned_dots(graph, gpu_spec(options.device), options)
         notes += [f"pad {d}" for d in padded]
     if options.split_reductions:
-        graph, rewritten = reduce_trailing_first(graph)
-        notes += [f"reduce {name}: its innermost reduced dims first, then the others" for name in rewritten]
+        graph, rewritten = reduce_in_two_steps(graph)
+        notes += [f"reduce {note}" for note in rewritten]
         spec = gpu_spec(options.device)
         graph, splits = split_underfilled_reductions(graph, spec, bandwidth_model(options.device),
                                                      options.smem_limit)

@@ -9,14 +9,16 @@ receives as permuted views (NCHW sizes, channels-last strides: the operand templ
 (``"permute_result"``), transposed back to NCHW for its readers. The kernels that produce the
 input then write it in NHWC, and the kernels that read the result read NHWC.
 
-``sink_transposes`` then moves those transposes past the elementwise ops, broadcasts and reductions
-between convolutions, so that these run in NHWC and a transpose back to NCHW meets the next
-convolution's transpose to NHWC and both vanish (``fold_views``). An elementwise op sinks the
+``sink_transposes`` then moves those transposes past the elementwise ops, broadcasts, reshapes and
+reductions between convolutions, so that these run in NHWC and a transpose back to NCHW meets the
+next convolution's transpose to NHWC and both vanish (``fold_views``). An elementwise op sinks the
 transpose ``p`` when every operand is a transpose by ``p`` or a broadcast (a broadcast of a
 per-channel vector is a broadcast along another dim); a reduce of a transpose reduces the permuted
 dims of its operand; a pad or a slice of a transpose pads or slices the permuted dims (a max
-pooling's windows). Values leave NHWC only where a reader needs NCHW: a graph output, a library
-call that is not a convolution, a reshape.
+pooling's windows); a reshape whose merged or split runs of dims are runs of the source's too (a
+GroupNorm's ``[N, groups, C / groups, H * W]``) reshapes the source, and the transpose, of another
+permutation, sinks on. Values leave NHWC only where a reader needs NCHW: a graph output, a library
+call that is not a convolution, a reshape that mixes dims NHWC keeps apart.
 
 The same holds for the backward ops (``convolution_backward``, the max pooling's backward), whose
 NHWC gradients sink alike. A parameter laid out channels-last is read as the NCHW transpose of
@@ -193,6 +195,74 @@ def _channels_last_strides(shape: Sequence[int]) -> list[int]:
     return [h * w * c, 1, w * c, c]
 
 
+def convolution_bias_apart(graph: Graph) -> Graph:
+    """A copy of ``graph`` where generated kernels add each convolution's bias and sum each
+    convolution backward's bias gradient, and the library calls leave them out: the add is an
+    elementwise op the consumers of the convolution fuse, the gradient a reduction of the output
+    gradient over every dim but the channels' (1) that the kernels producing that gradient fuse.
+    The library adds them in kernels of its own (``at::native::reduce_kernel`` over a channels-last
+    gradient reads it strided). ``graph`` itself where no call has a bias."""
+    names = _Names(n.name for n in graph.nodes)
+    copies: dict[int, Node] = {id(p): p for p in graph.parameters}
+    calls: dict[int, dict] = {}  # id of a backward call's first result → its call without the bias gradient
+    changed = False
+    for n in graph.nodes:
+        if id(n) in copies:
+            continue
+        operands = tuple(copies[id(x)] for x in n.operands)
+        target = n.attrs.get("target") if n.op == "library" else None
+        call = n.attrs.get("call", {})
+        args = call.get("args", [])
+        if target == CONVOLUTION and not call.get("kwargs") and len(args) == 9 and isinstance(args[2], dict) \
+                and "operand" in args[2] and len(n.shape) >= 3:
+            bias = operands[args[2]["operand"]]
+            kept, unbiased = _without_operand({**call, "args": [*args[:2], None, *args[3:]]}, operands,
+                                              args[2]["operand"])
+            conv = dataclasses.replace(n, name=names.new(f"{n.name}_unbiased"), operands=kept,
+                                       attrs={**n.attrs, "call": unbiased}, layout=None)
+            if bias.dtype != n.dtype:
+                bias = _make("convert", [bias], names.new(f"{bias.name}_{n.dtype.value}"), dtype=n.dtype)
+            wide = _make("broadcast_in_dim", [bias], names.new(f"{bias.name}_b"), shape=n.shape,
+                         broadcast_dimensions=(1,))
+            copies[id(n)] = _make("add", [conv, wide], n.name, layout=n.layout)
+            changed = True
+            continue
+        if target == CONVOLUTION_BACKWARD and not call.get("kwargs") and len(args) == 11 \
+                and isinstance(args[10], list) and len(args[10]) == 3 and args[10][2] \
+                and isinstance(args[0], dict) and "operand" in args[0]:
+            if n.attrs["out_index"] == 2:
+                gradient = operands[args[0]["operand"]]
+                wide = gradient.dtype.compute
+                x = gradient if wide == gradient.dtype else _make(
+                    "convert", [gradient], names.new(f"{gradient.name}_{wide.value}"), dtype=wide)
+                dims = tuple(d for d in range(len(x.shape)) if d != 1)
+                total = _make("reduce", [x], names.new(f"{n.name}_sum") if wide != n.dtype else n.name,
+                              dims=dims, kind="sum", layout=None if wide != n.dtype else n.layout)
+                copies[id(n)] = total if wide == n.dtype else _make("convert", [total], n.name, dtype=n.dtype,
+                                                                   layout=n.layout)
+            else:
+                unbiased = calls.setdefault(id(call), {**call, "args": [*args[:10], [*args[10][:2], False]]})
+                copies[id(n)] = dataclasses.replace(n, operands=operands, attrs={**n.attrs, "call": unbiased})
+            changed = True
+            continue
+        copies[id(n)] = dataclasses.replace(n, operands=operands)
+    return _rebuilt(graph, copies) if changed else graph
+
+
+def _without_operand(call: dict, operands: tuple[Node, ...], k: int) -> tuple[tuple[Node, ...], dict]:
+    """``operands`` without the ``k``-th and ``call`` with its operand numbers past ``k`` moved down
+    (where no argument names operand ``k`` any longer)."""
+
+    def renumber(a):
+        if isinstance(a, dict) and "operand" in a:
+            return {**a, "operand": a["operand"] - (a["operand"] > k)}
+        if isinstance(a, list):
+            return [renumber(x) for x in a]
+        return a
+
+    return operands[:k] + operands[k + 1:], {**call, "args": renumber(call["args"])}
+
+
 def laid_out_convolutions(graph: Graph) -> Graph:
     """``graph`` with its convolutions channels-last and the transposes sunk (``fold_views`` of
     ``sink_transposes`` of ``channels_last_convolutions``) where that pays (``_pays``), else
@@ -207,12 +277,13 @@ def laid_out_convolutions(graph: Graph) -> Graph:
 def _pays(laid_out: Graph) -> bool:
     """Whether the transposes left between NHWC and NCHW values after sinking are few beside the
     conversions the channels-last calls save. A transpose left is written or read by a kernel
-    (a GroupNorm's reshape into groups stops the sinking, so that every convolution's input and
-    result is transposed around it), and a kernel that reads through a transpose inside a
+    (a reshape that mixes dims NHWC keeps apart stops the sinking, so that every convolution's
+    input and result is transposed around it), and a kernel that reads through a transpose inside a
     reduction runs far below a copy's speed: a UNet block of GroupNorms and convolutions, whose
-    transposes left are as many elements as the conversions saved, ran slower channels-last, where
-    ResNet-50, whose transposes left are the input image and the weights, ran faster
-    (CHANGELOG.md). Kept while the transposed elements are at most half the converted ones."""
+    transposes left were as many elements as the conversions saved before reshapes sank, ran
+    slower channels-last, where ResNet-50, whose transposes left are the input image and the
+    weights, ran faster (CHANGELOG.md). Kept while the transposed elements are at most half the
+    converted ones."""
     promised = _promised(laid_out)
     users = laid_out.index.users
     converted = transposed = 0
@@ -239,8 +310,9 @@ def _pays(laid_out: Graph) -> bool:
 def saved_layouts(graph: Graph, free: Sequence[int]) -> Graph:
     """``graph`` with the layouts of its outputs ``free`` (a training forward's tensors saved for
     its backward, whose layout no user sees) chosen: channels-last where the convolutions' layout
-    pass leaves the output a transpose of an NHWC value, so that it is returned as a view of that
-    value and the backward reads it NHWC; the promised layout elsewhere."""
+    pass leaves the output a transpose of an NHWC value, or an NCHW value also transposed to NHWC
+    (a convolution's input), so that it is returned as a view of that value and the backward reads
+    it NHWC; the promised layout elsewhere."""
     free = [k for k in free if graph.outputs[k] is not None and len(graph.outputs[k].shape) == 4]
     if not free:
         return graph
@@ -250,13 +322,15 @@ def saved_layouts(graph: Graph, free: Sequence[int]) -> Graph:
         trial[k] = Layout(tuple(_channels_last_strides(graph.outputs[k].shape)))
     candidate = Graph(graph.parameters, graph.outputs, name=graph.name, mutations=graph.mutations,
                       output_layouts=trial)
-    laid_out = laid_out_convolutions(candidate)
+    laid_out = laid_out_convolutions(convolution_bias_apart(candidate))
     if laid_out is candidate:
         return graph
     changed = False
+    users = laid_out.index.users
     for k in free:
         out = laid_out.outputs[k]
-        if out.op == "transpose" and tuple(out.attrs["permutation"]) == TO_NCHW:
+        if out.op == "transpose" and tuple(out.attrs["permutation"]) == TO_NCHW or any(
+                u.op == "transpose" and tuple(u.attrs["permutation"]) == TO_NHWC for u in users[out]):
             layouts[k] = trial[k]
             changed = True
     if not changed:
@@ -279,6 +353,9 @@ def sink_transposes(graph: Graph, permutations: Sequence[tuple[int, ...]] = (TO_
     permutations = {tuple(p) for p in permutations}
     names = _Names(n.name for n in graph.nodes)
     copies: dict[int, Node] = {id(p): p for p in graph.parameters}
+    # the transposes that sink: those by one of ``permutations``, and those the sinking made (a
+    # reshape of a sinking transpose is a transpose of another permutation)
+    sinking = {id(n) for n in graph.nodes if n.op == "transpose" and tuple(n.attrs["permutation"]) in permutations}
     moved = False
     for n in graph.nodes:
         if id(n) in copies:
@@ -286,24 +363,25 @@ def sink_transposes(graph: Graph, permutations: Sequence[tuple[int, ...]] = (TO_
         operands = tuple(copies[id(x)] for x in n.operands)
         sunk = None
         if is_elementwise(n.op):
-            sunk = _sink_elementwise(n, operands, names, permutations)
-        elif n.op == "reduce" and operands[0].op == "transpose" \
-                and tuple(operands[0].attrs["permutation"]) in permutations:
-            sunk = _sink_reduce(n, operands[0], names)
-        elif n.op in PER_DIM_ATTRS and operands[0].op == "transpose" \
-                and tuple(operands[0].attrs["permutation"]) in permutations:
-            sunk = _sink_per_dim(n, operands[0], names)
+            sunk = _sink_elementwise(n, operands, names, sinking)
+        elif n.op in ("reduce", "reshape", *PER_DIM_ATTRS) and id(operands[0]) in sinking:
+            sink = {"reduce": _sink_reduce, "reshape": _sink_reshape}.get(n.op, _sink_per_dim)
+            sunk = sink(n, operands[0], names)
         if sunk is None:
             copies[id(n)] = dataclasses.replace(n, operands=operands)
+            if id(n) in sinking:
+                sinking.add(id(copies[id(n)]))
         else:
             copies[id(n)] = sunk
+            if sunk.op == "transpose":
+                sinking.add(id(sunk))
             moved = True
     return _rebuilt(graph, copies) if moved else graph
 
 
-def _sink_elementwise(n: Node, operands: Sequence[Node], names: _Names, sunk: set) -> Node | None:
+def _sink_elementwise(n: Node, operands: Sequence[Node], names: _Names, sinking: set[int]) -> Node | None:
     permutations = {tuple(x.attrs["permutation"]) for x in operands if x.op == "transpose"}
-    if len(permutations) != 1 or not permutations <= sunk \
+    if len(permutations) != 1 or not all(id(x) in sinking for x in operands if x.op == "transpose") \
             or not all(x.op in ("transpose", "broadcast_in_dim") for x in operands):
         return None
     (p,) = permutations
@@ -326,7 +404,16 @@ def _sink_elementwise(n: Node, operands: Sequence[Node], names: _Names, sunk: se
                                   broadcast_dimensions=dims))
     inside = dataclasses.replace(n, name=names.new(f"{n.name}_t"), operands=tuple(new_operands), shape=inner,
                                  layout=None)
-    return _make("transpose", [inside], n.name, permutation=p, layout=n.layout)
+    return _sunk(inside, p, n)
+
+
+def _sunk(inside: Node, permutation: tuple[int, ...], n: Node) -> Node:
+    """``n`` as the transpose by ``permutation`` of ``inside``, its value computed before the
+    transpose: a reshape where the transpose moves only dims of size 1."""
+    sized = [d for d in permutation if inside.shape[d] != 1]
+    if sized == sorted(sized):
+        return _make("reshape", [inside], n.name, shape=n.shape, layout=n.layout)
+    return _make("transpose", [inside], n.name, permutation=permutation, layout=n.layout)
 
 
 # Shape ops whose attributes hold one entry per dim: they commute with a transpose whose entries
@@ -345,7 +432,58 @@ def _sink_per_dim(n: Node, transpose: Node, names: _Names) -> Node:
     source = transpose.operands[0]
     inside = _make(n.op, [source], names.new(f"{n.name}_t"), shape=tuple(n.shape[p.index(d)] for d in range(len(p))),
                    dtype=n.dtype, **attrs)
-    return _make("transpose", [inside], n.name, permutation=p, layout=n.layout)
+    return _sunk(inside, p, n)
+
+
+def _sink_reshape(n: Node, transpose: Node, names: _Names) -> Node | None:
+    """A reshape of ``transpose`` as a transpose of a reshape of its source, where each run of dims
+    the reshape merges or splits is a run of consecutive source dims in the same order (the NCHW
+    activation a GroupNorm splits into ``[N, groups, C / groups, H * W]`` is the NHWC source split
+    into ``[N, H * W, groups, C / groups]``); else None. Dims of size 1 take any place."""
+    p = tuple(transpose.attrs["permutation"])
+    source = transpose.operands[0]
+    before, after = transpose.shape, n.shape
+    rank = {d: r for r, d in enumerate(d for d in range(len(source.shape)) if source.shape[d] != 1)}
+    runs = _reshape_runs([d for d in range(len(before)) if before[d] != 1],
+                         [d for d in range(len(after)) if after[d] != 1], before, after)
+    if runs is None:
+        return None
+    placed = []  # (rank of the run's first source dim, the reshape's dims of the run)
+    for dims_in, dims_out in runs:
+        ranks = [rank[p[d]] for d in dims_in]
+        if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
+            return None
+        placed.append((ranks[0], dims_out))
+    order = [d for _, dims_out in sorted(placed) for d in dims_out]
+    order += [d for d in range(len(after)) if after[d] == 1]
+    if order == list(range(len(after))):
+        return _make("reshape", [source], n.name, shape=after, layout=n.layout)
+    inside = _make("reshape", [source], names.new(f"{n.name}_t"), shape=tuple(after[d] for d in order))
+    return _sunk(inside, _inverse(order), n)
+
+
+def _reshape_runs(dims_in: list[int], dims_out: list[int], before: Sequence[int], after: Sequence[int]
+                  ) -> list[tuple[list[int], list[int]]] | None:
+    """The reshape from ``before`` to ``after`` as runs of its dims (``dims_in`` and ``dims_out``, of
+    size > 1) with equal products, each as short as can be; None where none fit."""
+    runs, i, j = [], 0, 0
+    while i < len(dims_in) and j < len(dims_out):
+        run_in, run_out = [dims_in[i]], [dims_out[j]]
+        size_in, size_out = before[dims_in[i]], after[dims_out[j]]
+        i, j = i + 1, j + 1
+        while size_in != size_out:
+            if size_in < size_out and i < len(dims_in):
+                run_in.append(dims_in[i])
+                size_in *= before[dims_in[i]]
+                i += 1
+            elif size_out < size_in and j < len(dims_out):
+                run_out.append(dims_out[j])
+                size_out *= after[dims_out[j]]
+                j += 1
+            else:
+                return None
+        runs.append((run_in, run_out))
+    return runs if i == len(dims_in) and j == len(dims_out) else None
 
 
 def _sink_reduce(n: Node, transpose: Node, names: _Names) -> Node:
@@ -359,7 +497,7 @@ def _sink_reduce(n: Node, transpose: Node, names: _Names) -> Node:
     inside = dataclasses.replace(n, name=names.new(f"{n.name}_t"), operands=(source,),
                                  shape=tuple(source.shape[d] for d in order),
                                  attrs={**n.attrs, "dims": reduced}, layout=None)
-    return _make("transpose", [inside], n.name, permutation=tuple(order.index(d) for d in kept), layout=n.layout)
+    return _sunk(inside, tuple(order.index(d) for d in kept), n)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,15 +505,17 @@ def _sink_reduce(n: Node, transpose: Node, names: _Names) -> Node:
 # ----------------------------------------------------------------------------------------------
 
 
-def dense_permutation(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...] | None:
+def dense_permutation(shape: Sequence[int], strides: Sequence[int], keep_last: bool = True
+                      ) -> tuple[int, ...] | None:
     """The permutation ``p`` for which ``strides`` store ``shape`` as the contiguous tensor of shape
-    ``[shape[d] for d in p]`` (a permuted view of dense storage) when it keeps the last dim last and
-    is not the identity; else None. Dims of size 1 take any stride and keep their place."""
+    ``[shape[d] for d in p]`` (a permuted view of dense storage) when it is not the identity and,
+    with ``keep_last``, keeps the last dim last; else None. Dims of size 1 take any stride and keep
+    their place."""
     if len(shape) < 3 or len(strides) != len(shape):
         return None
     order = sorted(range(len(shape)), key=lambda d: (-strides[d] if shape[d] > 1 else 0, d))
     sized = [d for d in order if shape[d] > 1]
-    if not sized or sized[-1] != len(shape) - 1:
+    if not sized or keep_last and sized[-1] != len(shape) - 1:
         return None
     # dims of size 1 go back where they were among the sized ones' order: keep them in place
     perm = list(range(len(shape)))
@@ -444,11 +584,12 @@ def permuted_library_layouts(graph: Graph) -> Graph:
 
 
 def _permuted_outputs(graph: Graph) -> Graph:
-    """``graph`` with each computed output promised in a permutation of dense storage that keeps the
-    last dim last (a training forward's attention operands saved for the backward) returned as a
+    """``graph`` with each computed output promised in a permutation of dense storage returned as a
     view of the permuted node, which a kernel writes contiguously: the promised strides without a
     copy after the call (``executor._layout_checks``). The permuted node a library operand already
-    reads (``permuted_library_layouts``) is reused. Built after ``fold_views``, which would fold the
+    reads (``permuted_library_layouts``, a convolution's NHWC input) is reused; a new one is made
+    only for permutations that keep the last dim last (a training forward's attention operands
+    saved for the backward). Built after ``fold_views``, which would fold the
     two transposes back into the node."""
     users = graph.index.users
     names = _Names(n.name for n in graph.nodes)
@@ -459,11 +600,13 @@ def _permuted_outputs(graph: Graph) -> Graph:
             continue
         if out.op in ("parameter", "library", "constant") or out.op in VIEW_OPS:
             continue
-        perm = dense_permutation(out.shape, layout.strides)
+        perm = dense_permutation(out.shape, layout.strides, keep_last=False)
         if perm is None:
             continue
         permuted = next((u for u in users[out] if u.op == "transpose" and tuple(u.attrs["permutation"]) == perm), None)
         if permuted is None:
+            if perm[-1] != len(perm) - 1:
+                continue  # a new transposing write: the copy to the promised strides is no dearer
             permuted = _make("transpose", [out], names.new(f"{out.name}_p"), permutation=perm)
         outputs[k] = _make("transpose", [permuted], names.new(f"{out.name}_v"), permutation=_inverse(perm))
         changed = True

@@ -104,11 +104,22 @@ def split_reductions(graph: Graph, splits: Mapping[Node | str, int],
     return _rebuilt(graph, copies)
 
 
-def trailing_reduced_run(node: Node, min_length: int = 32) -> tuple[int, ...] | None:
-    """The innermost reduced dims of ``node``, when reducing them first pays: the reduce also
-    reduces dims outside that run (BatchNorm's statistics: dims (0, 2, 3) of NCHW), and the run
-    holds at least ``min_length`` elements (a warp's width: the partial result then is at most a
-    32nd of the operand, while the run is read as whole contiguous rows). None otherwise."""
+def reduction_order(node: Node, min_length: int = 32) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The reduced dims of ``node`` in two steps, when reducing them so pays: (dims reduced first,
+    the rest, numbered as in the first step's result); None otherwise. Both cases need a reduce
+    over a trailing run of dims (``run``) and over dims outside it (``others``):
+
+    - a run of at least ``min_length`` elements (a warp's width) is reduced first (BatchNorm's
+      statistics over dims (0, 2, 3) of NCHW): the rows are read whole and contiguous, and the
+      partial result is at most a 32nd of the operand;
+    - a shorter run, with at least ``min_length`` contiguous elements after the last of the other
+      dims, goes second (GroupNorm's statistics over dims (1, 3) of an NHWC activation split into
+      ``[N, H * W, groups, C / groups]``): the others are reduced first, a column reduction whose
+      lanes read that contiguous block, then the run of the far smaller result.
+
+    A reduce over dims that are not contiguous otherwise leaves the code generator a strided loop
+    per thread over a few thousand threads (2-10 % of a copy's bandwidth for the BatchNorm
+    statistics of ResNet-50)."""
     if node.op != "reduce" or not node.dtype.is_float:
         return None
     shape, dims = node.operands[0].shape, set(node.attrs["dims"])
@@ -117,20 +128,24 @@ def trailing_reduced_run(node: Node, min_length: int = 32) -> tuple[int, ...] | 
         if d not in dims:
             break
         run.append(d)
-    others = [d for d in dims if d not in run and shape[d] > 1]  # a reduced dim of size 1 reduces nothing
-    if not run or not others or math.prod(shape[d] for d in run) < min_length:
+    run.reverse()
+    others = tuple(sorted(d for d in dims if d not in run and shape[d] > 1))  # size 1 reduces nothing
+    if not run or not others:
         return None
-    return tuple(sorted(run))
+    if math.prod(shape[d] for d in run) >= min_length:
+        return tuple(run), tuple(sorted(d for d in dims if d not in run))
+    if math.prod(shape[max(others) + 1:]) >= min_length:
+        rest = tuple(sorted(d for d in dims if d not in others))
+        return others, tuple(d - sum(1 for o in others if o < d) for d in rest)
+    return None
 
 
-def reduce_trailing_first(graph: Graph) -> tuple[Graph, list[str]]:
-    """A copy of ``graph`` where each reduce with a ``trailing_reduced_run`` is a reduce of that
-    run (rows of contiguous elements, in the accumulation type) followed by a reduce of its other
-    dims over the much smaller partial result; and the names of the reduces rewritten. A reduce over
-    dims that are not contiguous otherwise leaves the code generator a strided loop per thread over
-    a few thousand threads (2-10 % of a copy's bandwidth for the BatchNorm statistics of ResNet-50)."""
-    runs = {id(n): run for n in graph.nodes if (run := trailing_reduced_run(n)) is not None}
-    if not runs:
+def reduce_in_two_steps(graph: Graph) -> tuple[Graph, list[str]]:
+    """A copy of ``graph`` where each reduce with a ``reduction_order`` is a reduce of the dims it
+    reduces first (in the accumulation type) followed by a reduce of the others over the much
+    smaller partial result; and a note per reduce rewritten (its name and the dims of each step)."""
+    orders = {id(n): order for n in graph.nodes if (order := reduction_order(n)) is not None}
+    if not orders:
         return graph, []
     names = _Names(n.name for n in graph.nodes)
     copies: dict[int, Node] = {id(p): p for p in graph.parameters}
@@ -139,18 +154,18 @@ def reduce_trailing_first(graph: Graph) -> tuple[Graph, list[str]]:
         if id(old) in copies:
             continue
         operands = tuple(copies[id(x)] for x in old.operands)
-        run = runs.get(id(old))
-        if run is None:
+        order = orders.get(id(old))
+        if order is None:
             copies[id(old)] = dataclasses.replace(old, operands=operands)
             continue
-        rewritten.append(old.name)
-        kind, dims = old.attrs["kind"], tuple(old.attrs["dims"])
+        first, rest = order
+        rewritten.append(f"{old.name}: dims {list(first)} first, then {list(rest)}")
+        kind = old.attrs["kind"]
         accumulate = old.dtype.compute if kind in ("sum", "prod") else old.dtype
         x = operands[0]
         if accumulate != x.dtype:
             x = _make("convert", [x], names.new(f"{old.name}_{accumulate.value}"), dtype=accumulate)
-        rows = _make("reduce", [x], names.new(f"{old.name}_rows"), dims=run, kind=kind)
-        rest = tuple(d for d in dims if d not in run)  # before the run: numbered as in the operand
+        rows = _make("reduce", [x], names.new(f"{old.name}_rows"), dims=first, kind=kind)
         widened = accumulate != old.dtype
         result = _make("reduce", [rows], names.new(f"{old.name}_rest") if widened else old.name, dims=rest,
                        kind=kind, layout=None if widened else old.layout)

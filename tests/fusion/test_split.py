@@ -316,21 +316,47 @@ def test_a_reduction_no_template_takes_whole_is_split_until_one_does():
 def test_a_reduce_over_strided_dims_reduces_its_contiguous_rows_first(dtype, kind):
     """BatchNorm's statistics of NCHW (dims 0, 2, 3): the innermost run (2, 3) is reduced first as
     rows, then dim 0 of the small partial; the result is the reference's, and every reduce is in a
-    kernel. A reduce of a short innermost run, or of the innermost dims only, is left alone."""
-    from fusionstitching.graph.transforms import reduce_trailing_first, trailing_reduced_run
+    kernel. A reduce of the innermost dims only, or with a size-1 dim as its only other one, is left
+    alone."""
+    from fusionstitching.graph.transforms import reduce_in_two_steps, reduction_order
 
     b = GraphBuilder("bn_stats")
     x = b.parameter((4, 6, 8, 8), dtype, "x")
     graph = b.build([b.node("reduce", [b.unary("neg", x)], dims=(0, 2, 3), kind=kind, name="r")])
-    rewritten, names = reduce_trailing_first(graph)
-    assert names == ["r"] and rewritten.node("r").shape == (6,) and rewritten.node("r").dtype == dtype
+    rewritten, notes = reduce_in_two_steps(graph)
+    assert notes == ["r: dims [2, 3] first, then [0]"]
+    assert rewritten.node("r").shape == (6,) and rewritten.node("r").dtype == dtype
     assert sorted(n.attrs["dims"] for n in rewritten.nodes if n.op == "reduce") == [(0,), (2, 3)]
     _close(graph, rewritten, rtol=1e-2 if dtype == DType.BF16 else 1e-5)
     plan = explore(graph)
-    assert not plan.library and any("innermost reduced dims first" in note for note in plan.notes)
+    # explore merges dims 2 and 3 first (``collapse_reduced_runs``)
+    assert not plan.library and any(note.startswith("reduce r: dims [2") and note.endswith("first, then [0]")
+                                    for note in plan.notes)
     short = GraphBuilder("short")
     y = short.parameter((4, 6, 2, 8), dtype, "y")
-    for dims in ((0, 2, 3), (2, 3)):
-        assert trailing_reduced_run(short.node("reduce", [y], dims=dims, kind="sum")) is None
+    assert reduction_order(short.node("reduce", [y], dims=(2, 3), kind="sum")) is None
     one = short.parameter((1, 6, 8, 8), dtype, "one")  # InstanceNorm through batch norm: N of 1
-    assert trailing_reduced_run(short.node("reduce", [one], dims=(0, 2, 3), kind="sum")) is None
+    assert reduction_order(short.node("reduce", [one], dims=(0, 2, 3), kind="sum")) is None
+    narrow = short.parameter((4, 6, 2, 2), dtype, "narrow")  # 24 elements after dim 0: not a warp's
+    assert reduction_order(short.node("reduce", [narrow], dims=(0, 2, 3), kind="sum")) is None
+
+
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
+@pytest.mark.parametrize("kind", ["sum", "max"])
+def test_a_reduce_with_a_short_innermost_run_reduces_its_other_dims_first(dtype, kind):
+    """GroupNorm's statistics of an NHWC activation, ``[N, H * W, groups, C / groups]`` over dims
+    (1, 3) with 4 channels a group: dim 1 first, a column reduction whose lanes read the 32
+    contiguous channels, then the group's channels of the partial [N, groups, C / groups]."""
+    from fusionstitching.graph.transforms import reduce_in_two_steps, reduction_order
+
+    b = GraphBuilder("gn_stats")
+    x = b.parameter((2, 64, 8, 4), dtype, "x")
+    graph = b.build([b.node("reduce", [b.unary("neg", x)], dims=(1, 3), kind=kind, name="r")])
+    assert reduction_order(graph.node("r")) == ((1,), (2,))
+    rewritten, notes = reduce_in_two_steps(graph)
+    assert notes == ["r: dims [1] first, then [2]"]
+    assert rewritten.node("r").shape == (2, 8) and rewritten.node("r").dtype == dtype
+    assert [n.attrs["dims"] for n in rewritten.nodes if n.op == "reduce"] == [(1,), (2,)]
+    _close(graph, rewritten, rtol=1e-2 if dtype == DType.BF16 else 1e-5)
+    plan = explore(graph)
+    assert not plan.library and any("dims [1] first" in note for note in plan.notes)

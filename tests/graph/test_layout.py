@@ -13,7 +13,7 @@ from fusionstitching.graph.graph import GraphBuilder
 from fusionstitching.graph.layout import TO_NCHW, channels_last_convolutions, sink_transposes
 from fusionstitching.graph.ops import DType
 from fusionstitching.graph.reference import evaluate
-from fusionstitching.graph.transforms import fold_views
+from fusionstitching.graph.transforms import _Names, fold_views
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -376,3 +376,97 @@ def test_a_permuted_result_leaves_other_outputs_alone():
 
     out = library_result({"permute_result": [0, 2, 1, 3]}, (torch.zeros(2, 3, 4, 5), 7, None, torch.zeros(2, 3, 4)))
     assert out[0].shape == (2, 4, 3, 5) and out[1] == 7 and out[2] is None and out[3].shape == (2, 3, 4)
+
+
+def test_a_reshape_of_a_transpose_sinks_where_its_runs_of_dims_stay_together():
+    """NCHW split into groups, ``[N, G, C / G, H * W]``, of an NHWC value is the NHWC value split
+    into ``[N, H * W, G, C / G]``, transposed: the statistics then reduce the NHWC value. A reshape
+    that merges the channels with the height (not neighbours in NHWC) stays a reshape of the
+    transpose."""
+    from fusionstitching.graph.layout import _sink_reshape
+
+    b = GraphBuilder("groups")
+    x = b.parameter((2, 4, 5, 8), DType.F32, "x")  # NHWC
+    t = b.transpose(x, TO_NCHW)
+    grouped = b.reshape(t, (2, 2, 4, 20))
+    graph = b.build([b.reduce(grouped, (2, 3), "sum"), grouped])
+    sunk = fold_views(sink_transposes(graph))
+    reduce = next(n for n in sunk.nodes if n.op == "reduce")
+    assert reduce.operands[0].op == "reshape" and reduce.operands[0].operands[0].op == "parameter"
+    assert reduce.operands[0].shape == (2, 20, 2, 4) and tuple(reduce.attrs["dims"]) == (1, 3)
+    _same_values(graph, sunk)
+    c = GraphBuilder("merged")
+    t = c.transpose(c.parameter((2, 4, 5, 8), DType.F32, "x"), TO_NCHW)
+    merged = c.reshape(t, (2, 32, 5))
+    c.build([merged])
+    assert _sink_reshape(merged, t, _Names(["x"])) is None
+
+
+def _groupnorm_block():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.GroupNorm(4, 16), torch.nn.SiLU(),
+                               torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.GroupNorm(4, 16), torch.nn.SiLU(),
+                               torch.nn.Conv2d(16, 16, 3, padding=1))
+
+
+def _reads_through_transposes(graph) -> list[str]:
+    """The reduces that read a transpose of a computed value through views and elementwise ops."""
+    found = []
+    for n in graph.nodes:
+        if n.op != "reduce":
+            continue
+        stack, seen = [n.operands[0]], set()
+        while stack:
+            x = stack.pop()
+            if id(x) in seen or x.op in ("parameter", "library", "constant", "reduce"):
+                continue
+            seen.add(id(x))
+            if x.op == "transpose" and x.operands[0].op != "parameter":
+                found.append(n.name)
+                break
+            stack.extend(x.operands)
+    return found
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_groupnorms_between_convolutions_run_nhwc(train):
+    """UNet blocks (convolution, GroupNorm, SiLU, twice, and a convolution): the group statistics
+    reduce NHWC values (their reshapes into groups sink), so the convolutions run channels-last and
+    no reduction reads through a transpose, forward and backward."""
+    from fusionstitching.graph.layout import laid_out_convolutions
+
+    x = torch.randn(2, 3, 12, 12, requires_grad=train)  # activations outnumber the weights
+    if train:
+        captured = capture(_groupnorm_block(), x, train=True)
+        graphs = [captured.forward, captured.backward]
+    else:
+        with torch.no_grad():
+            graphs = [capture(_groupnorm_block().eval(), x).forward]
+    for graph in graphs:
+        laid_out = laid_out_convolutions(graph)
+        assert laid_out is not graph, graph.name
+        calls = [n for n in laid_out.nodes if n.op == "library"]
+        assert calls and all("permute_result" in n.attrs["call"] for n in calls), graph.name
+        assert not _reads_through_transposes(laid_out), graph.name
+        # sums in another order, over arbitrary saved statistics (gradients up to 1e4)
+        _same_values(graph, laid_out, rtol=1e-3)
+
+
+def test_convolution_biases_are_added_and_summed_by_generated_kernels():
+    """``convolution_bias_apart``: the convolution is called without its bias, which an add after it
+    applies; the backward's bias gradient is a sum of the output gradient over every dim but the
+    channels, and the call computes the other two gradients only. Same values, forward and
+    backward."""
+    from fusionstitching.graph.layout import CONVOLUTION, CONVOLUTION_BACKWARD, convolution_bias_apart
+
+    model = _conv_net(torch.nn.Conv2d(3, 8, 3, padding=1)).train()
+    captured = capture(model, torch.randn(2, 3, 6, 6, requires_grad=True), train=True, channels_last=False)
+    forward, backward = (convolution_bias_apart(g) for g in (captured.forward, captured.backward))
+    convolutions = [n for n in forward.nodes if n.op == "library" and n.attrs["target"] == CONVOLUTION]
+    assert len(convolutions) == 2 and all(n.attrs["call"]["args"][2] is None for n in convolutions)
+    assert all(len(n.operands) == 2 for n in convolutions)
+    backwards = [n for n in backward.nodes if n.op == "library" and n.attrs["target"] == CONVOLUTION_BACKWARD]
+    assert backwards and all(n.attrs["call"]["args"][10][2] is False for n in backwards)
+    assert all(n.attrs["out_index"] != 2 for n in backwards)
+    _same_values(captured.forward, forward, rtol=1e-4)
+    _same_values(captured.backward, backward, rtol=1e-4)
