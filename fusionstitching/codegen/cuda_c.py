@@ -14,6 +14,7 @@ import math
 import struct
 
 from fusionstitching.codegen import kernel_ir as K
+from fusionstitching.schedule.packing import LOADS_IN_FLIGHT
 
 C_TYPES = {
     "f32": "float", "f64": "double", "f16": "unsigned short", "bf16": "unsigned short",
@@ -115,7 +116,7 @@ def _param(b: K.Buffer) -> str:
 # rows, has one such nest per sub-kernel). Sixteen loads in flight per thread are what one
 # 256-thread block per SM needs to keep its share of bandwidth x latency in flight (Little's law
 # with an H100's figures: about 15 KB per SM), the worst case a latency-bound loop meets.
-NESTED_SERIAL_UNROLL = 16
+NESTED_SERIAL_UNROLL = LOADS_IN_FLIGHT
 
 
 def _stmt(s: K.Stmt, depth: int, unrolled: bool = False) -> list[str]:

@@ -3,7 +3,7 @@ store it (no value crosses threads), for ``lower.lower``.
 
 Kernel packing [C §4.1]: roots whose iteration spaces and tilings are identical share one loop
 nest (same-shape ops in one loop) when they read a common value; groups with different shapes are
-sub-kernels that each get a range of blocks, proportional to their steps (``_block_ranges``), and dispatch on
+sub-kernels that each get a range of blocks, proportional to their steps (``schedule.packing.block_ranges``), and dispatch on
 ``blockIdx.x``. A root's loop nest follows its schedule (see the tiling note in
 ``schedule/template.py``): a grid-stride loop over the GRID space, a block-stride loop over the
 CTA space (or warp/lane loops when there are WARP tiles), serial loops over THREAD factors, dim
@@ -32,8 +32,8 @@ from fusionstitching.codegen.values import (
 from fusionstitching.codegen.vectorize import pack_lanes
 from fusionstitching.graph.graph import Node
 from fusionstitching.graph.pattern import iteration_space
-from fusionstitching.schedule.packing import packed_groups
-from fusionstitching.schedule.template import KernelSchedule, Level, Schedule, level_extent, tile_extents
+from fusionstitching.schedule.packing import block_ranges, packed_groups
+from fusionstitching.schedule.template import KernelSchedule, Level, Schedule, tile_extents
 
 
 def lower_packed(emitter, schedule, pattern, out_names, output_layouts, vectorize_access, guard_tails,
@@ -41,7 +41,7 @@ def lower_packed(emitter, schedule, pattern, out_names, output_layouts, vectoriz
     """Thread composition only: one loop nest per group of same-shape roots, packed by block ranges.
     A probe lowers only the first lane of a vector (``_element``)."""
     groups = _group_schedules(schedule, {o.name: o for o in pattern.outputs}, {id(n) for n in pattern.nodes})
-    ranges = _block_ranges(groups, schedule.launch.blocks)
+    ranges = block_ranges(groups, schedule.launch.blocks)
     parts: list[tuple[int, list[K.Stmt]]] = []
     out_position = {o.name: k for k, o in enumerate(pattern.outputs)}
     for (sched, group_roots), (start, stop) in zip(groups, ranges):
@@ -75,41 +75,6 @@ def _group_schedules(schedule: KernelSchedule, outputs: dict[str, Node], inside:
                                f"{list(space)} has {len(space)}")
         roots.append((sched, root))
     return packed_groups(roots, inside)
-
-
-def _block_ranges(groups: list[tuple[Schedule, list[Node]]], blocks: int) -> list[tuple[int, int]]:
-    """Block ranges of packed sub-kernels: proportional to each one's steps (its GRID iterations
-    times each thread's serial THREAD points, times its roots), at least one block, never more than
-    its GRID space; one sub-kernel takes all blocks. Steps, not elements: a cast of a [64, 64, 3, 3]
-    weight tiled CTA_256 over its innermost dim keeps 3 of each block's 256 threads busy, and given
-    blocks by its elements beside a large reduction it ran 12288 block iterations on 2 blocks."""
-    if len(groups) == 1:
-        return [(0, blocks)]
-    if blocks < len(groups):
-        raise CodegenError(f"launch has {blocks} blocks for {len(groups)} packed sub-kernels")
-    spaces = [iteration_space(members[0]) for _, members in groups]
-    grids = [level_extent(s, space, Level.GRID) for (s, _), space in zip(groups, spaces)]
-    work = [g * level_extent(s, space, Level.THREAD) * len(members)
-            for g, (s, members), space in zip(grids, groups, spaces)]
-    total = sum(work) or 1
-    counts = [max(1, min(g, round(blocks * w / total))) for g, w in zip(grids, work)]
-    while sum(counts) > blocks:
-        largest = max(range(len(counts)), key=lambda k: counts[k])
-        counts[largest] -= 1
-    spare = blocks - sum(counts)  # blocks a sub-kernel's grid capped go to those with tiles left
-    while spare > 0:
-        room = [k for k in range(len(counts)) if counts[k] < grids[k]]
-        if not room:
-            break
-        k = max(room, key=lambda k: work[k] / counts[k])
-        extra = min(spare, grids[k] - counts[k], max(1, spare // len(room)))
-        counts[k] += extra
-        spare -= extra
-    ranges, start = [], 0
-    for count in counts:
-        ranges.append((start, start + count))
-        start += count
-    return ranges
 
 
 def _lower_group(em: ValueEmitter, sched: Schedule, stores, start: int, stop: int, threads: int,

@@ -41,6 +41,9 @@ class GpuSpec:
     smem_per_block: int = 48 * KIB  # static limit, without opt-in
     smem_reserved_per_block: int = 0  # shared memory the driver keeps per resident block (1 KiB from sm_80)
     launch_us: float = 5.0  # phi: host cost of one kernel launch, µs
+    # A load's round trip to DRAM, µs: a thread's dependent loads take at least this each. The
+    # Little's-law figure of an H100 (bandwidth × latency ≈ 15 KB in flight per SM).
+    memory_latency_us: float = 0.6
 
     def __post_init__(self) -> None:
         if self.max_warps_per_sm * self.warp_size != self.max_threads_per_sm:

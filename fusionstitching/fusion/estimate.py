@@ -6,7 +6,9 @@ of a plan costs
 
     T(P) = max(L(P), M(V(P))) + φ
 
-with L = N_wave × L_warp (``cost/latency.py``, launch dims of the schedule the plan carries), M(V)
+with L = N_wave × L_warp (``cost/latency.py``, launch dims of the schedule the plan carries; at
+least N_wave × the round trips to memory the busiest block of a packed kernel makes in sequence,
+``schedule.packing.serial_rounds``), M(V)
 the memory time of the bytes the kernel reads and writes (``cost/bandwidth.py``, the same ``V`` as
 the delta evaluator's ``pattern_bytes``, scaled by the sectors its schedule's accesses move per
 byte used, ``score.access_factor``) and φ the launch cost. The plan's time is the sum over its
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us
+from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us, waves
 from fusionstitching.fusion.plan import FusionPlan
 from fusionstitching.fusion.score import (
     Scorer,
@@ -33,6 +35,7 @@ from fusionstitching.fusion.score import (
 )
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.options import Options
+from fusionstitching.schedule.packing import serial_rounds
 from fusionstitching.schedule.template import KernelSchedule
 
 
@@ -44,7 +47,18 @@ def kernel_time_us(scorer: Scorer, nodes: Sequence[Node], schedule: KernelSchedu
         blocks, threads = schedule.launch.blocks, schedule.launch.threads
         work = instructions_per_thread(list(nodes), blocks, threads, computed_fractions(scorer.graph, nodes))
         latency = kernel_latency_us(scorer.spec, blocks, threads, work)
+        rounds = serial_rounds(schedule, nodes, _outputs(scorer.graph, nodes))
+        if rounds:
+            latency = max(latency, waves(scorer.spec, blocks, threads) * rounds * scorer.spec.memory_latency_us)
     return max(latency, memory) + scorer.launch_us
+
+
+def _outputs(graph: Graph, nodes: Sequence[Node]) -> dict[str, Node]:
+    """The nodes of a kernel read outside it: graph outputs and nodes with users elsewhere."""
+    inside = {id(n) for n in nodes}
+    returned = {id(o) for o in graph.outputs if o is not None}
+    users = graph.index.users
+    return {n.name: n for n in nodes if id(n) in returned or any(id(u) not in inside for u in users[n])}
 
 
 def plan_time_us(plan: FusionPlan, options: Options | None = None, scorer: Scorer | None = None) -> float:

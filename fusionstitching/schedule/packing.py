@@ -28,6 +28,9 @@ from fusionstitching.schedule.template import (
 )
 
 MAX_BLOCKS = 65535
+# Loads one thread keeps in flight in a serial loop: the code generator unrolls long serial loops
+# by this many iterations (``codegen.cuda_c.NESTED_SERIAL_UNROLL``).
+LOADS_IN_FLIGHT = 16
 
 
 def _packed_template(pattern, threads: int) -> KernelSchedule:
@@ -46,23 +49,29 @@ def _packed_template(pattern, threads: int) -> KernelSchedule:
     return KernelSchedule(tuple(schedules), Launch(blocks, threads))
 
 
-def _reads_transposed(pattern) -> dict[int, bool]:
-    """Per pattern node (by id), whether it reads some input along a dim other than its innermost
-    one (a transpose); one pass in pattern order. Other roots packed with such a root keep their
-    row-major tiles."""
+def _reads_transposed(pattern) -> dict[int, int | None]:
+    """Per pattern node (by id), the dim of its iteration space along which it reads some input
+    contiguously when that is not its innermost dim (a transpose), else None; one pass in pattern
+    order. A transpose of the innermost dim gives the dim that dim becomes, and an op of the same
+    shape keeps its operand's; an input with strides, its dim of stride 1; elsewhere the dim before
+    last. Other roots packed with such a root keep their row-major tiles."""
     inside = {id(n) for n in pattern.nodes}
-    result: dict[int, bool] = {}
+    result: dict[int, int | None] = {}
     for node in pattern.nodes:
-        transposed = node.op == "transpose" and node.attrs["permutation"][-1] != len(node.shape) - 1
+        last = len(node.shape) - 1
+        across = None
+        if node.op == "transpose" and node.attrs["permutation"][-1] != last:
+            across = list(node.attrs["permutation"]).index(last)
         for x in node.operands:
-            if transposed:
+            if across is not None:
                 break
             if id(x) in inside:
-                transposed = result[id(x)]
-            else:
-                layout = x.layout
-                transposed = layout is not None and len(x.shape) >= 2 and x.shape[-1] > 1 and layout.strides[-1] != 1
-        result[id(node)] = transposed
+                if result[id(x)] is not None:
+                    across = result[id(x)] if x.shape == node.shape else max(last - 1, 0)
+            elif x.layout is not None and len(x.shape) >= 2 and x.shape[-1] > 1 and x.layout.strides[-1] != 1:
+                unit = [d for d, stride in enumerate(x.layout.strides) if stride == 1 and x.shape[d] > 1]
+                across = unit[0] if unit and x.shape == node.shape else max(last - 1, 0)
+        result[id(node)] = across
     return result
 
 
@@ -125,15 +134,17 @@ def _short_vector_rows(space, kept: list[int], threads: int, vector: int) -> dic
     return tiles if remaining < threads // lanes else None
 
 
-def _root_schedule(root: Node, threads: int, transposed: bool = False, item: int | None = None) -> Schedule:
-    """``item``: the bytes per element that size the vectors (default: the root's own). Elementwise
+def _root_schedule(root: Node, threads: int, across: int | None = None, item: int | None = None) -> Schedule:
+    """``across``: the dim along which the root reads a transposed input (``_reads_transposed``).
+    ``item``: the bytes per element that size the vectors (default: the root's own). Elementwise
     roots of one size and last dim are all tiled by the widest of their types, so that related ones
     share a loop nest (``_nest_key``): BERT's first dropout mask (bool) and the bf16
     probabilities it masks were two sub-kernels of 16 and 8 lanes per thread, each drawing the
     random numbers and the second reading the f32 softmax numerators again."""
     space = iteration_space(root)
     reduced = set(reduced_dims(root)) if is_reduction(root) else set()
-    across = _transposed_dim(root) if transposed and not reduced and len(space) >= 2 else None
+    if reduced or len(space) < 2 or across == len(space) - 1:
+        across = None
     if across is not None and threads == 256 and space[across] >= 32 and space[-1] >= 32 and space[-1] % 4 == 0:
         # 32 x 32 tiles over the output's last dim and the dim its input runs along: a warp reads
         # 32 consecutive rows of the output's column for the transposed operand and each thread 4
@@ -175,17 +186,6 @@ def _root_schedule(root: Node, threads: int, transposed: bool = False, item: int
         dims[d] = (Tile(Level.GRID), Tile(Level.CTA, remaining))
         break
     return Schedule(root.name, tuple(dims))
-
-
-def _transposed_dim(root: Node) -> int | None:
-    """The output dim along which a transposed root's input is contiguous: for a transpose of the
-    input's innermost dim, the dim that dim becomes; otherwise the one before last."""
-    if root.op == "transpose":
-        permutation = tuple(root.attrs["permutation"])
-        last = len(permutation) - 1
-        if permutation[-1] != last:
-            return permutation.index(last)
-    return len(root.shape) - 2
 
 
 _FREE_OPS = frozenset(("reshape", "broadcast_in_dim", "transpose", "convert", "constant"))
@@ -277,6 +277,78 @@ def needs_composition(schedules: Sequence[Schedule], outputs: dict[str, Node], n
 # ----------------------------------------------------------------------------------------------
 # Loop nests of a packed kernel (codegen/packed.py lowers them)
 # ----------------------------------------------------------------------------------------------
+
+
+def serial_rounds(schedule: KernelSchedule, nodes: Sequence[Node], outputs: dict[str, Node]) -> int:
+    """The memory round trips the busiest block of a packed kernel (no composition) makes one after
+    another: per sub-kernel, its GRID iterations per block (``block_ranges``) times its THREAD points
+    per thread in runs of ``LOADS_IN_FLIGHT``; 0 for a template that needs composition. A small
+    reduction packed beside a large one gets one block, whose grid loop then runs hundreds of
+    iterations, each a load's round trip."""
+    by_name = {n.name: n for n in nodes}
+    if any(s.root not in by_name for s in schedule.schedules) \
+            or needs_composition(schedule.schedules, outputs, by_name):
+        return 0
+    groups = packed_groups([(s, by_name[s.root]) for s in schedule.schedules], {id(n) for n in nodes})
+    if len(groups) > schedule.launch.blocks:
+        return 0
+    rounds = 0
+    for (sched, members), (start, stop) in zip(groups, block_ranges(groups, schedule.launch.blocks)):
+        space = iteration_space(members[0])
+        grid, thread = level_extent(sched, space, Level.GRID), level_extent(sched, space, Level.THREAD)
+        loads = thread * _recomputed_reads(members, nodes)
+        rounds = max(rounds, math.ceil(grid / max(1, stop - start)) * math.ceil(loads / LOADS_IN_FLIGHT))
+    return rounds
+
+
+def _recomputed_reads(members: Sequence[Node], nodes: Sequence[Node]) -> int:
+    """Elements a point of a packed loop nest reads per point of its own: sub-kernels share no
+    values, so a reduction the nest's roots read from elsewhere in the kernel is recomputed at each
+    point, its whole reduced length (times what its own operands recompute)."""
+    inside = {id(n) for n in nodes}
+    own = {id(m) for m in members}
+    reads: dict[int, int] = {}
+    for node in nodes:  # in pattern order: operands first
+        below = max([reads[id(x)] for x in node.operands if id(x) in reads] or [1])
+        if is_reduction(node) and id(node) not in own and node.op == "reduce":
+            below *= max(1, node.operands[0].size // max(1, node.size))
+        reads[id(node)] = below if any(id(x) in inside for x in node.operands) or below > 1 else 1
+    return max(max([reads[id(x)] for x in m.operands if id(x) in reads] or [1]) for m in members)
+
+
+def block_ranges(groups: list[tuple[Schedule, list[Node]]], blocks: int) -> list[tuple[int, int]]:
+    """Block ranges of packed sub-kernels: proportional to each one's steps (its GRID iterations
+    times each thread's serial THREAD points, times its roots), at least one block, never more than
+    its GRID space; one sub-kernel takes all blocks. Steps, not elements: a cast of a [64, 64, 3, 3]
+    weight tiled CTA_256 over its innermost dim keeps 3 of each block's 256 threads busy, and given
+    blocks by its elements beside a large reduction it ran 12288 block iterations on 2 blocks."""
+    if len(groups) == 1:
+        return [(0, blocks)]
+    if blocks < len(groups):
+        raise ValueError(f"launch has {blocks} blocks for {len(groups)} packed sub-kernels")
+    spaces = [iteration_space(members[0]) for _, members in groups]
+    grids = [level_extent(s, space, Level.GRID) for (s, _), space in zip(groups, spaces)]
+    work = [g * level_extent(s, space, Level.THREAD) * len(members)
+            for g, (s, members), space in zip(grids, groups, spaces)]
+    total = sum(work) or 1
+    counts = [max(1, min(g, round(blocks * w / total))) for g, w in zip(grids, work)]
+    while sum(counts) > blocks:
+        largest = max(range(len(counts)), key=lambda k: counts[k])
+        counts[largest] -= 1
+    spare = blocks - sum(counts)  # blocks a sub-kernel's grid capped go to those with tiles left
+    while spare > 0:
+        room = [k for k in range(len(counts)) if counts[k] < grids[k]]
+        if not room:
+            break
+        k = max(room, key=lambda k: work[k] / counts[k])
+        extra = min(spare, grids[k] - counts[k], max(1, spare // len(room)))
+        counts[k] += extra
+        spare -= extra
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append((start, start + count))
+        start += count
+    return ranges
 
 
 def packed_groups(roots: Sequence[tuple[Schedule, Node]], inside: set[int]) -> list[tuple[Schedule, list[Node]]]:

@@ -298,7 +298,7 @@ def test_packed_sub_kernels_get_blocks_by_their_steps_not_their_elements():
     block iterations) beside a partial sum of 256 × 392 × 64 elements (256 block iterations of 392
     serial points): by elements the cast got 2 of 256 blocks, 6144 iterations each; by steps
     (iterations × serial points) it gets 28, as long as the sum's blocks take."""
-    from fusionstitching.codegen.packed import _block_ranges
+    from fusionstitching.schedule.packing import block_ranges
     from fusionstitching.schedule.template import Level, Schedule, Tile
 
     b = GraphBuilder("ranges")
@@ -308,6 +308,70 @@ def test_packed_sub_kernels_get_blocks_by_their_steps_not_their_elements():
     grid, wide = (Tile(Level.GRID),), (Tile(Level.GRID), Tile(Level.CTA, 256))
     groups = [(Schedule(partial.name, (grid, (Tile(Level.THREAD),), wide)), [partial]),
               (Schedule(cast.name, (grid, grid, grid, wide)), [cast])]
-    (s0, e0), (s1, e1) = _block_ranges(groups, 256)
+    (s0, e0), (s1, e1) = block_ranges(groups, 256)
     assert (e0 - s0, e1 - s1) == (228, 28)
     assert 12288 / (e1 - s1) <= 2 * 392 * 256 / (e0 - s0)
+
+
+def test_a_packed_kernel_costs_the_round_trips_of_its_busiest_block():
+    """The latency evaluator charges a packed kernel the memory round trips its busiest block makes
+    in sequence (``serial_rounds``): a sub-kernel with one block and 256 grid iterations costs 256
+    round trips, whatever its few bytes, and a nest that recomputes a reduction it reads from
+    elsewhere in the kernel loads that reduction's whole length at each of its points."""
+    from fusionstitching.cost.gpu_spec import gpu_spec
+    from fusionstitching.fusion.estimate import kernel_time_us
+    from fusionstitching.fusion.score import Scorer
+    from fusionstitching.options import Options
+    from fusionstitching.schedule.packing import serial_rounds
+    from fusionstitching.schedule.template import KernelSchedule, Launch, Level, Schedule, Tile
+
+    b = GraphBuilder("rounds")
+    big = b.reduce(b.parameter((2048, 512, 256), DType.F32, "x"), [1], "sum")
+    small = b.reduce(b.parameter((256, 8, 8), DType.F32, "y"), [1], "sum")
+    graph = b.build([big, small])
+    grid, thread, lanes = (Tile(Level.GRID),), (Tile(Level.THREAD),), (Tile(Level.CTA),)
+    schedule = KernelSchedule((Schedule(big.name, (grid, thread, lanes)), Schedule(small.name, (grid, thread, lanes))),
+                              Launch(256, 256))
+    outputs = {n.name: n for n in graph.outputs}
+    # the small reduction's 256 rows get one of 256 blocks: 256 iterations of one round each; the
+    # large one's 2048 rows, 255 blocks: 9 iterations of 512 / 16 rounds each
+    assert serial_rounds(schedule, graph.nodes, outputs) == max(256, 9 * 32)
+    spread = KernelSchedule(schedule.schedules, Launch(2304, 256))
+    assert serial_rounds(spread, graph.nodes, outputs) < 64
+    scorer = Scorer(graph, Options())
+    slow, fast = (kernel_time_us(scorer, graph.nodes, s) for s in (schedule, spread))
+    assert slow >= 288 * gpu_spec("H100").memory_latency_us > fast
+
+    r = GraphBuilder("recomputed")
+    sums = r.reduce(r.parameter((64, 256), DType.F32, "z"), [1], "sum")
+    scaled = r.binary("mul", sums, r.parameter((64,), DType.F32, "s"))
+    other = r.reduce(r.parameter((64, 256), DType.F32, "u"), [1], "sum")
+    graph = r.build([scaled, other])
+    schedule = KernelSchedule((Schedule(scaled.name, ((Tile(Level.GRID), Tile(Level.CTA, 32)),)),
+                               Schedule(other.name, (grid, thread))), Launch(66, 256))
+    outputs = {n.name: n for n in graph.outputs}
+    assert serial_rounds(schedule, graph.nodes, outputs) >= 256 // 16  # each point of ``scaled`` sums 256
+
+
+def test_an_nhwc_value_read_as_nchw_is_tiled_over_channels_and_width():
+    """An elementwise root reading a transpose by (0, 3, 1, 2) (a convolution's NHWC result read
+    as NCHW) reads its input contiguously along the channels: its 32 × 32 tiles are over the
+    channels and the width, not the height before the last dim."""
+    from fusionstitching.schedule.packing import _packed_template
+    from fusionstitching.schedule.template import Level
+
+    b = GraphBuilder("nhwc_read")
+    x = b.parameter((2, 16, 32, 64), DType.F32, "x")
+    y = b.parameter((2, 64, 16, 32), DType.F32, "y")
+    out = b.binary("add", b.transpose(x, (0, 3, 1, 2)), y)
+    graph = b.build([out])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    pattern, _ = _pattern_and(graph, nodes, None)
+    (schedule,) = _packed_template(pattern, 256).schedules
+    assert any(t.level == Level.CTA and t.size == 32 for t in schedule.dims[1]), schedule
+    assert all(t.level == Level.GRID for t in schedule.dims[2]), schedule
+    kernel = generate(graph, nodes, _packed_template(pattern, 256))
+    rng = np.random.default_rng(0)
+    data = [rng.standard_normal(p.shape).astype(np.float32) for p in graph.parameters]
+    (got,) = kernel.simulate(data)
+    np.testing.assert_allclose(got, reference.evaluate(graph, data)[0], rtol=1e-6)
