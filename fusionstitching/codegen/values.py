@@ -97,6 +97,36 @@ class InShared:
 
 
 @dataclass
+class _Guard:
+    """An open guarded branch of a padded read: the statements and undo depth of the scope around
+    it, the index expressions only its condition keeps in bounds, and the registers defined inside."""
+
+    stmts: list
+    depth: int
+    guarded: frozenset
+    inside: set
+
+    def reaches(self, index: Sequence[K.Expr]) -> bool:
+        """Whether an index reads a guarded position or a register defined inside the guard."""
+        return any(_mentions(e, self.guarded, self.inside) for e in index)
+
+
+def _mentions(e: K.Expr, exprs: frozenset, names: set) -> bool:
+    if e in exprs:
+        return True
+    kind = type(e)
+    if kind is K.Var:
+        return e.name in names
+    if kind is K.Const or kind is K.Special:
+        return False
+    for child in vars(e).values():
+        children = child if isinstance(child, tuple) else (child,)
+        if any(hasattr(c, "dtype") and not isinstance(c, str) and _mentions(c, exprs, names) for c in children):
+            return True
+    return False
+
+
+@dataclass
 class ValueEmitter:
     inputs: dict[int, InputBuffer]  # id(node) → buffer, for pattern inputs
     pattern: set[int]  # ids of the nodes computed inside the kernel
@@ -118,11 +148,17 @@ class ValueEmitter:
     _consts: dict = field(default_factory=dict)  # index constants by value, built once
     affine_forms: dict = field(default_factory=dict)  # register → its affine form (``vectorize.affine``'s memo)
     _counter: int = 0
+    # Open guards of padded reads, outermost first (``_Guard``): values that do not depend on the
+    # padded positions are computed before the guard (``_hoisted``).
+    _guards: list = field(default_factory=list)
 
     # -- statement plumbing -------------------------------------------------------------------
     def fresh(self, base: str, dtype: str) -> K.Var:
         self._counter += 1
-        return K.Var(f"{base}{self._counter}", dtype)
+        var = K.Var(f"{base}{self._counter}", dtype)
+        for guard in self._guards:
+            guard.inside.add(var.name)
+        return var
 
     def accumulator(self, base: str, dtype: str) -> K.Var:
         """A register that is assigned again after its Let (so never reused by ``let``)."""
@@ -219,6 +255,10 @@ class ValueEmitter:
         result = self._table.get(key)
         if result is not None:
             return result
+        if self._guards and not is_reduction(node) and id(node) not in self.sub_roots:
+            outermost = next((k for k, guard in enumerate(self._guards) if not guard.reaches(index)), None)
+            if outermost is not None:
+                return self._hoisted(outermost, node, index)
         entry = self.sub_roots.get(id(node))
         if entry is not None:
             try:
@@ -383,10 +423,21 @@ class ValueEmitter:
         operand_index = index[:axis] + (position,) + index[axis + k :]
         return self.value(x, operand_index)
 
-    def _guarded(self, node: Node, cond: K.Expr, inside: Callable[[], K.Expr], otherwise: Callable[[], K.Expr]):
-        """``cond ? inside() : otherwise()`` with each side evaluated only where it is taken."""
+    def _guarded(self, node: Node, cond: K.Expr, inside: Callable[[], K.Expr], otherwise: Callable[[], K.Expr],
+                 guarded: tuple[K.Expr, ...] = ()):
+        """``cond ? inside() : otherwise()`` with each side evaluated only where it is taken.
+        ``guarded``: the index expressions only ``cond`` keeps in bounds (a pad's positions in its
+        padded dims); values that read none of them are computed before the branch, once for all
+        the guarded reads of a thread (``_hoisted``)."""
         result = self.accumulator("p", register_type(node.dtype))
-        then_stmts, then_value = self.nested(inside)
+        if guarded:
+            self._guards.append(_Guard(self.stmts, len(self._undo), frozenset(guarded), set()))
+            try:
+                then_stmts, then_value = self.nested(inside)
+            finally:
+                self._guards.pop()
+        else:
+            then_stmts, then_value = self.nested(inside)
         else_stmts, else_value = self.nested(otherwise)
         self.stmts.append(K.Let(result, K.Const(0, result.dtype) if result.dtype != "bool" else K.Const(False, "bool")))
         self.stmts.append(K.If(cond, tuple(then_stmts) + (K.Assign(result, then_value),),
@@ -410,7 +461,39 @@ class ValueEmitter:
                             register_type(node.dtype))
         if cond is None:
             return self.value(x, tuple(inner))
-        return self._guarded(node, cond, lambda: self.value(x, tuple(inner)), lambda: pad_value)
+        padded = tuple(position for position, lo, hi, it in zip(inner, low, node.attrs["high"], interior)
+                       if lo or hi or it)
+        return self._guarded(node, cond, lambda: self.value(x, tuple(inner)), lambda: pad_value, padded)
+
+    def _hoisted(self, k: int, node: Node, index: tuple[K.Expr, ...]) -> K.Expr:
+        """``node`` at ``index`` computed before the ``k``-th open guard, in the scope around it, as
+        if the guard had not been opened yet: a max pooling's window reads the BatchNorm before it at
+        nine padded positions, and the per-channel scale (a square root and a reciprocal) would
+        otherwise be computed in each of the nine branches, which the compiler cannot merge."""
+        guard = self._guards[k]
+        saved_stmts, saved_guards = self.stmts, self._guards
+        inner = self._undo[guard.depth:]
+        shadowed = []  # the bindings of the scopes inside the guard, taken back for the hoist
+        for entries in reversed(inner):
+            for key, before in reversed(entries):
+                shadowed.append((key, self._table.get(key)))
+                if before is None:
+                    self._table.pop(key, None)
+                else:
+                    self._table[key] = before
+        del self._undo[guard.depth:]
+        self.stmts, self._guards = guard.stmts, self._guards[:k]
+        try:
+            result = self.value(node, index)
+        finally:
+            self.stmts, self._guards = saved_stmts, saved_guards
+            self._undo.extend(inner)
+            for key, value in reversed(shadowed):
+                if value is None:
+                    self._table.pop(key, None)
+                else:
+                    self._table[key] = value
+        return result
 
     def _op_concatenate(self, node: Node, index):
         dim = node.attrs["dimension"]

@@ -1,0 +1,59 @@
+"""Values computed before a padded read's guard (``ValueEmitter._hoisted``): a max pooling's nine
+padded window reads of a BatchNorm share its per-channel scale, computed once per thread before the
+guards, while every read of a padded position stays inside its guard. The kernels compile with
+NVRTC and simulate like the reference, padding included."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from fusionstitching.codegen.generate import default_template, generate
+from fusionstitching.graph import reference
+from fusionstitching.graph.graph import GraphBuilder
+from fusionstitching.graph.ops import DType
+
+
+def _pooled_batchnorm():
+    """relu((x - mean) / sqrt(var + eps)) over NHWC [2, 8, 8, 16], then a 3 × 3 max pooling of
+    stride 2 with -inf padding: nine slices of the padded tensor."""
+    b = GraphBuilder("pooled_bn")
+    x = b.parameter((2, 8, 8, 16), DType.F32, "x")
+    mean, var = b.parameter((16,), DType.F32, "mean"), b.parameter((16,), DType.F32, "var")
+    def scalar(value, shape):
+        return b.broadcast(b.constant(value, DType.F32), shape, ())
+
+    scale = b.binary("div", scalar(1.0, (16,)), b.unary("sqrt", b.binary("add", var, scalar(1e-5, (16,)))))
+    shape = (2, 8, 8, 16)
+    centered = b.binary("sub", x, b.broadcast(mean, shape, (3,)))
+    y = b.binary("max", b.binary("mul", centered, b.broadcast(scale, shape, (3,))), scalar(0.0, shape))
+    padded = b.node("pad", [y], low=(0, 1, 1, 0), high=(0, 0, 0, 0), interior=(0, 0, 0, 0), value=float("-inf"))
+    taps = [b.node("slice", [padded], start=(0, i, j, 0), limit=(2, 7 + i, 7 + j, 16), stride=(1, 2, 2, 1))
+            for i in range(3) for j in range(3)]
+    out = taps[0]
+    for tap in taps[1:]:
+        out = b.binary("max", out, tap)
+    return b.build([out])
+
+
+def test_a_pooled_batchnorm_computes_its_scale_once_and_reads_padding_inside_guards(tmp_path):
+    graph = _pooled_batchnorm()
+    nodes = [n for n in graph.nodes if n.op not in ("parameter",)]
+    kernel = generate(graph, nodes, default_template(graph, nodes))
+    source = kernel.cuda_source
+    body = source[source.index("__global__"):]
+    guards = body.count("if (") - body.count("sub-kernel")
+    assert guards >= 9, source
+    lanes = 16 // 4  # a thread's vector of channels
+    assert body.count("sqrtf(") <= lanes, source  # once per channel a thread holds, not per window tap
+    # every load of x (in0) sits inside a guard: after the first ``if (`` of the taps
+    first_guard = body.index("if ((")
+    assert all(m.start() > first_guard for m in re.finditer(r"\bin0\[", body)), source
+    kernel.compile("sm_90", cache_dir=tmp_path)
+    rng = np.random.default_rng(0)
+    data = {"x": rng.standard_normal((2, 8, 8, 16)).astype(np.float32),
+            "mean": rng.standard_normal(16).astype(np.float32), "var": rng.uniform(0.5, 2.0, 16).astype(np.float32)}
+    (got,) = kernel.simulate([data[n.name] for n in kernel.lowered.pattern.inputs])
+    want = reference.evaluate(graph, [data[p.name] for p in graph.parameters])[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
