@@ -470,3 +470,44 @@ def test_convolution_biases_are_added_and_summed_by_generated_kernels():
     assert all(n.attrs["out_index"] != 2 for n in backwards)
     _same_values(captured.forward, forward, rtol=1e-4)
     _same_values(captured.backward, backward, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sinking_a_transpose_through_reshapes_keeps_every_value(seed):
+    """Random transposes of 3- to 5-D values (dims of size 1 among them) reshaped by merging or
+    splitting random runs of dims: wherever ``_sink_reshape`` moves the transpose, the values stay
+    the reference's, and where it declines the graph is unchanged."""
+    from fusionstitching.graph.layout import _sink_reshape
+
+    rng = np.random.default_rng(seed)
+    sunk_any = False
+    for _ in range(40):
+        rank = int(rng.integers(3, 6))
+        shape = tuple(int(rng.choice([1, 2, 3, 4])) for _ in range(rank))
+        perm = tuple(int(d) for d in rng.permutation(rank))
+        if perm == tuple(range(rank)):
+            continue
+        b = GraphBuilder("sink")
+        x = b.parameter(shape, DType.F32, "x")
+        t = b.transpose(x, perm)
+        sizes = list(t.shape)
+        # merge a random run of neighbours, then split a random dim in two where it factors
+        start = int(rng.integers(0, len(sizes) - 1))
+        stop = int(rng.integers(start + 1, len(sizes) + 1))
+        merged = sizes[:start] + [int(np.prod(sizes[start:stop]))] + sizes[stop:]
+        k = int(rng.integers(0, len(merged)))
+        if merged[k] % 2 == 0 and merged[k] > 2:
+            merged = merged[:k] + [2, merged[k] // 2] + merged[k + 1:]
+        y = b.reshape(t, tuple(merged))
+        graph = b.build([b.unary("neg", y)])
+        moved = _sink_reshape(y, t, _Names(n.name for n in graph.nodes))
+        sunk = fold_views(sink_transposes(graph, (perm,)))
+        reads_transpose = [n for n in sunk.nodes if n.op == "reshape" and n.operands[0].op == "transpose"]
+        if moved is None:
+            assert reads_transpose or sunk is graph
+            continue
+        sunk_any = True
+        assert moved.shape == y.shape
+        assert not reads_transpose  # the reshape reads the source; a transpose left comes after it
+        _same_values(graph, sunk)
+    assert sunk_any
