@@ -305,14 +305,13 @@ def _recomputed_reads(members: Sequence[Node], nodes: Sequence[Node]) -> int:
     """Elements a point of a packed loop nest reads per point of its own: sub-kernels share no
     values, so a reduction the nest's roots read from elsewhere in the kernel is recomputed at each
     point, its whole reduced length (times what its own operands recompute)."""
-    inside = {id(n) for n in nodes}
     own = {id(m) for m in members}
     reads: dict[int, int] = {}
     for node in nodes:  # in pattern order: operands first
         below = max([reads[id(x)] for x in node.operands if id(x) in reads] or [1])
-        if is_reduction(node) and id(node) not in own and node.op == "reduce":
+        if node.op == "reduce" and id(node) not in own:
             below *= max(1, node.operands[0].size // max(1, node.size))
-        reads[id(node)] = below if any(id(x) in inside for x in node.operands) or below > 1 else 1
+        reads[id(node)] = below
     return max(max([reads[id(x)] for x in m.operands if id(x) in reads] or [1]) for m in members)
 
 
