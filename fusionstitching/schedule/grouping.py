@@ -312,11 +312,13 @@ def column_template(pattern, reductions: list[Node]) -> KernelSchedule:
     return KernelSchedule(schedules, Launch(max(1, min(grid, MAX_BLOCKS)), WARP_SIZE * warps))
 
 
-def batched_template(pattern, reductions: list[Node], cache_operands: bool = True) -> KernelSchedule:
+def batched_template(pattern, reductions: list[Node], cache_operands: bool = True,
+                     threads: int = DEFAULT_THREADS) -> KernelSchedule:
     """Groups of different shapes sharing leading batch dims (small batched dots with a softmax in
     between, e.g. DIN attention): a block per batch element; in each group the last reduced dim of
     a reduce goes across the threads, a dot's contracting dims are THREAD loops and its last other
     dim goes across the threads; dots read by other groups are cached in shared memory (``S``).
+    A block has at most ``threads`` threads, fewer when the widest dim across them is shorter.
 
     Expensive ops both ways [C §4.2]: a dot operand computed inside the pattern with an expensive
     op in it (the softmax before DIN's second dot) is recomputed by every thread of the dot's
@@ -354,7 +356,7 @@ def batched_template(pattern, reductions: list[Node], cache_operands: bool = Tru
             widest = max(widest, space[across])
         shared = (root.op == "dot_general" or not is_reduction(root)) and id(root) in used
         schedules.append(Schedule(root.name, tuple(dims), shared=shared))
-    threads = min(DEFAULT_THREADS, max(WARP_SIZE, 1 << (widest - 1).bit_length()))
+    threads = min(threads, max(WARP_SIZE, 1 << (widest - 1).bit_length()))
     blocks = math.prod(spaces[0][:batch]) if batch else 1
     return KernelSchedule(tuple(schedules), Launch(max(1, min(blocks, MAX_BLOCKS)), threads))
 

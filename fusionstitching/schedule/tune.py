@@ -5,6 +5,8 @@ The space is the template grammar's knobs that the default rule (``grouping.choo
 fixes by heuristics:
 
 - thread composition and packing (no value crossing threads): threads per block (128 to 1024);
+- batched patterns (groups of different ranks, a block per batch element): threads per block (128
+  to 1024, at most the widest dim across the threads);
 - composed row reductions: block mode (a block per row) with 128 to 1024 threads, and warp mode
   with 1 to 32 rows (warps) per block and 1, 2 or 4 rows per warp at a time (where the rows divide
   evenly, as the default requires);
@@ -39,6 +41,7 @@ from fusionstitching.schedule.grouping import (
     _candidate_templates,
     _column_pattern,
     _crossing,
+    batched_template,
     composed_template,
     thread_serial_template,
 )
@@ -62,7 +65,8 @@ def tuning_space(pattern) -> list[tuple[str, Callable[[], KernelSchedule]]]:
     if not reductions:
         return makes + [("threads", lambda t=t: _packed_template(pattern, t)) for t in _near(BLOCK_THREADS, 256)]
     if _batched(pattern, reductions):
-        return makes
+        return makes + [("threads", lambda t=t: batched_template(pattern, reductions, threads=t))
+                        for t in _near(BLOCK_THREADS, DEFAULT_THREADS)]
     if not _column_pattern(pattern, reductions):
         space, reduced = _space(reductions[0]), set(reduced_dims(reductions[0]))
         kept = [d for d in range(len(space)) if d not in reduced]
