@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                            "compiler": compiler}, f)
     dist.barrier()
     dist.destroy_process_group()
+    if rank == 0:
+        print("process group destroyed", flush=True)
     return 0
 
 
