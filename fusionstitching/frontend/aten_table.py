@@ -531,26 +531,32 @@ def _pad(cx: LoweringContext, x: Node, pad: Sequence[int], value: Any = 0) -> No
     return cx.node("pad", x, low=tuple(low), high=tuple(high), interior=(0,) * len(x.shape), value=float(value))
 
 
-@lowers("aten.max_pool2d_with_indices.default")
-def _max_pool2d(cx: LoweringContext, x: Node, kernel_size: Sequence[int], stride: Sequence[int] = (),
-                padding: Any = 0, dilation: Any = 1, ceil_mode: bool = False) -> tuple[Node, Node]:
-    """Max pooling where nothing reads the indices (inference): the max of the k × k strided
-    slices of the input padded with -inf, so that it fuses with the ops around it (ResNet's stem).
-    Where the indices are read (the backward of training), the op stays a library call."""
-    import operator
-
-    if any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in cx.fx_node.users):
-        raise Unsupported("the indices are read (max_pool2d_with_indices_backward)")
-    if not x.dtype.is_float or len(x.shape) not in (3, 4):
-        raise Unsupported(f"max pooling of a {x.dtype.value} tensor of rank {len(x.shape)}")
-
+def _pool_params(kernel_size: Any, stride: Any, padding: Any, dilation: Any
+                 ) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """(kernel, stride, padding, dilation) of a 2-d pooling, each as (h, w), with torch's defaults
+    (one value for both dims; no stride: the kernel size)."""
     def pair(v: Any, default: Sequence[int]) -> tuple[int, int]:
         v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
         v = v or tuple(default)
         return (int(v[0]), int(v[-1]))
 
-    (kh, kw), (ph, pw), (dh, dw) = pair(kernel_size, ()), pair(padding, (0,)), pair(dilation, (1,))
-    sh, sw = pair(stride, (kh, kw))
+    kernel = pair(kernel_size, ())
+    return kernel, pair(stride, kernel), pair(padding, (0,)), pair(dilation, (1,))
+
+
+@lowers("aten.max_pool2d_with_indices.default")
+def _max_pool2d(cx: LoweringContext, x: Node, kernel_size: Sequence[int], stride: Sequence[int] = (),
+                padding: Any = 0, dilation: Any = 1, ceil_mode: bool = False) -> tuple[Node, Node]:
+    """Max pooling as the max of the k × k strided slices of the input padded with -inf, so that it
+    fuses with the ops around it (ResNet's stem). The indices (each window's maximum as ``h · W + w``
+    in its input plane) are computed only where something reads them (the backward of training),
+    window by window in torch's order: a window's first valid position, then each later one that is
+    greater or NaN (so the first maximum, or the last NaN)."""
+    import operator
+
+    if not x.dtype.is_float or len(x.shape) not in (3, 4):
+        raise Unsupported(f"max pooling of a {x.dtype.value} tensor of rank {len(x.shape)}")
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = _pool_params(kernel_size, stride, padding, dilation)
     values_shape = tuple(int(d) for d in cx.meta_of(0).shape)
     ho, wo = values_shape[-2:]
     rank, (h, w) = len(x.shape), x.shape[-2:]
@@ -559,15 +565,73 @@ def _max_pool2d(cx: LoweringContext, x: Node, kernel_size: Sequence[int], stride
     lead = (0,) * (rank - 2)
     padded = cx.node("pad", x, low=lead + (ph, pw), high=lead + (high_h, high_w), interior=(0,) * rank,
                      value=float("-inf"))
-    result = None
+    windows = []
     for i in range(kh):
         for j in range(kw):
             start = lead + (i * dh, j * dw)
             limit = tuple(x.shape[:-2]) + (i * dh + (ho - 1) * sh + 1, j * dw + (wo - 1) * sw + 1)
             window = cx.node("slice", padded, start=start, limit=limit, stride=(1,) * (rank - 2) + (sh, sw))
-            result = window if result is None else cx.b.binary("max", result, window)
-    unread = cx.constant(0, DType.I64, values_shape)  # the indices: nothing reads them
-    return result, unread
+            windows.append((i, j, window))
+    result = windows[0][2]
+    for _, _, window in windows[1:]:
+        result = cx.b.binary("max", result, window)
+    if not any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in cx.fx_node.users):
+        return result, cx.constant(0, DType.I64, values_shape)  # the indices: nothing reads them
+
+    def position(dim: int, step: int, offset: int) -> Node:  # the input row (column) of each output
+        iota = cx.b.iota(values_shape, dim, DType.I64)
+        return cx.b.binary("add", cx.b.binary("mul", iota, cx.lift(step, DType.I64, values_shape)),
+                           cx.lift(offset, DType.I64, values_shape))
+
+    def inside(at: Node, size: int) -> Node:
+        return cx.b.binary("and", cx.b.compare("GE", at, cx.lift(0, DType.I64, values_shape)),
+                           cx.b.compare("LT", at, cx.lift(size, DType.I64, values_shape)))
+
+    best, index, seen = None, cx.constant(0, DType.I64, values_shape), None
+    for i, j, window in windows:
+        row, col = position(rank - 2, sh, i * dh - ph), position(rank - 1, sw, j * dw - pw)
+        valid = cx.b.binary("and", inside(row, h), inside(col, w))
+        at = cx.b.binary("add", cx.b.binary("mul", row, cx.lift(w, DType.I64, values_shape)), col)
+        if best is None:
+            take = valid
+        else:
+            better = cx.b.binary("or", cx.b.compare("GT", window, best), cx.b.compare("NE", window, window))
+            take = cx.b.binary("and", valid, cx.b.binary("or", cx.b.unary("not", seen), better))
+        best = window if best is None else cx.b.select(take, window, best)
+        index = cx.b.select(take, at, index)
+        seen = valid if seen is None else cx.b.binary("or", seen, valid)
+    return result, index
+
+
+@lowers("aten.max_pool2d_with_indices_backward.default")
+def _max_pool2d_backward(cx: LoweringContext, grad: Node, x: Node, kernel_size: Sequence[int],
+                         stride: Sequence[int], padding: Any, dilation: Any, ceil_mode: bool, indices: Node) -> Node:
+    """The gradient of max pooling gathered at each input position: for every tap (i, j) of the
+    window, the output whose window holds the position at that tap (the output gradient and indices
+    spread onto the input grid by an interior pad of stride - 1 and shifted by the tap's offset)
+    contributes its gradient where its index is the position. Summed in torch's order (the outputs
+    by ascending row, then column) in the accumulation dtype."""
+    if len(x.shape) not in (3, 4) or grad.shape != indices.shape or len(grad.shape) != len(x.shape):
+        raise Unsupported(f"max pooling backward of a rank-{len(x.shape)} input")
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = _pool_params(kernel_size, stride, padding, dilation)
+    rank, (h, w), (ho, wo) = len(x.shape), x.shape[-2:], grad.shape[-2:]
+    shape = tuple(x.shape)
+    compute = cx.dtype.compute
+    grad = cx.b.convert(grad, compute)
+    here = cx.b.binary("add", cx.b.binary("mul", cx.b.iota(shape, rank - 2, DType.I64), cx.lift(w, DType.I64, shape)),
+                       cx.b.iota(shape, rank - 1, DType.I64))
+    lead = (0,) * (rank - 2)
+    total = None
+    for i in reversed(range(kh)):  # the output row (h + ph - i * dh) / sh ascends as i descends
+        for j in reversed(range(kw)):
+            low = lead + (i * dh - ph, j * dw - pw)
+            high = lead + (h - (i * dh - ph) - ((ho - 1) * sh + 1), w - (j * dw - pw) - ((wo - 1) * sw + 1))
+            interior = lead + (sh - 1, sw - 1)
+            spread = cx.node("pad", grad, low=low, high=high, interior=interior, value=0.0)
+            owner = cx.node("pad", indices, low=low, high=high, interior=interior, value=-1.0)
+            term = cx.b.select(cx.b.compare("EQ", owner, here), spread, cx.lift(0, compute, shape))
+            total = term if total is None else cx.b.binary("add", total, term)
+    return cx.b.convert(total, cx.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
