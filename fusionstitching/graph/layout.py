@@ -12,8 +12,9 @@ input then write it in NHWC, and the kernels that read the result read NHWC.
 ``sink_transposes`` then moves those transposes past the elementwise ops, broadcasts, reshapes and
 reductions between convolutions, so that these run in NHWC and a transpose back to NCHW meets the
 next convolution's transpose to NHWC and both vanish (``fold_views``). An elementwise op sinks the
-transpose ``p`` when every operand is a transpose by ``p`` or a broadcast (a broadcast of a
-per-channel vector is a broadcast along another dim); a reduce of a transpose reduces the permuted
+transpose ``p`` when every operand is a transpose by ``p``, a broadcast (a broadcast of a
+per-channel vector is a broadcast along another dim) or a function of positions (iotas and
+broadcasts through elementwise ops: a max pooling's ``h · W + w``, rebuilt along the permuted dims); a reduce of a transpose reduces the permuted
 dims of its operand; a pad or a slice of a transpose pads or slices the permuted dims (a max
 pooling's windows); a reshape whose merged or split runs of dims are runs of the source's too (a
 GroupNorm's ``[N, groups, C / groups, H * W]``) reshapes the source, and the transpose, of another
@@ -357,13 +358,14 @@ def sink_transposes(graph: Graph, permutations: Sequence[tuple[int, ...]] = (TO_
     # reshape of a sinking transpose is a transpose of another permutation)
     sinking = {id(n) for n in graph.nodes if n.op == "transpose" and tuple(n.attrs["permutation"]) in permutations}
     moved = False
+    positional = _Positional(names)
     for n in graph.nodes:
         if id(n) in copies:
             continue
         operands = tuple(copies[id(x)] for x in n.operands)
         sunk = None
         if is_elementwise(n.op):
-            sunk = _sink_elementwise(n, operands, names, sinking)
+            sunk = _sink_elementwise(n, operands, names, sinking, positional)
         elif n.op in ("reduce", "reshape", *PER_DIM_ATTRS) and id(operands[0]) in sinking:
             sink = {"reduce": _sink_reduce, "reshape": _sink_reshape}.get(n.op, _sink_per_dim)
             sunk = sink(n, operands[0], names)
@@ -379,10 +381,11 @@ def sink_transposes(graph: Graph, permutations: Sequence[tuple[int, ...]] = (TO_
     return _rebuilt(graph, copies) if moved else graph
 
 
-def _sink_elementwise(n: Node, operands: Sequence[Node], names: _Names, sinking: set[int]) -> Node | None:
+def _sink_elementwise(n: Node, operands: Sequence[Node], names: _Names, sinking: set[int],
+                      positional: _Positional) -> Node | None:
     permutations = {tuple(x.attrs["permutation"]) for x in operands if x.op == "transpose"}
     if len(permutations) != 1 or not all(id(x) in sinking for x in operands if x.op == "transpose") \
-            or not all(x.op in ("transpose", "broadcast_in_dim") for x in operands):
+            or not all(x.op == "transpose" or positional(x) for x in operands):
         return None
     (p,) = permutations
     inner = tuple(n.shape[p.index(d)] for d in range(len(p)))  # the shape before the transpose
@@ -391,20 +394,64 @@ def _sink_elementwise(n: Node, operands: Sequence[Node], names: _Names, sinking:
         if x.op == "transpose" and tuple(x.attrs["permutation"]) == p:
             new_operands.append(x.operands[0])
             continue
-        # operand dims of 1 are dropped (a [1, C, 1, 1] scale is a [C] one); the others keep
-        # their order, or the broadcast would transpose its operand
-        v = x.operands[0]
-        kept = [k for k, size in enumerate(v.shape) if size != 1]
-        dims = tuple(p[x.attrs["broadcast_dimensions"][k]] for k in kept)
-        if list(dims) != sorted(dims):
+        permuted = positional.permuted(x, p)
+        if permuted is None:
             return None
-        if len(kept) != len(v.shape):
-            v = _make("reshape", [v], names.new(f"{v.name}_squeezed"), shape=tuple(v.shape[k] for k in kept))
-        new_operands.append(_make("broadcast_in_dim", [v], names.new(x.name), shape=inner,
-                                  broadcast_dimensions=dims))
+        new_operands.append(permuted)
     inside = dataclasses.replace(n, name=names.new(f"{n.name}_t"), operands=tuple(new_operands), shape=inner,
                                  layout=None)
     return _sunk(inside, p, n)
+
+
+class _Positional:
+    """Functions of positions alone, found and rebuilt in another layout once per node (a max
+    pooling's "a valid tap seen yet" grows by an ``or`` per tap, shared by every later tap)."""
+
+    def __init__(self, names: _Names) -> None:
+        self.names = names
+        self.known: dict[int, bool] = {}
+        self.rebuilt: dict[tuple[int, tuple[int, ...]], Node | None] = {}
+
+    def __call__(self, x: Node) -> bool:
+        """Whether ``x`` is a broadcast, or elementwise ops over iotas and broadcasts (a max
+        pooling's ``h · W + w``), which the pass may rebuild in any layout."""
+        found = self.known.get(id(x))
+        if found is None:
+            found = x.op in ("broadcast_in_dim", "iota") or (
+                is_elementwise(x.op) and bool(x.operands) and all(self(o) for o in x.operands))
+            self.known[id(x)] = found
+        return found
+
+    def permuted(self, x: Node, p: tuple[int, ...]) -> Node | None:
+        """``x`` rebuilt with the shape it has before the transpose ``p``: an iota along dim d runs
+        along dim ``p[d]``, a broadcast maps its dims alike; None where a broadcast would have to
+        transpose its operand."""
+        key = (id(x), p)
+        if key not in self.rebuilt:
+            self.rebuilt[key] = self._permuted(x, p)
+        return self.rebuilt[key]
+
+    def _permuted(self, x: Node, p: tuple[int, ...]) -> Node | None:
+        inner = tuple(x.shape[p.index(d)] for d in range(len(p)))
+        if x.op == "iota":
+            return _make("iota", [], self.names.new(x.name), shape=inner, dtype=x.dtype,
+                         dimension=p[x.attrs["dimension"]])
+        if x.op == "broadcast_in_dim":
+            # operand dims of 1 are dropped (a [1, C, 1, 1] scale is a [C] one); the others keep
+            # their order, or the broadcast would transpose its operand
+            v = x.operands[0]
+            kept = [k for k, size in enumerate(v.shape) if size != 1]
+            dims = tuple(p[x.attrs["broadcast_dimensions"][k]] for k in kept)
+            if list(dims) != sorted(dims):
+                return None
+            if len(kept) != len(v.shape):
+                v = _make("reshape", [v], self.names.new(f"{v.name}_squeezed"), shape=tuple(v.shape[k] for k in kept))
+            return _make("broadcast_in_dim", [v], self.names.new(x.name), shape=inner, broadcast_dimensions=dims)
+        operands = [self.permuted(o, p) for o in x.operands]
+        if any(o is None for o in operands):
+            return None
+        return dataclasses.replace(x, name=self.names.new(f"{x.name}_t"), operands=tuple(operands), shape=inner,
+                                   layout=None)
 
 
 def _sunk(inside: Node, permutation: tuple[int, ...], n: Node) -> Node:

@@ -90,8 +90,8 @@ def test_max_pooling_indices_and_gradients_match_eager(name, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_resnet_stem_pooling_trains_like_eager_on_the_gpu(dtype):
     """ResNet's stem (BatchNorm, ReLU, 3 × 3 max pooling of stride 2) forward and backward on the
-    GPU: the values, the indices and the input gradient equal eager CUDA's (which also sums a
-    position's gradients in f32)."""
+    GPU: the pooled values equal eager CUDA's; the gradients too in f32 (which needs the indices
+    exact), within bf16's tolerance in bf16."""
     torch.manual_seed(0)
     stem = torch.nn.Sequential(torch.nn.BatchNorm2d(64), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
     stem = stem.cuda().to(dtype)
@@ -108,5 +108,11 @@ def test_resnet_stem_pooling_trains_like_eager_on_the_gpu(dtype):
         stem.zero_grad()
     (ours, ours_dx, ours_dw), (eager, eager_dx, eager_dw) = results
     torch.testing.assert_close(ours, eager)
-    torch.testing.assert_close(ours_dx, eager_dx)
-    torch.testing.assert_close(ours_dw, eager_dw, rtol=2e-2, atol=2e-2)
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours_dx, eager_dx)
+        torch.testing.assert_close(ours_dw, eager_dw)
+    else:  # BatchNorm's backward rounds its intermediates to bf16 in other places than eager's kernel
+        from fusionstitching.bench.correctness import BF16_TOLERANCE, relative_error
+
+        assert relative_error(ours_dx, eager_dx) < BF16_TOLERANCE
+        assert relative_error(ours_dw, eager_dw) < BF16_TOLERANCE

@@ -10,7 +10,12 @@ import torch
 
 from fusionstitching.frontend.torch_fx import capture
 from fusionstitching.graph.graph import GraphBuilder
-from fusionstitching.graph.layout import TO_NCHW, channels_last_convolutions, sink_transposes
+from fusionstitching.graph.layout import (
+    TO_NCHW,
+    channels_last_convolutions,
+    laid_out_convolutions,
+    sink_transposes,
+)
 from fusionstitching.graph.ops import DType
 from fusionstitching.graph.reference import evaluate
 from fusionstitching.graph.transforms import _Names, fold_views
@@ -67,6 +72,34 @@ def test_capture_lays_out_the_saved_tensors_as_the_backend_does():
     for k, layout in promised.items():
         assert captured.backward.parameters[k].layout == layout
     assert channels_last_convolutions(captured.forward) is not captured.forward
+
+
+def test_a_max_poolings_indices_and_backward_run_nhwc():
+    """The indices of a training max pooling (``h · W + w`` from iotas) and its backward's gather
+    (the indices compared with the position) sink like the values: the backward transposes only the
+    tensors it is given and the library calls' results, and computes what the NCHW graph does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.MaxPool2d(3, 2, 1), torch.nn.Conv2d(8, 16, 1)).train()  # ResNet's stem
+    captured = capture(model, torch.randn(2, 3, 10, 10, requires_grad=True), train=True)
+    forward = laid_out_convolutions(captured.forward)
+    (indices,) = [o for o in forward.outputs if o is not None and o.dtype == DType.I64 and len(o.shape) == 4]
+    assert indices.op == "transpose" and indices.operands[0].shape[-1] == 8  # computed NHWC, saved so
+    backward = captured.backward
+    assert any(n.op == "iota" for n in backward.nodes) and not any(n.op == "library" and "max_pool" in
+                                                                  n.attrs["target"] for n in backward.nodes)
+    laid_out = laid_out_convolutions(backward)
+    assert laid_out is not backward
+    for n in laid_out.nodes:
+        if n.op == "transpose":
+            assert n.operands[0].op in ("parameter", "library"), n.name
+    assert all(n.shape[-1] == 8 for n in laid_out.nodes if n.op == "iota")  # NHWC: channels last
+    rng = np.random.default_rng(0)
+    inputs = [rng.uniform(0.5, 1.5, p.shape).astype(p.dtype.numpy) if p.dtype.is_float
+              else rng.integers(0, 25, p.shape).astype(p.dtype.numpy) for p in backward.parameters]
+    for x, y in zip(evaluate(backward, inputs), evaluate(laid_out, inputs)):
+        if x is not None:
+            np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5)
 
 
 def _transposed_statistics(dims, broadcast_dims=(1,)):
