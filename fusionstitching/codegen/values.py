@@ -446,14 +446,18 @@ class ValueEmitter:
 
     def _op_pad(self, node: Node, index):
         (x,) = node.operands
-        low, interior = node.attrs["low"], node.attrs["interior"]
+        low, high, interior = node.attrs["low"], node.attrs["high"], node.attrs["interior"]
         cond, inner = None, []
-        for i, lo, it, size in zip(index, low, interior, x.shape):
+        for i, lo, hi, it, size in zip(index, low, high, interior, x.shape):
+            # ``i`` is in [0, lo + (size - 1) * step + 1 + hi): a bound the padding cannot cross
+            # (no low edge, no high edge) holds without a test
             shifted = K.Binary("sub", i, self.idx(lo), self.index_type) if lo else i
             step = it + 1
             position = K.div(shifted, self.idx(step)) if step > 1 else shifted
-            cond = K.land(cond, K.Binary("ge", shifted, self.idx(0), "bool"))
-            cond = K.land(cond, K.lt(shifted, self.idx((size - 1) * step + 1)))
+            if lo > 0:
+                cond = K.land(cond, K.Binary("ge", shifted, self.idx(0), "bool"))
+            if hi > 0:
+                cond = K.land(cond, K.lt(shifted, self.idx((size - 1) * step + 1)))
             if step > 1:
                 cond = K.land(cond, K.Binary("eq", K.rem(shifted, self.idx(step)), self.idx(0), "bool"))
             inner.append(position)
@@ -461,8 +465,7 @@ class ValueEmitter:
                             register_type(node.dtype))
         if cond is None:
             return self.value(x, tuple(inner))
-        padded = tuple(position for position, lo, hi, it in zip(inner, low, node.attrs["high"], interior)
-                       if lo or hi or it)
+        padded = tuple(position for position, lo, hi, it in zip(inner, low, high, interior) if lo or hi or it)
         return self._guarded(node, cond, lambda: self.value(x, tuple(inner)), lambda: pad_value, padded)
 
     def _hoisted(self, k: int, node: Node, index: tuple[K.Expr, ...]) -> K.Expr:
