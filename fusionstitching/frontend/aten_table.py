@@ -551,7 +551,8 @@ def _max_pool2d(cx: LoweringContext, x: Node, kernel_size: Sequence[int], stride
     fuses with the ops around it (ResNet's stem). The indices (each window's maximum as ``h · W + w``
     in its input plane) are computed only where something reads them (the backward of training),
     window by window in torch's order: a window's first valid position, then each later one that is
-    greater or NaN (so the first maximum, or the last NaN)."""
+    greater or NaN (so the first maximum, or the last NaN). The backward stays a library call:
+    gathered over the window's taps in a generated kernel it ran slower than torch's (CHANGELOG.md)."""
     import operator
 
     if not x.dtype.is_float or len(x.shape) not in (3, 4):
@@ -601,37 +602,6 @@ def _max_pool2d(cx: LoweringContext, x: Node, kernel_size: Sequence[int], stride
         index = cx.b.select(take, at, index)
         seen = valid if seen is None else cx.b.binary("or", seen, valid)
     return result, index
-
-
-@lowers("aten.max_pool2d_with_indices_backward.default")
-def _max_pool2d_backward(cx: LoweringContext, grad: Node, x: Node, kernel_size: Sequence[int],
-                         stride: Sequence[int], padding: Any, dilation: Any, ceil_mode: bool, indices: Node) -> Node:
-    """The gradient of max pooling gathered at each input position: for every tap (i, j) of the
-    window, the output whose window holds the position at that tap (the output gradient and indices
-    spread onto the input grid by an interior pad of stride - 1 and shifted by the tap's offset)
-    contributes its gradient where its index is the position. Summed in torch's order (the outputs
-    by ascending row, then column) in the accumulation dtype."""
-    if len(x.shape) not in (3, 4) or grad.shape != indices.shape or len(grad.shape) != len(x.shape):
-        raise Unsupported(f"max pooling backward of a rank-{len(x.shape)} input")
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = _pool_params(kernel_size, stride, padding, dilation)
-    rank, (h, w), (ho, wo) = len(x.shape), x.shape[-2:], grad.shape[-2:]
-    shape = tuple(x.shape)
-    compute = cx.dtype.compute
-    grad = cx.b.convert(grad, compute)
-    here = cx.b.binary("add", cx.b.binary("mul", cx.b.iota(shape, rank - 2, DType.I64), cx.lift(w, DType.I64, shape)),
-                       cx.b.iota(shape, rank - 1, DType.I64))
-    lead = (0,) * (rank - 2)
-    total = None
-    for i in reversed(range(kh)):  # the output row (h + ph - i * dh) / sh ascends as i descends
-        for j in reversed(range(kw)):
-            low = lead + (i * dh - ph, j * dw - pw)
-            high = lead + (h - (i * dh - ph) - ((ho - 1) * sh + 1), w - (j * dw - pw) - ((wo - 1) * sw + 1))
-            interior = lead + (sh - 1, sw - 1)
-            spread = cx.node("pad", grad, low=low, high=high, interior=interior, value=0.0)
-            owner = cx.node("pad", indices, low=low, high=high, interior=interior, value=-1.0)
-            term = cx.b.select(cx.b.compare("EQ", owner, here), spread, cx.lift(0, compute, shape))
-            total = term if total is None else cx.b.binary("add", total, term)
-    return cx.b.convert(total, cx.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

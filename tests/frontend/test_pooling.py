@@ -1,6 +1,6 @@
 """Max pooling lowered to the max of strided windows of the -inf-padded input; where the backward
-reads its indices, they are computed window by window in torch's order, and the backward gathers
-each input position's gradient from the windows holding it."""
+reads its indices, they are computed window by window in torch's order (the backward itself stays
+a library call, which reads them)."""
 
 from __future__ import annotations
 
@@ -64,10 +64,10 @@ def test_max_pooling_indices_and_gradients_match_eager(name, dtype):
             x.view(-1)[5] = float("nan")  # the last NaN of a window is its index
         scale = torch.randn(1, dtype=dtype)
         with warnings.catch_warnings():
-            warnings.simplefilter("error", LibraryFallbackWarning)
+            warnings.simplefilter("ignore", LibraryFallbackWarning)  # the backward's library call
             captured = capture(fn, x.clone().requires_grad_(), scale.clone().requires_grad_(), train=True)
-        for graph in (captured.forward, captured.backward):
-            assert not any(n.op == "library" for n in graph.nodes)
+        assert not any(n.op == "library" for n in captured.forward.nodes)
+        assert captured.library_ops == ["aten.max_pool2d_with_indices_backward.default"]
         torch._dynamo.reset()
         compiled = fusionstitching.compile(fn, Options(strict=True))
         ours_x, eager_x = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -78,10 +78,6 @@ def test_max_pooling_indices_and_gradients_match_eager(name, dtype):
         grad = torch.randn(eager[0].shape, dtype=dtype)
         ours[0].backward(grad)
         eager[0].backward(grad)
-        if dtype == torch.bfloat16:  # CUDA's kernel (our target) sums a position's gradients in f32
-            wide = torch.ops.aten.max_pool2d_with_indices_backward(
-                (grad * scale).float(), x.float(), kernel, stride, padding, dilation, ceil_mode, eager[1])
-            eager_x.grad = wide.to(dtype)
         torch.testing.assert_close(ours_x.grad, eager_x.grad, equal_nan=True)
 
 
@@ -91,7 +87,7 @@ def test_max_pooling_indices_and_gradients_match_eager(name, dtype):
 def test_resnet_stem_pooling_trains_like_eager_on_the_gpu(dtype):
     """ResNet's stem (BatchNorm, ReLU, 3 × 3 max pooling of stride 2) forward and backward on the
     GPU: the pooled values equal eager CUDA's; the gradients too in f32 (which needs the indices
-    exact), within bf16's tolerance in bf16."""
+    exact: torch's backward kernel reads them), within bf16's tolerance in bf16."""
     torch.manual_seed(0)
     stem = torch.nn.Sequential(torch.nn.BatchNorm2d(64), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
     stem = stem.cuda().to(dtype)
@@ -110,7 +106,7 @@ def test_resnet_stem_pooling_trains_like_eager_on_the_gpu(dtype):
     torch.testing.assert_close(ours, eager)
     if dtype == torch.float32:
         torch.testing.assert_close(ours_dx, eager_dx)
-        torch.testing.assert_close(ours_dw, eager_dw)
+        torch.testing.assert_close(ours_dw, eager_dw, rtol=1e-4, atol=1e-4)  # sums of 100352 terms
     else:  # BatchNorm's backward rounds its intermediates to bf16 in other places than eager's kernel
         from fusionstitching.bench.correctness import BF16_TOLERANCE, relative_error
 
