@@ -407,18 +407,23 @@ class _Positional:
     """Functions of positions alone, found and rebuilt in another layout once per node (a max
     pooling's "a valid tap seen yet" grows by an ``or`` per tap, shared by every later tap)."""
 
+    MAX_DEPTH = 64
+
     def __init__(self, names: _Names) -> None:
         self.names = names
         self.known: dict[int, bool] = {}
         self.rebuilt: dict[tuple[int, tuple[int, ...]], Node | None] = {}
 
-    def __call__(self, x: Node) -> bool:
+    def __call__(self, x: Node, depth: int = 0) -> bool:
         """Whether ``x`` is a broadcast, or elementwise ops over iotas and broadcasts (a max
-        pooling's ``h · W + w``), which the pass may rebuild in any layout."""
+        pooling's ``h · W + w``), which the pass may rebuild in any layout. Chains deeper than
+        ``MAX_DEPTH`` count as not positional (they stay where they are): the rebuild recurses
+        along them."""
         found = self.known.get(id(x))
         if found is None:
             found = x.op in ("broadcast_in_dim", "iota") or (
-                is_elementwise(x.op) and bool(x.operands) and all(self(o) for o in x.operands))
+                depth < self.MAX_DEPTH and is_elementwise(x.op) and bool(x.operands)
+                and all(self(o, depth + 1) for o in x.operands))
             self.known[id(x)] = found
         return found
 

@@ -550,3 +550,23 @@ def test_sinking_a_transpose_through_reshapes_keeps_every_value(seed):
         assert not reads_transpose  # the reshape reads the source; a transpose left comes after it
         _same_values(graph, sunk)
     assert sunk_any
+
+
+def test_a_long_chain_of_positions_stays_where_it_is():
+    """A function of positions thousands of ops deep beside a transposed value: the pass neither
+    recurses along it nor changes what the graph computes (the transpose stays before the add)."""
+    b = GraphBuilder("chain")
+    x = b.parameter((2, 3, 4, 5), DType.F32, "x")
+    t = b.transpose(x, TO_NCHW)
+    position = b.convert(b.iota(t.shape, 3, DType.I32), DType.F32)
+    for _ in range(3000):
+        position = b.binary("add", position, b.broadcast(b.constant(1.0, DType.F32), t.shape, ()))
+    graph = b.build([b.binary("add", t, position)])
+    sunk = sink_transposes(graph)
+    _same_values(graph, sunk)
+    short = GraphBuilder("short")
+    x = short.parameter((2, 3, 4, 5), DType.F32, "x")
+    t = short.transpose(x, TO_NCHW)
+    position = short.convert(short.iota(t.shape, 3, DType.I32), DType.F32)
+    graph = short.build([short.binary("mul", t, position)])
+    assert sink_transposes(graph).outputs[0].op == "transpose"  # a short one sinks the transpose
