@@ -531,19 +531,6 @@ def _pad(cx: LoweringContext, x: Node, pad: Sequence[int], value: Any = 0) -> No
     return cx.node("pad", x, low=tuple(low), high=tuple(high), interior=(0,) * len(x.shape), value=float(value))
 
 
-def _pool_params(kernel_size: Any, stride: Any, padding: Any, dilation: Any
-                 ) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int]]:
-    """(kernel, stride, padding, dilation) of a 2-d pooling, each as (h, w), with torch's defaults
-    (one value for both dims; no stride: the kernel size)."""
-    def pair(v: Any, default: Sequence[int]) -> tuple[int, int]:
-        v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
-        v = v or tuple(default)
-        return (int(v[0]), int(v[-1]))
-
-    kernel = pair(kernel_size, ())
-    return kernel, pair(stride, kernel), pair(padding, (0,)), pair(dilation, (1,))
-
-
 @lowers("aten.max_pool2d_with_indices.default")
 def _max_pool2d(cx: LoweringContext, x: Node, kernel_size: Sequence[int], stride: Sequence[int] = (),
                 padding: Any = 0, dilation: Any = 1, ceil_mode: bool = False) -> tuple[Node, Node]:
@@ -557,7 +544,14 @@ def _max_pool2d(cx: LoweringContext, x: Node, kernel_size: Sequence[int], stride
 
     if not x.dtype.is_float or len(x.shape) not in (3, 4):
         raise Unsupported(f"max pooling of a {x.dtype.value} tensor of rank {len(x.shape)}")
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = _pool_params(kernel_size, stride, padding, dilation)
+
+    def pair(v: Any, default: Sequence[int]) -> tuple[int, int]:
+        v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
+        v = v or tuple(default)
+        return (int(v[0]), int(v[-1]))
+
+    (kh, kw), (ph, pw), (dh, dw) = pair(kernel_size, ()), pair(padding, (0,)), pair(dilation, (1,))
+    sh, sw = pair(stride, (kh, kw))
     values_shape = tuple(int(d) for d in cx.meta_of(0).shape)
     ho, wo = values_shape[-2:]
     rank, (h, w) = len(x.shape), x.shape[-2:]
