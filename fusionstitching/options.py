@@ -34,6 +34,10 @@ class Options:
     # Library GEMMs with a leading dimension that is not a whole number of 16-byte vectors take
     # zero-padded operands, padded by the kernels that produce them (``fusion/padding.py``).
     pad_gemms: bool = True
+    # A library GEMM whose bias add must be written to memory in any plan (a graph output, an
+    # operand of library calls) adds the bias in its epilogue: one ``addmm`` call instead of the
+    # GEMM and a kernel pass over its result (``fusion/gemm_bias.py``).
+    gemm_bias: bool = True
     # Adjacent dims that reductions reduce together are merged into one dim before exploration
     # (a BatchNorm's H x W image becomes one row; ``graph/collapse.py``).
     collapse_dims: bool = True

@@ -58,6 +58,7 @@ from fusionstitching.fusion.deep import DeepFusion
 from fusionstitching.fusion.dp import PatternReduction
 from fusionstitching.fusion.estimate import plan_time_us
 from fusionstitching.fusion.exploratory import ExploratoryFusion
+from fusionstitching.fusion.gemm_bias import bias_into_gemms
 from fusionstitching.fusion.legality import Legality, Roles
 from fusionstitching.fusion.padding import pad_unaligned_dots
 from fusionstitching.fusion.patterns import Candidate, NeighbourMerging, SinkPacking, SubstitutionFusion
@@ -187,6 +188,9 @@ def _explore(graph: Graph, solver: str, options: Options, generators: Sequence[s
     if options.pad_gemms:
         graph, padded = pad_unaligned_dots(graph, gpu_spec(options.device), options)
         notes += [f"pad {d}" for d in padded]
+    if options.gemm_bias:
+        graph, folded = bias_into_gemms(graph, options)
+        notes += [f"fold {d}" for d in folded]
     if options.split_reductions:
         graph, rewritten = reduce_in_two_steps(graph)
         notes += [f"reduce {note}" for note in rewritten]

@@ -98,6 +98,15 @@ class Roles:
         return Roles(frozenset(inputs), library, fusable, views)
 
 
+GEMM_CALL = "aten.addmm.default"  # the library GEMM with a bias epilogue (``fusion/gemm_bias.py``)
+
+
+def is_gemm_call(node: Node) -> bool:
+    """Whether ``node`` is a library ``addmm``: its matrix operands reach cuBLAS as a ``dot_general``'s
+    do, transposed views included."""
+    return node.op == "library" and node.attrs.get("target") == GEMM_CALL
+
+
 def blas_layout(node: Node) -> bool:
     """Whether a shape node's result can reach the GEMM library as a strided view: a reshape or a
     broadcast (stride 0), or a transpose of a matrix or of the last two dims of a batch of them
@@ -120,7 +129,7 @@ def gemm_operand_views(graph: Graph, library: dict[Node, str]) -> dict[Node, str
     for node in reversed(graph.nodes):
         if not blas_layout(node) or id(node) in graph.index.output_ids or not users[node]:
             continue
-        if all((u in library and u.op == "dot_general") or u in views for u in users[node]):
+        if all((u in library and (u.op == "dot_general" or is_gemm_call(u))) or u in views for u in users[node]):
             views[node] = "operand of GEMM library calls, passed as a strided view"
     return views
 
