@@ -65,9 +65,22 @@ SEED = 0  # torch.manual_seed before an OpInfo's samples are made: their values 
 CONVERTER_OPS = frozenset({"aten.copy_.default"})
 
 
-def op_db() -> list[Any]:
-    from torch.testing._internal.common_methods_invocations import op_db as ops
+_MISSING: list[str] = []  # the testing helpers' missing dependency, once an import has failed
 
+
+def op_db() -> list[Any]:
+    """torch's OpInfo database. torch's testing helpers import ``expecttest``, which a machine
+    without the test extras lacks (an offline GPU image): the first failed import is remembered and
+    every later call fails at once with the remedy, instead of retrying a partial import."""
+    if _MISSING:
+        raise ModuleNotFoundError(_MISSING[0])
+    try:
+        from torch.testing._internal.common_methods_invocations import op_db as ops
+    except ModuleNotFoundError as err:
+        _MISSING.append(f"torch's OpInfo database cannot be imported: {err}. Install the test extras "
+                        f"(pip install expecttest); offline, put its wheel on PYTHONPATH "
+                        f"(a pure-Python wheel imports from the .whl file)")
+        raise ModuleNotFoundError(_MISSING[0]) from err
     return list(ops)
 
 

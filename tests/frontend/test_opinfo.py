@@ -19,6 +19,7 @@ Known defects are listed in ``XFAIL`` by sample, each naming its defect; the ent
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -265,3 +266,14 @@ def test_the_float64_arbiter_takes_eagers_largest_error_on_the_tensor():
     tolerance = Tolerance(rtol=0.0, atol=1e-5)
     assert _as_close_as_eager(torch.tensor([1.0, 0.51, 0.25]), want, ref, tolerance)
     assert not _as_close_as_eager(torch.tensor([1.0, 0.55, 0.25]), want, ref, tolerance)
+
+
+def test_a_missing_testing_dependency_fails_every_call_at_once_naming_the_remedy(monkeypatch):
+    """torch's testing helpers import ``expecttest``; without it each OpInfo test fails at once with
+    the remedy instead of retrying the import (an offline GPU image lacks it)."""
+    monkeypatch.setattr(coverage, "_MISSING", [])
+    monkeypatch.setitem(sys.modules, "torch.testing._internal.common_methods_invocations", None)
+    for _ in range(2):
+        with pytest.raises(ModuleNotFoundError, match="pip install expecttest"):
+            coverage.op_db()
+    assert len(coverage._MISSING) == 1
