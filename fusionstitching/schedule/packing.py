@@ -33,7 +33,8 @@ MAX_BLOCKS = 65535
 LOADS_IN_FLIGHT = 16
 
 
-def _packed_template(pattern, threads: int) -> KernelSchedule:
+def _packed_template(pattern, threads: int, rows: int = 1) -> KernelSchedule:
+    """``rows``: points of an outer dim each thread takes (``with_rows``)."""
     transposed = _reads_transposed(pattern)
     widest: dict[tuple[int, int], int] = {}  # (size, last dim) → the widest item of such elementwise roots
     for root in pattern.outputs:
@@ -43,10 +44,43 @@ def _packed_template(pattern, threads: int) -> KernelSchedule:
     schedules = [_root_schedule(root, threads, transposed[id(root)],
                                 None if is_reduction(root) or not root.shape else widest[(root.size, root.shape[-1])])
                  for root in pattern.outputs]
+    if rows > 1:
+        schedules = [with_rows(sched, root, rows) for sched, root in zip(schedules, pattern.outputs)]
     groups = packed_groups(list(zip(schedules, pattern.outputs)), {id(n) for n in pattern.nodes})
     total = sum(level_extent(sched, iteration_space(members[0]), Level.GRID) for sched, members in groups)
     blocks = max(len(groups), min(total, MAX_BLOCKS))
     return KernelSchedule(tuple(schedules), Launch(blocks, threads))
+
+
+def with_rows(schedule: Schedule, root: Node, rows: int) -> Schedule:
+    """``schedule`` with each thread taking ``rows`` points of the outermost dim that the grid alone
+    tiles (``GRID`` becomes ``GRID-THREAD_<rows>``), so that what the root computes from values
+    broadcast along that dim is computed once per thread for ``rows`` points: the copies of the
+    unrolled loop read the same addresses and compute the same values, which the compiler computes
+    once. A BatchNorm's per-channel scale (a square root and a division of its variance) was
+    computed per element, its kernels bound by issue rather than memory. A reduction, or a root with
+    no such dim divisible by ``rows``, keeps its schedule."""
+    if is_reduction(root):
+        return schedule
+    space = iteration_space(root)
+    for d, tiles in enumerate(schedule.dims):
+        if tiles == (Tile(Level.GRID),) and space[d] > rows and space[d] % rows == 0:
+            dims = list(schedule.dims)
+            dims[d] = (Tile(Level.GRID), Tile(Level.THREAD, rows))
+            return Schedule(schedule.root, tuple(dims), schedule.shared)
+    return schedule
+
+
+def invariant_work(pattern, ratio: int = 8) -> bool:
+    """Whether some node of ``pattern`` that is not free index arithmetic (``_FREE_OPS``) has at most
+    1/``ratio`` of the points of the largest root: its values are broadcast into the root and, a
+    thread per vector of the root, computed again for every vector (``with_rows`` is the remedy)."""
+    roots = [r.size for r in pattern.outputs if not is_reduction(r)]
+    if not roots:
+        return False
+    largest = max(roots)
+    return any(n.op not in _FREE_OPS and n.op not in ("parameter", "iota") and n.size * ratio <= largest
+               for n in pattern.nodes)
 
 
 def _reads_transposed(pattern) -> dict[int, int | None]:

@@ -4,7 +4,9 @@ latency evaluator [C §5.4], for the runtime to measure (``runtime/tuner.py``) [
 The space is the template grammar's knobs that the default rule (``grouping.choose_template``)
 fixes by heuristics:
 
-- thread composition and packing (no value crossing threads): threads per block (128 to 1024);
+- thread composition and packing (no value crossing threads): threads per block (128 to 1024),
+  and where some node computes values broadcast into the roots (a BatchNorm's per-channel scale),
+  2, 4 or 8 points of an outer dim per thread, which then computes those values once;
 - batched patterns (groups of different ranks, a block per batch element): threads per block (128
   to 1024, at most the widest dim across the threads);
 - composed row reductions: block mode (a block per row) with 128 to 1024 threads, and warp mode
@@ -45,7 +47,7 @@ from fusionstitching.schedule.grouping import (
     composed_template,
     thread_serial_template,
 )
-from fusionstitching.schedule.packing import _packed_template
+from fusionstitching.schedule.packing import _packed_template, invariant_work
 from fusionstitching.schedule.propagate import check_block_locality
 from fusionstitching.schedule.refusals import refusal
 from fusionstitching.schedule.template import WARP_SIZE, KernelSchedule, Schedule
@@ -53,6 +55,7 @@ from fusionstitching.schedule.template import WARP_SIZE, KernelSchedule, Schedul
 BLOCK_THREADS = (128, 256, 512, 1024)
 WARPS_PER_BLOCK = (1, 2, 4, 8, 16, 32)
 ROWS_PER_WARP = (1, 2, 4)
+ROWS_PER_THREAD = (2, 4, 8)  # points of an outer dim per thread in thread composition (``packing.with_rows``)
 
 
 def tuning_space(pattern) -> list[tuple[str, Callable[[], KernelSchedule]]]:
@@ -63,7 +66,11 @@ def tuning_space(pattern) -> list[tuple[str, Callable[[], KernelSchedule]]]:
     makes = [("default", make) for make in _candidate_templates(pattern)]
     reductions = _crossing(pattern)
     if not reductions:
-        return makes + [("threads", lambda t=t: _packed_template(pattern, t)) for t in _near(BLOCK_THREADS, 256)]
+        makes += [("threads", lambda t=t: _packed_template(pattern, t)) for t in _near(BLOCK_THREADS, 256)]
+        if invariant_work(pattern):
+            makes += [("rows", lambda r=r: _packed_template(pattern, DEFAULT_THREADS, rows=r))
+                      for r in _near(ROWS_PER_THREAD, 4)]
+        return makes
     if _batched(pattern, reductions):
         return makes + [("threads", lambda t=t: batched_template(pattern, reductions, threads=t))
                         for t in _near(BLOCK_THREADS, DEFAULT_THREADS)]

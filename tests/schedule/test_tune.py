@@ -168,3 +168,45 @@ def test_a_batched_pattern_offers_every_block_size_up_to_its_widest_dim():
     threads = {t.launch.threads for t in ranked_templates(compiled.graph, nodes, SPEC, BANDWIDTH)}
     assert {128, 256, 512, 1024} <= threads, threads
     assert _check_candidates(forward) >= 3
+
+
+class _BatchNormReLU(torch.nn.Module):
+    """A convolution's output through BatchNorm (eval) and ReLU, channels-last as in a ResNet."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.norm = torch.nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.conv(x)))
+
+
+def test_per_channel_work_is_offered_once_per_thread_for_several_rows():
+    """A BatchNorm's scale (a square root and a division of the running variance) is computed for
+    every element when a thread takes one vector of channels; the space offers templates whose
+    threads take 2, 4 or 8 images of the same channels (``packing.with_rows``), and each computes
+    what the plan's does."""
+    from fusionstitching.frontend.torch_fx import capture
+    from fusionstitching.schedule.packing import invariant_work
+
+    module = _BatchNormReLU(32).eval()
+    module.norm.running_var.uniform_(0.5, 2.0)
+    forward = capture(module, torch.randn(16, 32, 8, 8)).forward
+    compiled = compile_graph(forward, Options(strict=True))
+    kernel = next(k for k in compiled.kernels if "sqrt" in {n.op for n in k.lowered.pattern.nodes})
+    pattern = kernel.lowered.pattern
+    assert invariant_work(pattern)
+    nodes = sorted(pattern.nodes, key=compiled.graph.index.position.__getitem__)
+    texts = [str(t) for t in ranked_templates(compiled.graph, nodes, SPEC, BANDWIDTH)]
+    assert {r for r in (2, 4, 8) if any(f"GRID-THREAD_{r}," in t for t in texts)} == {2, 4, 8}, texts
+    assert _check_candidates(forward) >= 3
+
+
+def test_elementwise_patterns_without_broadcast_work_keep_one_point_per_thread():
+    from fusionstitching.frontend.torch_fx import capture
+    from fusionstitching.schedule.packing import invariant_work
+
+    forward = capture(lambda x, y: torch.relu(x) * y, torch.randn(64, 256), torch.randn(64, 256)).forward
+    compiled = compile_graph(forward, Options(strict=True))
+    assert not invariant_work(compiled.kernels[0].lowered.pattern)
