@@ -146,22 +146,30 @@ class SubstitutionFusion:
             return
         fusable = set(self.roles.fusable)
         parts = {p: _elementwise_part(p, fusable) for p in partials}
+        part_reads = {p: {o for n in part for o in n.operands} for p, part in parts.items()}
         position = self.graph.index.position
         origin = "substitution fusion, row reductions stitched with partial column sums"
         for candidate in list(self.candidates):
             rows = [n for n in candidate.nodes if _row_reduction(n)]
+            if not rows:
+                continue
             union = set(candidate.nodes)
+            reads: set[Node] | None = None  # what the union computes or reads, made when first asked
             for partial, part in parts.items():
                 if partial in union or not any(_same_rows(partial, r) for r in rows):
                     continue
-                reads = {o for n in union for o in n.operands} | union
-                if not any(o in reads for n in part for o in n.operands) and not (part & union):
+                if reads is None:
+                    reads = {o for n in union for o in n.operands} | union
+                if part_reads[partial].isdisjoint(reads) and not (part & union):
                     continue
-                grown = sorted(union | part, key=position.__getitem__)
+                grown_set = union | part
+                if frozenset(grown_set) in self.seen:  # proposed before: no need to order it
+                    continue
+                grown = sorted(grown_set, key=position.__getitem__)
                 found = _propose_union(grown, self.seen, self.legality, origin)
                 if found is not None:
                     self.candidates.append(found)
-                    union = set(grown)
+                    union, reads = set(grown), None
 
     # -- Algorithm 1 ----------------------------------------------------------------------------
     def _segments(self, partition: Sequence[Callable[[Node], bool]], closing: bool) -> list[list[Node]]:

@@ -164,19 +164,92 @@ def post_dominators(graph: Graph) -> dict[Node, Node | None]:
 
 
 class CycleChecker:
-    """Answers "would contracting this node set into one node create a cycle?" for one graph."""
+    """Answers "would contracting this node set into one node create a cycle?" for one graph.
+
+    Contracting a set S makes a cycle exactly when some node outside S is both a descendant and an
+    ancestor of nodes of S. For graphs of up to ``BITSET_NODES`` nodes each node's descendants and
+    ancestors are kept as bit sets (Python ints, a bit per topological position), so that a query
+    is a few ORs over S and one AND; the depth-first search that finds the path runs only for a set
+    that has one. Larger graphs (the bit sets take nodes² / 4 bytes) search every time. Planning
+    asks this of every candidate pattern: thousands of sets per graph, most of them legal, each of
+    which the search walked from the set's users up to its last node."""
+
+    BITSET_NODES = 8192
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         self.users = users(graph)
-        self.position = {node: i for i, node in enumerate(topological_order(graph))}
+        order = topological_order(graph)
+        self.position = {node: i for i, node in enumerate(order)}
+        self._at = {id(node): i for i, node in enumerate(order)}  # by id: no Python-level hash per lookup
+        self._below: list[int] | None = None  # per position: the positions of its descendants
+        self._above: list[int] | None = None  # per position: the positions of its ancestors
+        self._by_position: list[Node] | None = None
+        if len(order) <= self.BITSET_NODES:
+            self._below, self._above = [0] * len(order), [0] * len(order)
+            for node in reversed(order):
+                i, mask = self.position[node], 0
+                for user in self.users[node]:
+                    j = self.position[user]
+                    mask |= self._below[j] | (1 << j)
+                self._below[i] = mask
+            for node in order:
+                i, mask = self.position[node], 0
+                for operand in set(node.operands):
+                    j = self.position[operand]
+                    mask |= self._above[j] | (1 << j)
+                self._above[i] = mask
 
     def creates_cycle(self, nodes: Iterable[Node]) -> bool:
-        return self.witness(nodes) is not None
+        if self._below is not None:
+            inside, below, above = self._masks(nodes)
+            return bool(below & above & ~inside)
+        return self._search(self._members(nodes)) is not None
 
     def witness(self, nodes: Iterable[Node]) -> list[Node] | None:
         """A path ``[inside, outside..., inside]`` that leaves the set and returns, or ``None``."""
-        members = self._members(nodes)
+        if self._below is None:
+            return self._search(self._members(nodes))
+        inside, below, above = self._masks(nodes)
+        between = below & above & ~inside
+        if not between:
+            return None
+        # The first node outside the set that descends from it and leads back to it: walk to the
+        # set along operands that descend from it and along users that lead to it. Every step finds
+        # such a neighbour (the walk's node lies on some path between members), and positions only
+        # decrease (increase), so neither walk backtracks.
+        at = self._at
+        middle = self._order()[(between & -between).bit_length() - 1]
+        back, node = [], middle
+        while not inside >> at[id(node)] & 1:
+            node = next(x for x in node.operands if (inside | below) >> at[id(x)] & 1)
+            back.append(node)
+        ahead, node = [], middle
+        while not inside >> at[id(node)] & 1:
+            node = next(u for u in self.users[node] if (inside | above) >> at[id(u)] & 1)
+            ahead.append(node)
+        return back[::-1] + [middle] + ahead
+
+    def _masks(self, nodes: Iterable[Node]) -> tuple[int, int, int]:
+        """The bit sets of ``nodes``, of their descendants and of their ancestors."""
+        assert self._below is not None and self._above is not None
+        inside = below = above = 0
+        at = self._at
+        for node in nodes:
+            i = at.get(id(node))
+            if i is None:
+                raise ValueError(f"node {node.name} is not in graph {self.graph.name}")
+            inside |= 1 << i
+            below |= self._below[i]
+            above |= self._above[i]
+        return inside, below, above
+
+    def _order(self) -> list[Node]:
+        if self._by_position is None:
+            self._by_position = sorted(self.position, key=self.position.__getitem__)
+        return self._by_position
+
+    def _search(self, members: set[Node]) -> list[Node] | None:
         if not members:
             return None
         last = max(self.position[node] for node in members)

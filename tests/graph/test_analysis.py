@@ -235,6 +235,32 @@ def test_creates_cycle_matches_brute_force(case):
             assert operand in user.operands
 
 
+@settings(max_examples=300, deadline=None)
+@given(dags_and_sets())
+def test_the_bit_sets_answer_as_the_search_does(case):
+    """Graphs above ``BITSET_NODES`` nodes are searched every time: both ways give the same answer
+    and a path that leaves the set and returns."""
+    graph, chosen = case
+    with_bits = analysis.CycleChecker(graph)
+    original = analysis.CycleChecker.BITSET_NODES
+    try:
+        analysis.CycleChecker.BITSET_NODES = 0
+        searching = analysis.CycleChecker(graph)
+    finally:
+        analysis.CycleChecker.BITSET_NODES = original
+    assert with_bits._below is not None and searching._below is None
+    expected = _brute_force_cycle(graph, chosen)
+    assert with_bits.creates_cycle(chosen) == searching.creates_cycle(chosen) == expected
+    members = set(chosen)
+    for witness in (with_bits.witness(chosen), searching.witness(chosen)):
+        assert (witness is not None) == expected
+        if witness is not None:  # leaves the set and comes back, through nodes outside it
+            assert witness[0] in members and witness[-1] in members
+            assert len(witness) >= 3 and not any(n in members for n in witness[1:-1])
+            for operand, user in itertools.pairwise(witness):
+                assert operand in user.operands
+
+
 def test_pattern_structure_is_names_free_and_tells_scalar_constants_apart():
     """x*0.5+1 and y*0.25+1: one structure up to names, two when scalar values count (kernels
     inline scalar constants, so only equal values may share a kernel)."""
