@@ -15,7 +15,9 @@ A dot and add are rewritten when
   ``[M, K] x [K, N]`` (no batch dims, contracting the lhs's last dim and the rhs's first), with
   ``M, N, K >= 2`` (torch's epilogue path needs matrices), and the add is its only user;
 - the other operand of the add is a 1-D value of length ``N`` broadcast along the rows, of the
-  dot's dtype (f32, f16 or bf16), and the add has the dot's dtype and row-major layout;
+  dot's dtype (f32, f16 or bf16), stored densely (not itself a broadcast, which the library would
+  get as a stride-0 view: torch's ``addmm`` then copies it into the result before the GEMM), and
+  the add has the dot's dtype and row-major layout;
 - the sum is materialized in every plan: it is a graph output (a value the backward saves) or every
   user of it is a library call. Elsewhere the add stays in the generated kernels, where it costs
   nothing: the kernel that reads the product would read the sum instead, and the bias is one row.
@@ -83,8 +85,8 @@ def _dot_and_bias(add: Node, users, outputs: frozenset[int], options: Options) -
         if bias.shape != (add.shape[1],) or bias.dtype != add.dtype \
                 or tuple(broadcast.attrs["broadcast_dimensions"]) != (1,):
             continue
-        if bias.layout is not None and not bias.layout.is_contiguous(bias.shape):
-            continue
+        if bias.op == "broadcast_in_dim" or (bias.layout is not None and not bias.layout.is_contiguous(bias.shape)):
+            continue  # a stride-0 view (one value for every column) would take addmm's copying path
         if id(add) in outputs or (users[add] and all(_library(u, options) for u in users[add])):
             return dot, bias
     return None

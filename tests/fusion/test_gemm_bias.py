@@ -68,6 +68,16 @@ def test_other_sums_keep_the_gemm_and_the_add(case: dict):
     assert bias_into_gemms(graph, Options()) == (graph, [])
 
 
+def test_a_bias_that_is_one_value_for_every_column_keeps_the_add():
+    """x @ w + c with c a scalar broadcast to the row: the library would get a stride-0 bias."""
+    b = GraphBuilder("scalar_bias")
+    x, w = b.parameter((512, 256), DType.F32, "x"), b.parameter((256, 384), DType.F32, "w")
+    c = b.parameter((), DType.F32, "c")
+    dot = b.node("dot_general", [x, w], **DOT)
+    graph = b.build([b.binary("add", dot, b.broadcast(b.broadcast(c, (384,), ()), (512, 384), (1,)))])
+    assert bias_into_gemms(graph, Options()) == (graph, [])
+
+
 def test_small_dots_and_the_option_off_keep_the_add():
     graph = _linear(rows=16, k=16, n=16)
     assert bias_into_gemms(graph, Options()) == (graph, [])  # a small dot: fused by the code generator
