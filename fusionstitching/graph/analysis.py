@@ -184,7 +184,7 @@ class CycleChecker:
         self._at = {id(node): i for i, node in enumerate(order)}  # by id: no Python-level hash per lookup
         self._below: list[int] | None = None  # per position: the positions of its descendants
         self._above: list[int] | None = None  # per position: the positions of its ancestors
-        self._by_position: list[Node] | None = None
+        self._order = order
         if len(order) <= self.BITSET_NODES:
             self._below, self._above = [0] * len(order), [0] * len(order)
             for node in reversed(order):
@@ -219,7 +219,7 @@ class CycleChecker:
         # such a neighbour (the walk's node lies on some path between members), and positions only
         # decrease (increase), so neither walk backtracks.
         at = self._at
-        middle = self._order()[(between & -between).bit_length() - 1]
+        middle = self._order[(between & -between).bit_length() - 1]
         back, node = [], middle
         while not inside >> at[id(node)] & 1:
             node = next(x for x in node.operands if (inside | below) >> at[id(x)] & 1)
@@ -243,11 +243,6 @@ class CycleChecker:
             below |= self._below[i]
             above |= self._above[i]
         return inside, below, above
-
-    def _order(self) -> list[Node]:
-        if self._by_position is None:
-            self._by_position = sorted(self.position, key=self.position.__getitem__)
-        return self._by_position
 
     def _search(self, members: set[Node]) -> list[Node] | None:
         if not members:

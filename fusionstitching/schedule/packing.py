@@ -71,15 +71,16 @@ def with_rows(schedule: Schedule, root: Node, rows: int) -> Schedule:
     return schedule
 
 
-def invariant_work(pattern, ratio: int = 8) -> bool:
+def invariant_work(pattern, rows: int = 2) -> bool:
     """Whether some node of ``pattern`` that is not free index arithmetic (``_FREE_OPS``) has at most
-    1/``ratio`` of the points of the largest root: its values are broadcast into the root and, a
-    thread per vector of the root, computed again for every vector (``with_rows`` is the remedy)."""
+    1/``rows`` of the points of the largest root: its values are broadcast into the root and, a
+    thread per vector of the root, computed again for every vector. ``with_rows`` can share such a
+    value between ``rows`` points of a thread only where it repeats at least that often."""
     roots = [r.size for r in pattern.outputs if not is_reduction(r)]
     if not roots:
         return False
     largest = max(roots)
-    return any(n.op not in _FREE_OPS and n.op not in ("parameter", "iota") and n.size * ratio <= largest
+    return any(n.op not in _FREE_OPS and n.op not in ("parameter", "iota") and n.size * rows <= largest
                for n in pattern.nodes)
 
 

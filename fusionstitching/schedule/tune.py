@@ -67,7 +67,7 @@ def tuning_space(pattern) -> list[tuple[str, Callable[[], KernelSchedule]]]:
     reductions = _crossing(pattern)
     if not reductions:
         makes += [("threads", lambda t=t: _packed_template(pattern, t)) for t in _near(BLOCK_THREADS, 256)]
-        if invariant_work(pattern):
+        if invariant_work(pattern, min(ROWS_PER_THREAD)):
             makes += [("rows", lambda r=r: _packed_template(pattern, DEFAULT_THREADS, rows=r))
                       for r in _near(ROWS_PER_THREAD, 4)]
         return makes
