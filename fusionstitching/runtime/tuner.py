@@ -14,7 +14,10 @@ the program, in program order and with the call's own input values, goes through
    call's inputs and checked against the plan's kernel within the dtype's tolerance (a candidate
    that disagrees is dropped with a warning, and is an error under ``strict``), then timed: CUDA
    events around single launches, L2 flushed before each, candidates interleaved over rounds, the
-   median per candidate. Every measurement and the winner go to the library.
+   median per candidate. The fastest replaces the plan's template only if it beats it by more than
+   the noise and, timed against it again with the inputs left in L2 by the launch before (no
+   flush, as a kernel often finds them in a program), is no slower there either. Every measurement
+   and the winner go to the library.
 
 Tuning never touches the user's tensors: inputs a kernel overwrites in place are replaced by
 scratch copies, and outputs are scratch buffers. Kernels draw random numbers from the seed and
@@ -57,8 +60,9 @@ ROUNDS = 10  # timed launches per candidate, interleaved
 NOISE = 0.03
 RESOLUTION_US = 0.5  # CUDA events' timing resolution
 
-# (kernels, inputs) -> per kernel its median µs, or None when it failed or disagreed
-Measure = Callable[[Sequence[GeneratedKernel], Sequence[Any]], list[float | None]]
+# (kernels, inputs, flush=True) -> per kernel its median µs, or None when it failed or disagreed;
+# flush=False: inputs left in L2 by the launch before
+Measure = Callable[..., list[float | None]]
 
 
 class TuningWarning(UserWarning):
@@ -215,6 +219,7 @@ class Tuner:
             self.over_budget += cut
             return current
         times = self.measure(candidates, inputs)
+        by_text = {canonical(c.template, nodes): c for c in candidates}
         measured = []
         for rank, (candidate, us) in enumerate(zip(candidates, times)):
             if us is None:
@@ -228,8 +233,9 @@ class Tuner:
         self.tuned += 1
         COUNTS["tuned"] += 1
         best = min(measured, key=lambda m: m.us)
-        if measured[0].us <= best.us * (1 + NOISE) + RESOLUTION_US:  # within the noise: the model's choice
-            best = measured[0]
+        within_noise = measured[0].us <= best.us * (1 + NOISE) + RESOLUTION_US
+        if within_noise or not self._faster_warm(by_text[best.template], kernel, inputs, kernel.name):
+            best = measured[0]  # the model's choice
         if best.template == current:
             self.model_right += 1
             COUNTS["model first won"] += 1
@@ -239,6 +245,22 @@ class Tuner:
         logger.info("tuned %s: %d candidates, %s %.1f µs (plan's %.1f µs)", kernel.name, len(measured),
                     best.template, best.us, measured[0].us)
         return best.template
+
+
+    def _faster_warm(self, candidate: GeneratedKernel, plan: GeneratedKernel, inputs: Sequence[Any],
+                     name: str) -> bool:
+        """Whether ``candidate``, faster than the plan's kernel with the caches flushed, is no slower
+        than it with its inputs in L2 (each launch right after the last, nothing flushed). In a
+        program a kernel's inputs are often still in L2, written by the kernel before it; a choice
+        must hold at both ends, or the plan's template stays."""
+        times = self.measure([plan, candidate], inputs, flush=False)
+        if times[0] is None or times[1] is None:
+            return False
+        if times[1] > times[0] * (1 + NOISE) + RESOLUTION_US:
+            logger.info("%s: %s is faster cold but slower warm (%.1f against the plan's %.1f µs); plan kept",
+                        name, candidate.template, times[1], times[0])
+            return False
+        return True
 
 
 def _describe(nodes: Sequence[Node]) -> str:
@@ -287,7 +309,8 @@ class GpuMeasure:
         self.rounds = rounds
         self._flush: Any = None
 
-    def __call__(self, kernels: Sequence[GeneratedKernel], inputs: Sequence[Any]) -> list[float | None]:
+    def __call__(self, kernels: Sequence[GeneratedKernel], inputs: Sequence[Any],
+                 flush: bool = True) -> list[float | None]:
         import torch
 
         from fusionstitching.runtime.kernel_call import (
@@ -334,10 +357,13 @@ class GpuMeasure:
             ok.append(bad is None)
         live = [k for k, good in enumerate(ok) if good]
         samples: dict[int, list[float]] = {k: [] for k in live}
-        flush = self._flush_buffer()
+        buffer = self._flush_buffer() if flush else None
         for _ in range(self.rounds):
             for k in live:
-                flush.zero_()
+                if buffer is not None:
+                    buffer.zero_()
+                else:  # warm: the inputs in L2 from a launch of this same kernel
+                    call_generated(kernels[k], scratch, outputs, **cache)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 call_generated(kernels[k], scratch, outputs, **cache)

@@ -573,7 +573,8 @@ def _lanes_on_long_dims(pattern, reductions: list[Node]) -> bool:
     return lanes(reductions[0]) == 1 or all(lanes(root) > 1 for root in _roots(pattern, reductions))
 
 
-def thread_serial_template(pattern, reductions: list[Node], threads: int = DEFAULT_THREADS) -> KernelSchedule:
+def thread_serial_template(pattern, reductions: list[Node], threads: int = DEFAULT_THREADS,
+                           vector: int = 1) -> KernelSchedule:
     """Each thread reduces whole columns by itself (reduced dims THREAD) and applies the epilogue to
     its own results, so no value crosses threads: the kept dims are tiled alike in every group, the
     last one ``GRID-CTA_<threads>``. A root that reduces nothing (a cast packed beside the sums)
@@ -583,7 +584,11 @@ def thread_serial_template(pattern, reductions: list[Node], threads: int = DEFAU
     their last kept dim, so that their few active threads are spread over the GPU's SMs. Fits
     column reductions whose consumers have the reduced shape (a bias gradient and its convert back
     to bf16, a column sum and its epilogue); a ValueError
-    where a root's lanes would fall on a dim of size 1 (``_lanes_on_long_dims``)."""
+    where a root's lanes would fall on a dim of size 1 (``_lanes_on_long_dims``).
+
+    With ``vector`` = v > 1, each thread takes v adjacent columns (``GRID-CTA_<lanes>-THREAD_v`` on
+    every root's lane dim, which v must divide): its loads of a row become one v-wide access and a
+    warp reads v times as many bytes per load instruction, with v times fewer threads."""
     if not _lanes_on_long_dims(pattern, reductions):
         raise ValueError("the thread-serial template tiles every root as the reductions' kept dims, "
                          "which would put some root's lanes on a dim of size 1")
@@ -601,7 +606,11 @@ def thread_serial_template(pattern, reductions: list[Node], threads: int = DEFAU
                 dims[d] = (Tile(Level.CTA),)  # the whole dim, the lanes left over to the dims outside it
                 remaining //= max(space[d], 1)
                 continue
-            dims[d] = (Tile(Level.GRID), Tile(Level.CTA, remaining))
+            if vector > 1 and (d != len(space) - 1 or space[d] % vector):
+                raise ValueError(f"{root.name}: {vector} adjacent columns per thread need its innermost dim "
+                                 f"across the lanes, a multiple of {vector}")
+            vectors = (Tile(Level.THREAD, vector),) if vector > 1 else ()
+            dims[d] = (Tile(Level.GRID), Tile(Level.CTA, remaining)) + vectors
             break
         schedules.append(Schedule(root.name, tuple(dims)))
     grid = level_extent(schedules[0], _space(roots[0]), Level.GRID)

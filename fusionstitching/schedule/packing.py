@@ -33,8 +33,9 @@ MAX_BLOCKS = 65535
 LOADS_IN_FLIGHT = 16
 
 
-def _packed_template(pattern, threads: int, rows: int = 1) -> KernelSchedule:
-    """``rows``: points of an outer dim each thread takes (``with_rows``)."""
+def _packed_template(pattern, threads: int, rows: int = 1, columns: int = 1) -> KernelSchedule:
+    """``rows``: points of an outer dim each thread takes (``with_rows``); ``columns``: adjacent
+    columns each thread of a column sum takes (``_root_schedule``)."""
     transposed = _reads_transposed(pattern)
     widest: dict[tuple[int, int], int] = {}  # (size, last dim) → the widest item of such elementwise roots
     for root in pattern.outputs:
@@ -42,7 +43,8 @@ def _packed_template(pattern, threads: int, rows: int = 1) -> KernelSchedule:
             key = (root.size, root.shape[-1])
             widest[key] = max(widest.get(key, 1), root.dtype.itemsize)
     schedules = [_root_schedule(root, threads, transposed[id(root)],
-                                None if is_reduction(root) or not root.shape else widest[(root.size, root.shape[-1])])
+                                None if is_reduction(root) or not root.shape else widest[(root.size, root.shape[-1])],
+                                columns)
                  for root in pattern.outputs]
     if rows > 1:
         schedules = [with_rows(sched, root, rows) for sched, root in zip(schedules, pattern.outputs)]
@@ -169,8 +171,12 @@ def _short_vector_rows(space, kept: list[int], threads: int, vector: int) -> dic
     return tiles if remaining < threads // lanes else None
 
 
-def _root_schedule(root: Node, threads: int, across: int | None = None, item: int | None = None) -> Schedule:
+def _root_schedule(root: Node, threads: int, across: int | None = None, item: int | None = None,
+                   columns: int = 1) -> Schedule:
     """``across``: the dim along which the root reads a transposed input (``_reads_transposed``).
+    ``columns``: for a column sum (a reduction keeping the innermost dim), adjacent columns per
+    thread (``CTA-THREAD_<columns>`` on that dim): each row's loads of a thread become one vector
+    access, a warp reading ``columns`` times the bytes per load instruction.
     ``item``: the bytes per element that size the vectors (default: the root's own). Elementwise
     roots of one size and last dim are all tiled by the widest of their types, so that related ones
     share a loop nest (``_nest_key``): BERT's first dropout mask (bool) and the bf16
@@ -209,6 +215,16 @@ def _root_schedule(root: Node, threads: int, across: int | None = None, item: in
         return Schedule(root.name, tuple(dims))
     for position, d in enumerate(reversed(kept)):
         size = space[d]
+        if position == 0 and columns > 1 and reduced and d == len(space) - 1 and size % columns == 0:
+            lanes = size // columns
+            if lanes > remaining:
+                dims[d] = (Tile(Level.GRID), Tile(Level.CTA, remaining), Tile(Level.THREAD, columns))
+                break
+            dims[d] = (Tile(Level.CTA), Tile(Level.THREAD, columns))
+            remaining //= lanes
+            if remaining < 2:
+                break
+            continue
         if position == 0 and not is_reduction(root) and size % vector == 0 and size >= vector * threads:
             dims[d] = (Tile(Level.GRID), Tile(Level.CTA, threads), Tile(Level.THREAD, vector))
             break

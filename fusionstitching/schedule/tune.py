@@ -6,13 +6,16 @@ fixes by heuristics:
 
 - thread composition and packing (no value crossing threads): threads per block (128 to 1024),
   and where some node computes values broadcast into the roots (a BatchNorm's per-channel scale),
-  2, 4 or 8 points of an outer dim per thread, which then computes those values once;
+  2, 4 or 8 points of an outer dim per thread, which then computes those values once; where a root
+  is a column sum, 2, 4 or 8 adjacent columns per thread (up to 16 bytes of the narrowest input),
+  read as one vector per row;
 - batched patterns (groups of different ranks, a block per batch element): threads per block (128
   to 1024, at most the widest dim across the threads);
 - composed row reductions: block mode (a block per row) with 128 to 1024 threads, and warp mode
   with 1 to 32 rows (warps) per block and 1, 2 or 4 rows per warp at a time (where the rows divide
   evenly, as the default requires);
-- reductions only: a thread per column (``thread_serial_template``) at 128 to 512 threads;
+- reductions only: a thread per column (``thread_serial_template``) at 128 to 512 threads, or per
+  2, 4 or 8 adjacent columns (up to 16 bytes of the narrowest input), read as one vector per row;
 - everything ``grouping._candidate_templates`` tries when the default does not lower (shared-memory
   transposes, recomputation instead of caching, packed reductions).
 
@@ -47,7 +50,7 @@ from fusionstitching.schedule.grouping import (
     composed_template,
     thread_serial_template,
 )
-from fusionstitching.schedule.packing import _packed_template, invariant_work
+from fusionstitching.schedule.packing import _column_sum, _packed_template, invariant_work
 from fusionstitching.schedule.propagate import check_block_locality
 from fusionstitching.schedule.refusals import refusal
 from fusionstitching.schedule.template import WARP_SIZE, KernelSchedule, Schedule
@@ -56,6 +59,7 @@ BLOCK_THREADS = (128, 256, 512, 1024)
 WARPS_PER_BLOCK = (1, 2, 4, 8, 16, 32)
 ROWS_PER_WARP = (1, 2, 4)
 ROWS_PER_THREAD = (2, 4, 8)  # points of an outer dim per thread in thread composition (``packing.with_rows``)
+COLUMNS_PER_THREAD = (2, 4, 8)  # adjacent columns per thread of a thread-serial reduction, at most 16 bytes
 
 
 def tuning_space(pattern) -> list[tuple[str, Callable[[], KernelSchedule]]]:
@@ -70,6 +74,10 @@ def tuning_space(pattern) -> list[tuple[str, Callable[[], KernelSchedule]]]:
         if invariant_work(pattern, min(ROWS_PER_THREAD)):
             makes += [("rows", lambda r=r: _packed_template(pattern, DEFAULT_THREADS, rows=r))
                       for r in _near(ROWS_PER_THREAD, 4)]
+        if any(_column_sum(o) for o in pattern.outputs):
+            widest = 16 // min([n.dtype.itemsize for n in pattern.inputs] or [4])
+            makes += [("columns", lambda t=t, v=v: _packed_template(pattern, t, columns=v))
+                      for v in COLUMNS_PER_THREAD if v <= widest for t in _near(BLOCK_THREADS[:3], 128)]
         return makes
     if _batched(pattern, reductions):
         return makes + [("threads", lambda t=t: batched_template(pattern, reductions, threads=t))
@@ -88,6 +96,9 @@ def tuning_space(pattern) -> list[tuple[str, Callable[[], KernelSchedule]]]:
     if all(r.op == "reduce" for r in reductions):
         makes += [("serial", lambda t=t: thread_serial_template(pattern, reductions, t))
                   for t in _near(BLOCK_THREADS[:3], DEFAULT_THREADS)]
+        widest = 16 // min([n.dtype.itemsize for n in pattern.inputs] or [4])
+        makes += [("serial vector", lambda t=t, v=v: thread_serial_template(pattern, reductions, t, vector=v))
+                  for v in COLUMNS_PER_THREAD if v <= widest for t in _near(BLOCK_THREADS[:3], 128)]
     return makes
 
 

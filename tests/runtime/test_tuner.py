@@ -20,17 +20,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class LastIsFastest:
-    """Times candidates so that the last one wins; counts the patterns it was asked about."""
+    """Times candidates so that the last one wins (with the caches flushed and, unless
+    ``slower_warm``, with the inputs in L2 too); counts the patterns it was asked to time cold."""
 
-    def __init__(self) -> None:
+    def __init__(self, slower_warm: bool = False) -> None:
         self.calls: list[list[str]] = []
+        self.warm_calls: list[list[str]] = []
+        self.slower_warm = slower_warm
 
-    def __call__(self, kernels, inputs):
-        self.calls.append([str(k.template) for k in kernels])
+    def __call__(self, kernels, inputs, flush=True):
+        (self.calls if flush else self.warm_calls).append([str(k.template) for k in kernels])
+        if not flush and self.slower_warm:
+            return [5.0] + [10.0] * (len(kernels) - 1)
         return [10.0 + k for k in range(len(kernels) - 1)] + [5.0]
 
 
-def _never(kernels, inputs):
+def _never(kernels, inputs, flush=True):
     raise AssertionError("a library hit must measure nothing")
 
 
@@ -41,6 +46,19 @@ def _layernorm(batch: int = 4096, hidden: int = 1024):
 
     workload = make("layernorm", batch=batch, hidden=hidden)
     return compile_graph(capture(workload.fn, *workload.inputs).forward, Options(strict=True))
+
+
+def test_a_candidate_faster_cold_but_slower_with_warm_inputs_leaves_the_plans_template(tmp_path):
+    compiled = _layernorm()
+    kernel = compiled.kernels[0]
+    library = PerfLib(tmp_path / FILE_NAME)
+    measure = LastIsFastest(slower_warm=True)
+    tuner = Tuner(compiled.graph, Options(strict=True), "Test GPU", "sm_90", measure, library)
+    assert tuner.kernel_for(kernel, []) is kernel
+    assert len(measure.calls) == 1 and len(measure.warm_calls) == 1
+    nodes = sorted(kernel.lowered.pattern.nodes, key=compiled.graph.index.position.__getitem__)
+    assert library.winner(tuner.key(kernel)).template == canonical(kernel.template, nodes)
+    assert tuner.tuned == 1 and tuner.model_right == 1
 
 
 def test_the_fastest_candidate_wins_and_a_second_tuner_reads_it_from_the_library(tmp_path):
@@ -54,6 +72,7 @@ def test_the_fastest_candidate_wins_and_a_second_tuner_reads_it_from_the_library
     assert len(measure.calls) == 1 and len(measure.calls[0]) == Options().tune_candidates
     assert measure.calls[0][0] == str(kernel.template)  # the plan's template is the model's first choice
     assert str(chosen.template) == measure.calls[0][-1] != str(kernel.template)
+    assert measure.warm_calls == [[str(kernel.template), str(chosen.template)]]  # confirmed with warm inputs
     assert chosen.lowered.pattern.outputs == kernel.lowered.pattern.outputs
     assert (COUNTS["tuned"], COUNTS["perflib hits"]) == (before[0] + 1, before[1])
     assert tuner.tuned == 1 and tuner.model_right == 0
@@ -96,13 +115,13 @@ def test_the_plans_template_stays_when_it_is_fastest_or_the_only_one(tmp_path):
     compiled = _layernorm()
     kernel = compiled.kernels[0]
 
-    def first_wins(kernels, inputs):
+    def first_wins(kernels, inputs, flush=True):
         return [1.0] + [2.0] * (len(kernels) - 1)
 
     tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", first_wins, PerfLib(tmp_path / FILE_NAME))
     assert tuner.kernel_for(kernel, []) is kernel and tuner.model_right == 1
 
-    def plan_failed(kernels, inputs):
+    def plan_failed(kernels, inputs, flush=True):
         return [None] + [1.0] * (len(kernels) - 1)
 
     other = Tuner(compiled.graph, Options(), "Other GPU", "sm_90", plan_failed, PerfLib(tmp_path / FILE_NAME))
@@ -147,7 +166,7 @@ from fusionstitching.options import Options
 from fusionstitching.pipeline import compile_graph
 from fusionstitching.runtime.tuner import Tuner
 import fusionstitching
-def timer(kernels, inputs):
+def timer(kernels, inputs, flush=True):
     if sys.argv[1] == "second":
         raise SystemExit("measured in the second process")
     return [10.0] * (len(kernels) - 1) + [1.0]
@@ -172,7 +191,7 @@ def test_a_candidate_within_the_timing_noise_does_not_replace_the_plans(tmp_path
     compiled = _layernorm()
     kernel = compiled.kernels[0]
 
-    def barely(kernels, inputs):
+    def barely(kernels, inputs, flush=True):
         return [10.0] + [10.0 / (1 + NOISE / 2)] * (len(kernels) - 1)
 
     library = PerfLib(tmp_path / FILE_NAME)
@@ -223,8 +242,9 @@ def _tune_after(barrier, results, path: str) -> None:
     compiled = _layernorm()
     measured = []
 
-    def slow(kernels, inputs):  # long enough for the other process to reach the same pattern
-        measured.append(len(kernels))
+    def slow(kernels, inputs, flush=True):  # long enough for the other process to reach the same pattern
+        if flush:  # the cold timing (a choice is then confirmed with warm inputs)
+            measured.append(len(kernels))
         time.sleep(1.0)
         return [10.0] * (len(kernels) - 1) + [1.0]
 

@@ -210,3 +210,22 @@ def test_elementwise_patterns_without_broadcast_work_keep_one_point_per_thread()
     forward = capture(lambda x, y: torch.relu(x) * y, torch.randn(64, 256), torch.randn(64, 256)).forward
     compiled = compile_graph(forward, Options(strict=True))
     assert not invariant_work(compiled.kernels[0].lowered.pattern)
+
+
+@pytest.mark.parametrize("dtype, widths", [(torch.float32, {2, 4}), (torch.bfloat16, {2, 4, 8})])
+def test_column_sums_are_offered_several_adjacent_columns_per_thread(dtype, widths):
+    """A column sum's partial (split into parts, a thread per column) and a column sum with an
+    epilogue (a bias gradient cast back) are offered templates whose threads take 2, 4 or 8 adjacent
+    columns, up to 16 bytes of the summed operand per row, and each computes what the plan's does."""
+    from fusionstitching.frontend.torch_fx import capture
+
+    for fn in (lambda x: x.sum(0), lambda x: (x.float().sum(0) * 0.5).to(dtype)):
+        forward = capture(fn, torch.randn(2048, 512, dtype=dtype)).forward
+        compiled = compile_graph(forward, Options(strict=True))
+        offered = set()
+        for kernel in compiled.kernels:
+            nodes = sorted(kernel.lowered.pattern.nodes, key=compiled.graph.index.position.__getitem__)
+            texts = [str(t) for t in ranked_templates(compiled.graph, nodes, SPEC, BANDWIDTH)]
+            offered |= {v for v in (2, 4, 8) if any(f"-THREAD_{v}]" in t or f"-THREAD_{v};" in t for t in texts)}
+        assert offered == widths, offered
+        assert _check_candidates(forward) >= len(widths)
