@@ -230,6 +230,7 @@ class CompiledGraph:
             warnings.warn(f"{self.graph.name}: schedule tuning unavailable ({err}); running the plan's "
                           f"templates", TuningWarning, stacklevel=3)
             return program.run(tensors)
+        tuner.prioritize(program.kernels)
         outputs = program.run(tensors, tuner)
         chosen = iter(program.kernels)
         self.steps = [Step(s.kind, s.nodes, next(chosen)) if s.kernel is not None else s for s in self.steps]

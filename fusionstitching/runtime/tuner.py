@@ -59,6 +59,7 @@ ROUNDS = 10  # timed launches per candidate, interleaved
 # spread of medians of interleaved single launches on one GPU, which a choice must exceed to be one.
 NOISE = 0.03
 RESOLUTION_US = 0.5  # CUDA events' timing resolution
+SPACER_CYCLES = 100_000  # a GPU spin before each timed launch: tens of µs, more than a launch takes the host
 
 # (kernels, inputs, flush=True) -> per kernel its median µs, or None when it failed or disagreed;
 # flush=False: inputs left in L2 by the launch before
@@ -106,6 +107,33 @@ class Tuner:
         self.over_budget = 0  # patterns left with the plan's template when the budget was spent
         self.seconds_per_character = seconds_per_character  # a candidate's predicted cost, per character
         self.at_floor = 0  # patterns not measured: their kernels take about the latency floor
+        self._worth: set[str] | None = None  # keys the budget is kept for (``prioritize``); None: all
+
+    def prioritize(self, kernels: Sequence[GeneratedKernel]) -> None:
+        """Keep the budget for the patterns that move the most bytes: a program's kernels are tuned
+        as they run, and in program order a budget spent on the first small kernels never reached a
+        ResNet's large BatchNorm kernels. Patterns are taken by bytes moved, largest first, each
+        costing its predicted generation and compilation (the graph's compile seconds per character
+        of CUDA C, times the kernel's, for each candidate beyond the plan's), while the budget lasts;
+        the others keep the plan's template unless the library knows them."""
+        if self.budget_s is None:
+            return
+        from fusionstitching.runtime.program import moved_bytes
+
+        by_key: dict[str, tuple[int, GeneratedKernel]] = {}
+        for kernel in kernels:  # a pattern's bytes over all its kernels: its template serves them all
+            key = self.key(kernel)
+            total, first = by_key.get(key, (0, kernel))
+            by_key[key] = (total + moved_bytes(kernel), first)
+        self._worth, spent = set(), 0.0
+        for key, (_, kernel) in sorted(by_key.items(), key=lambda item: -item[1][0]):
+            if self._at_the_floor(kernel):
+                continue
+            cost = self.seconds_per_character * len(kernel.cuda_source) * (self.options.tune_candidates - 1)
+            if self._worth and spent + cost > self.budget_s:
+                continue
+            self._worth.add(key)
+            spent += cost
 
     def _nodes(self, kernel: GeneratedKernel) -> list[Node]:
         position = self.graph.index.position
@@ -131,7 +159,8 @@ class Tuner:
                     text = winner.template
                     self.hits += 1
                     COUNTS["perflib hits"] += 1
-                elif self.budget_s is not None and self.seconds + time.perf_counter() - start >= self.budget_s:
+                elif self.budget_s is not None and (self.seconds + time.perf_counter() - start >= self.budget_s
+                                                    or (self._worth is not None and key not in self._worth)):
                     self.over_budget += 1
                     return kernel  # not decided: a later process tunes it
                 elif self.library is not None:
@@ -364,6 +393,9 @@ class GpuMeasure:
                     buffer.zero_()
                 else:  # warm: the inputs in L2 from a launch of this same kernel
                     call_generated(kernels[k], scratch, outputs, **cache)
+                # the GPU kept busy while the host enqueues the launch: the events time the kernel,
+                # not the host's launch latency
+                torch.cuda._sleep(SPACER_CYCLES)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 call_generated(kernels[k], scratch, outputs, **cache)
