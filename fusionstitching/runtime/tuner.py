@@ -13,8 +13,8 @@ the program, in program order and with the call's own input values, goes through
    ``tune="exhaustive"``). Each is generated and compiled (NVRTC, in parallel), run once on the
    call's inputs and checked against the plan's kernel within the dtype's tolerance (a candidate
    that disagrees is dropped with a warning, and is an error under ``strict``), then timed: CUDA
-   events around single launches, L2 flushed before each, candidates interleaved over rounds, the
-   median per candidate. The fastest replaces the plan's template only if it beats it by more than
+   events around single launches, L2 flushed before each (a read of twice its size), candidates
+   interleaved over rounds, the median per candidate. The fastest replaces the plan's template only if it beats it by more than
    the noise and, timed against it again with the inputs left in L2 by the launch before (no
    flush, as a kernel often finds them in a program), is no slower there either. Every measurement
    and the winner go to the library.
@@ -390,7 +390,7 @@ class GpuMeasure:
         for _ in range(self.rounds):
             for k in live:
                 if buffer is not None:
-                    buffer.zero_()
+                    buffer.sum()
                 else:  # warm: the inputs in L2 from a launch of this same kernel
                     call_generated(kernels[k], scratch, outputs, **cache)
                 # the GPU kept busy while the host enqueues the launch: the events time the kernel,
@@ -408,12 +408,15 @@ class GpuMeasure:
         return times
 
     def _flush_buffer(self) -> Any:
-        """A buffer twice the L2 cache: writing it evicts what a previous launch left in L2."""
+        """A buffer twice the L2 cache: reading it evicts what a previous launch left in L2. It is
+        read, not written: writing it would leave the L2 full of dirty lines, whose write-back then
+        falls inside the timed kernel (up to the L2's size of extra traffic, more for a kernel that
+        moves more bytes, which skews the ranking)."""
         import torch
 
         if self._flush is None:
             size = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 50 << 20)
-            self._flush = torch.empty(2 * max(size, 1 << 20), dtype=torch.uint8, device=self.device)
+            self._flush = torch.zeros(2 * max(size, 1 << 20) // 4, dtype=torch.float32, device=self.device)
         return self._flush
 
 
