@@ -13,9 +13,10 @@ the program, in program order and with the call's own input values, goes through
    ``tune="exhaustive"``). Each is generated and compiled (NVRTC, in parallel), run once on the
    call's inputs and checked against the plan's kernel within the dtype's tolerance (a candidate
    that disagrees is dropped with a warning, and is an error under ``strict``), then timed: CUDA
-   events around single launches, L2 flushed before each (a read of twice its size), candidates
-   interleaved over rounds, the median per candidate. The fastest replaces the plan's template only if it beats it by more than
-   the noise and, timed against it again with the inputs left in L2 by the launch before (no
+   events around single launches, each after a GPU spin (so that the host's launch latency is not
+   timed) and an L2 flush (a read of twice its size), candidates interleaved over rounds, the
+   median per candidate. The fastest replaces the plan's template only if it beats it by more
+   than the noise and, timed against it again with the inputs left in L2 by the launch before (no
    flush, as a kernel often finds them in a program), is no slower there either. Every measurement
    and the winner go to the library.
 
@@ -274,7 +275,6 @@ class Tuner:
         logger.info("tuned %s: %d candidates, %s %.1f µs (plan's %.1f µs)", kernel.name, len(measured),
                     best.template, best.us, measured[0].us)
         return best.template
-
 
     def _faster_warm(self, candidate: GeneratedKernel, plan: GeneratedKernel, inputs: Sequence[Any],
                      name: str) -> bool:
