@@ -138,11 +138,12 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
     of ``generators`` (names in ``GENERATORS``), selected by ``solver`` (``"ilp"`` or ``"beam"``)."""
     options = options or Options()
     start = time.perf_counter()
-    plan, refined = _explore(graph, solver, options, generators, split=options.split_reshaped_dims)
+    checked: dict = {}  # schedule checks by pattern structure, shared by the two explorations
+    plan, refined = _explore(graph, solver, options, generators, split=options.split_reshaped_dims, checked=checked)
     if refined:
         # Split shapes fuse more, but a reshape they move next to a gather or a dot may fuse less:
         # the latency evaluator chooses between the two plans.
-        plain, _ = _explore(graph, solver, options, generators, split=False)
+        plain, _ = _explore(graph, solver, options, generators, split=False, checked=checked)
         keep = plan.estimated_us < plain.estimated_us
         note = (f"reshapes resolved by splitting dims (graph/refine.py): estimated {plan.estimated_us:.1f} us "
                 f"against {plain.estimated_us:.1f} us unsplit; kept {'split' if keep else 'unsplit'}")
@@ -153,7 +154,7 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
 
 
 def _explore(graph: Graph, solver: str, options: Options, generators: Sequence[str],
-             split: bool) -> tuple[FusionPlan, bool]:
+             split: bool, checked: dict | None = None) -> tuple[FusionPlan, bool]:
     """``explore`` with reshapes resolved by splitting dims or not; whether splitting changed the graph."""
     if solver not in SOLVERS:
         raise ValueError(f"explore: unknown solver {solver!r}; known: {', '.join(map(repr, SOLVERS))}")
@@ -199,7 +200,7 @@ def _explore(graph: Graph, solver: str, options: Options, generators: Sequence[s
                                                      options.smem_limit)
         notes += [f"split {d}" for d in splits]
     roles = Roles.of(graph, options)
-    legality = Legality(graph, options)
+    legality = Legality(graph, options, checked)
     scorer = Scorer(graph, options)
     context = _Context(graph, roles, legality, scorer)
     candidates: list[Candidate] = []

@@ -266,12 +266,15 @@ def _same_strides(shape, a, b) -> bool:
 class Legality:
     """Answers "can these nodes be one kernel?" for one graph, caching ``feasible`` by structure."""
 
-    def __init__(self, graph: Graph, options: Options | None = None) -> None:
+    def __init__(self, graph: Graph, options: Options | None = None,
+                 cache: dict[tuple, tuple[tuple[str, ...], KernelSchedule | Reason]] | None = None) -> None:
+        """``cache``: answers by structure to share with other graphs planned with the same options
+        (``explore`` plans a graph with its reshapes split and unsplit: most patterns are in both)."""
         self.graph = graph
         self.options = options or Options()
         self.cycles = CycleChecker(graph)
         self.index = graph.index
-        self._cache: dict[tuple, tuple[tuple[str, ...], KernelSchedule | Reason]] = {}
+        self._cache = cache if cache is not None else {}
         self._aliases = in_place_outputs(graph)
         self.feasible_calls = 0
         self.cache_hits = 0

@@ -349,3 +349,36 @@ def test_gemm_operands_that_cublas_reads_transposed_are_views():
     assert transposes[0] in plan.views and plan.pattern_of(transposes[0]) is None
     assert transposes[1] not in plan.views and plan.pattern_of(transposes[1]) is not None
     assert plan.library_count == 2
+
+
+def test_the_split_and_unsplit_explorations_share_their_schedule_checks(monkeypatch):
+    """A BERT layer is explored with its reshapes split and unsplit; the second exploration reads the
+    first one's answers by pattern structure, lowers fewer patterns than alone, and plans the same."""
+    import sys
+
+    from fusionstitching.cli import capture_workload
+
+    explore_module = sys.modules["fusionstitching.fusion.explore"]
+    _, captured = capture_workload("bert_layer")
+    graph = captured.forward
+    lowered = []
+    original = explore_module.Legality
+
+    class Counting(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            lowered.append(self)
+
+    monkeypatch.setattr(explore_module, "Legality", Counting)
+    shared = explore(graph)
+    assert any("reshapes resolved" in note for note in shared.notes)
+    assert len(lowered) == 2
+    with_cache = sum(legality.feasible_calls for legality in lowered)
+    lowered.clear()
+    options = Options()
+    alone = [explore_module._explore(graph, "ilp", options, explore_module.DEFAULT_GENERATORS, split=split)[0]
+             for split in (True, False)]
+    without_cache = sum(legality.feasible_calls for legality in lowered)
+    assert with_cache < without_cache
+    split, unsplit = alone
+    assert same_plan(shared, split if split.estimated_us < unsplit.estimated_us else unsplit)
