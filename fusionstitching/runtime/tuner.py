@@ -128,10 +128,11 @@ class Tuner:
             by_key[key] = (total + moved_bytes(kernel), first)
         self._worth, spent = set(), 0.0
         for key, (_, kernel) in sorted(by_key.items(), key=lambda item: -item[1][0]):
-            if self._at_the_floor(kernel):
+            if self._at_the_floor(kernel):  # never measured (``_tune``), and counted as such
+                self._worth.add(key)
                 continue
             cost = self.seconds_per_character * len(kernel.cuda_source) * (self.options.tune_candidates - 1)
-            if self._worth and spent + cost > self.budget_s:
+            if spent and spent + cost > self.budget_s:
                 continue
             self._worth.add(key)
             spent += cost

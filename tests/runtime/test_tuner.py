@@ -229,8 +229,9 @@ def test_a_candidate_predicted_to_overrun_the_budget_is_not_made(tmp_path):
 
 
 def test_a_budget_for_one_pattern_goes_to_the_one_that_moves_the_most_bytes(tmp_path):
-    """The small softmax runs first, but the budget, enough for one pattern's candidates, is kept
-    for the LayerNorm that moves 16 times its bytes; the softmax keeps the plan's template."""
+    """The smaller softmax runs first, but the budget, enough for one pattern's candidates, is kept
+    for the LayerNorm that moves 8 times its bytes; the softmax (above the latency floor) keeps the
+    plan's template."""
     import torch
 
     from fusionstitching.frontend.torch_fx import capture
@@ -238,7 +239,7 @@ def test_a_budget_for_one_pattern_goes_to_the_one_that_moves_the_most_bytes(tmp_
     def fn(a, b):
         return torch.softmax(a, -1), torch.nn.functional.layer_norm(b, (1024,))
 
-    compiled = compile_graph(capture(fn, torch.randn(1024, 512), torch.randn(8192, 1024)).forward,
+    compiled = compile_graph(capture(fn, torch.randn(4096, 1024), torch.randn(32768, 1024)).forward,
                              Options(strict=True))
     small, large = compiled.kernels
     assert "reduce" in small.name and len(compiled.kernels) == 2
@@ -248,6 +249,7 @@ def test_a_budget_for_one_pattern_goes_to_the_one_that_moves_the_most_bytes(tmp_
                   budget_s=per_candidate * (Options().tune_candidates - 1) * 1.01,
                   seconds_per_character=per_candidate / len(large.cuda_source))
     tuner.prioritize(compiled.kernels)
+    assert not tuner._at_the_floor(small)
     assert tuner.kernel_for(small, []) is small and not measure.calls and tuner.over_budget == 1
     assert tuner.kernel_for(large, []) is not large and tuner.tuned == 1
     assert measure.calls[0][0] == str(large.template)
