@@ -109,14 +109,19 @@ class Tuner:
         self.seconds_per_character = seconds_per_character  # a candidate's predicted cost, per character
         self.at_floor = 0  # patterns not measured: their kernels take about the latency floor
         self._worth: set[str] | None = None  # keys the budget is kept for (``prioritize``); None: all
+        self._patterns: list[tuple[str, int, GeneratedKernel]] = []  # (key, bytes, kernel), most bytes first
+        self._spent = (0.0, 0)  # seconds and characters of the candidates made so far
 
     def prioritize(self, kernels: Sequence[GeneratedKernel]) -> None:
         """Keep the budget for the patterns that move the most bytes: a program's kernels are tuned
         as they run, and in program order a budget spent on the first small kernels never reached a
         ResNet's large BatchNorm kernels. Patterns are taken by bytes moved, largest first, each
-        costing its predicted generation and compilation (the graph's compile seconds per character
-        of CUDA C, times the kernel's, for each candidate beyond the plan's), while the budget lasts;
-        the others keep the plan's template unless the library knows them."""
+        costing its predicted generation and compilation (seconds per character of CUDA C, times the
+        kernel's, for each candidate beyond the plan's), while the budget lasts; the others keep
+        the plan's template unless the library knows them. The prediction starts from the graph's
+        compile seconds per character, which counts exploration too; after each measured pattern
+        it is what making its candidates took, and the patterns still ahead are chosen again with
+        the budget left (``_choose``)."""
         if self.budget_s is None:
             return
         from fusionstitching.runtime.program import moved_bytes
@@ -126,13 +131,24 @@ class Tuner:
             key = self.key(kernel)
             total, first = by_key.get(key, (0, kernel))
             by_key[key] = (total + moved_bytes(kernel), first)
+        self._patterns = sorted(((key, moved, kernel) for key, (moved, kernel) in by_key.items()),
+                                key=lambda item: -item[1])
+        self._choose()
+
+    def _choose(self) -> None:
+        """``_worth``: the undecided patterns, most bytes first, whose predicted cost fits the budget
+        left (at least the first)."""
+        assert self.budget_s is not None
+        left = self.budget_s - self.seconds
         self._worth, spent = set(), 0.0
-        for key, (_, kernel) in sorted(by_key.items(), key=lambda item: -item[1][0]):
+        for key, _, kernel in self._patterns:
+            if key in self._decided:
+                continue
             if self._at_the_floor(kernel):  # never measured (``_tune``), and counted as such
                 self._worth.add(key)
                 continue
             cost = self.seconds_per_character * len(kernel.cuda_source) * (self.options.tune_candidates - 1)
-            if spent and spent + cost > self.budget_s:
+            if spent and spent + cost > left:
                 continue
             self._worth.add(key)
             spent += cost
@@ -177,6 +193,11 @@ class Tuner:
                 else:
                     text = self._tune(key, kernel, nodes, inputs, start)
                 self._decided[key] = text
+                if self._patterns and self._spent[1]:  # the cost per character as measured
+                    self.seconds_per_character = self._spent[0] / self._spent[1]
+                    self.seconds += time.perf_counter() - start
+                    start = time.perf_counter()
+                    self._choose()
             if text == canonical(kernel.template, nodes):
                 return kernel
             try:
@@ -250,6 +271,9 @@ class Tuner:
             self.over_budget += cut
             return current
         times = self.measure(candidates, inputs)
+        seconds, characters = self._spent
+        self._spent = (seconds + time.perf_counter() - start,
+                       characters + sum(len(c.cuda_source) for c in candidates[1:]))
         by_text = {canonical(c.template, nodes): c for c in candidates}
         measured = []
         for rank, (candidate, us) in enumerate(zip(candidates, times)):

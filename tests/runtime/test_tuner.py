@@ -255,6 +255,32 @@ def test_a_budget_for_one_pattern_goes_to_the_one_that_moves_the_most_bytes(tmp_
     assert measure.calls[0][0] == str(large.template)
 
 
+def test_the_budget_is_chosen_again_at_the_cost_the_first_pattern_measured():
+    """The first prediction (a pattern's candidates at 2 s each) keeps the budget for the larger
+    LayerNorm alone; making its candidates takes far less, and the softmax after it is then chosen
+    and tuned with the budget left."""
+    import torch
+
+    from fusionstitching.frontend.torch_fx import capture
+
+    def fn(b, a):
+        return torch.nn.functional.layer_norm(b, (1024,)), torch.softmax(a, -1)
+
+    compiled = compile_graph(capture(fn, torch.randn(32768, 1024), torch.randn(4096, 1024)).forward,
+                             Options(strict=True))
+    large, small = compiled.kernels
+    assert "slice" in large.name and len(compiled.kernels) == 2
+    measure = LastIsFastest()
+    tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, None, budget_s=15.0,
+                  seconds_per_character=2.0 / len(large.cuda_source))
+    tuner.prioritize(compiled.kernels)
+    assert tuner._worth == {tuner.key(large)}
+    assert tuner.kernel_for(large, []) is not large
+    assert tuner.seconds_per_character < 1.0 / len(large.cuda_source)  # as measured
+    assert tuner.kernel_for(small, []) is not small
+    assert tuner.tuned == 2 and tuner.over_budget == 0 and len(measure.calls) == 2
+
+
 def test_a_kernel_at_the_latency_floor_is_not_measured(tmp_path):
     compiled = _layernorm(batch=16, hidden=64)
     measure = LastIsFastest()
