@@ -36,6 +36,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_matrix
 
+from fusionstitching.graph.analysis import CycleChecker
 from fusionstitching.graph.graph import Graph, Node
 
 MAX_CYCLE_ROUNDS = 32
@@ -89,6 +90,7 @@ def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequenc
             cols.extend(members)
             upper.append(float(len(members) - 1))
     objective = -np.asarray([scores[i] for i in usable], dtype=float)
+    pairs = _PairCycles(graph)
     for rounds in range(1, MAX_CYCLE_ROUNDS + 1):
         constraints = []
         if upper:
@@ -99,7 +101,7 @@ def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequenc
         if result.x is None:
             raise SelectionError(f"HiGHS found no plan: {result.message}")
         chosen = [k for k in range(len(usable)) if result.x[k] > 0.5]
-        found = _cycles(graph, [patterns[usable[k]] for k in chosen])
+        found = _cycles(graph, [patterns[usable[k]] for k in chosen], pairs)
         if not found:
             return Selection(sorted(usable[k] for k in chosen), -float(result.fun), rounds,
                              [tuple(usable[k] for k in c) for c in cycles])
@@ -131,7 +133,25 @@ def break_cycles(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Seque
         dropped.append(worst)
 
 
-def _cycles(graph: Graph, patterns: Sequence[Sequence[Node]]) -> list[list[int]]:
+class _PairCycles:
+    """Whether two disjoint patterns, each acyclic when contracted alone (every candidate is), close a
+    cycle together: exactly when each reaches the other, which the graph's descendant bit sets
+    (``CycleChecker``, made at the first question) answer without contracting the graph."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self._checker: CycleChecker | None = None
+
+    def __call__(self, a: Sequence[Node], b: Sequence[Node]) -> bool:
+        if self._checker is None:
+            self._checker = CycleChecker(self.graph)
+        reaches = self._checker.reaches
+        if reaches is None:  # a graph too large for bit sets
+            return contracted_cycle(self.graph, [a, b]) is not None
+        return reaches(a, b) and reaches(b, a)
+
+
+def _cycles(graph: Graph, patterns: Sequence[Sequence[Node]], pairs: _PairCycles) -> list[list[int]]:
     """Up to ``CYCLES_PER_ROUND`` disjoint cycles of the contracted graph (positions in ``patterns``):
     after each cycle found, its patterns are left out and the rest is searched again."""
     remaining = list(range(len(patterns)))
@@ -141,21 +161,20 @@ def _cycles(graph: Graph, patterns: Sequence[Sequence[Node]]) -> list[list[int]]
         if cycle is None:
             break
         members = [remaining[j] for j in cycle]
-        found += _tightest(graph, patterns, members)
+        found += _tightest(patterns, members, pairs)
         left_out = set(members)
         remaining = [j for j in remaining if j not in left_out]
     return found
 
 
-def _tightest(graph: Graph, patterns: Sequence[Sequence[Node]], members: list[int]) -> list[list[int]]:
+def _tightest(patterns: Sequence[Sequence[Node]], members: list[int], pairs: _PairCycles) -> list[list[int]]:
     """The pairs of a cycle's patterns that close a cycle by themselves, or else the whole cycle: "not
     both of these two" cuts every plan holding the pair, where "not all k" cuts only those holding all
     k (and is implied by the pair's)."""
     if len(members) <= 2 or len(members) > MAX_PAIRED_CYCLE:
         return [members]
-    pairs = [[a, b] for k, a in enumerate(members) for b in members[k + 1:]
-             if contracted_cycle(graph, [patterns[a], patterns[b]]) is not None]
-    return pairs or [members]
+    closing = [[a, b] for k, a in enumerate(members) for b in members[k + 1:] if pairs(patterns[a], patterns[b])]
+    return closing or [members]
 
 
 def contracted_cycle(graph: Graph, patterns: Sequence[Sequence[Node]]) -> list[int] | None:

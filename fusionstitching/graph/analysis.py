@@ -203,6 +203,20 @@ class CycleChecker:
                     mask |= self._above[j] | (1 << j)
                 self._above[i] = mask
 
+    @property
+    def reaches(self):
+        """``reaches(a, b)``: whether some node of ``b`` descends from some node of ``a``; None for a
+        graph too large for bit sets."""
+        if self._below is None:
+            return None
+
+        def reaches(a: Iterable[Node], b: Iterable[Node]) -> bool:
+            _, below, _ = self._masks(a)
+            inside, _, _ = self._masks(b)
+            return bool(below & inside)
+
+        return reaches
+
     def creates_cycle(self, nodes: Iterable[Node]) -> bool:
         if self._below is not None:
             inside, below, above = self._masks(nodes)

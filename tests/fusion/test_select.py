@@ -11,8 +11,10 @@ import itertools
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from fusionstitching.fusion.select import Selection, _tightest, contracted_cycle, select_ilp
+from fusionstitching.fusion.select import Selection, _PairCycles, _tightest, contracted_cycle, select_ilp
 from fusionstitching.graph.graph import GraphBuilder
 from fusionstitching.graph.ops import DType
 
@@ -124,8 +126,9 @@ def test_a_cycle_is_cut_by_the_pair_of_its_patterns_that_closes_one_alone():
     graph, p = _crossed()
     lone = graph.node("a2").operands[0]  # b2: a pattern of its own, with a1 and b1 in others
     patterns = [[p["P"][0]], [p["Q"][0]], [lone]]
-    assert _tightest(graph, [p["P"], p["Q"], [lone]], [0, 1, 2]) == [[0, 1]]
-    assert _tightest(graph, patterns, [0, 1, 2]) == [[0, 1, 2]]  # no pair closes one: all three
+    pairs = _PairCycles(graph)
+    assert _tightest([p["P"], p["Q"], [lone]], [0, 1, 2], pairs) == [[0, 1]]
+    assert _tightest(patterns, [0, 1, 2], pairs) == [[0, 1, 2]]  # no pair closes one: all three
 
 
 def test_known_cycles_are_constraints_from_the_first_solve():
@@ -220,3 +223,33 @@ def test_ilp_matches_brute_force_on_random_candidates(seed):
     assert selection.objective == pytest.approx(sum(scores[i] for i in selection.chosen))
     assert selection.objective == pytest.approx(_brute_force(graph, patterns, scores))
     assert select_ilp(graph, patterns, scores) == selection
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_pair_of_acyclic_patterns_closes_a_cycle_exactly_when_each_reaches_the_other(data):
+    """On random DAGs, two disjoint node sets that are each acyclic when contracted: the bit-set
+    answer (``_PairCycles``) is the contracted graph's, and the search's for a graph too large for
+    bit sets."""
+    from fusionstitching.graph import analysis
+
+    g = GraphBuilder("random")
+    nodes = [g.parameter([2], DType.F32, name="p") for _ in range(data.draw(st.integers(1, 2)))]
+    for _ in range(data.draw(st.integers(2, 14))):
+        picks = data.draw(st.lists(st.sampled_from(nodes), min_size=1, max_size=2))
+        nodes.append(g.node("add" if len(picks) == 2 else "neg", picks))
+    used = {id(x) for node in nodes for x in node.operands}
+    graph = g.build([node for node in nodes if id(node) not in used])
+    chosen = data.draw(st.lists(st.sampled_from(graph.nodes), min_size=2, max_size=8, unique_by=id))
+    cut = data.draw(st.integers(1, len(chosen) - 1))
+    a, b = chosen[:cut], chosen[cut:]
+    if analysis.creates_cycle(graph, a) or analysis.creates_cycle(graph, b):
+        return  # candidates are acyclic alone
+    expected = contracted_cycle(graph, [a, b]) is not None
+    assert _PairCycles(graph)(a, b) == expected
+    original = analysis.CycleChecker.BITSET_NODES
+    try:
+        analysis.CycleChecker.BITSET_NODES = 0
+        assert _PairCycles(graph)(a, b) == expected
+    finally:
+        analysis.CycleChecker.BITSET_NODES = original
