@@ -182,46 +182,41 @@ def contracted_cycle(graph: Graph, patterns: Sequence[Sequence[Node]]) -> list[i
 
     Kahn's algorithm on the contracted graph; when vertices remain, every one of them has a
     predecessor among the remaining ones, so walking predecessors from any of them closes a cycle.
+    Vertices are numbers: pattern ``k`` is ``k``, a node outside the patterns ``len(patterns)`` plus
+    its graph position, so the walk's choices (the smallest vertex) take patterns by number, then
+    nodes by position: the same plan on every run.
     """
-    group: dict[Node, object] = {}
+    position = graph.index.position
+    count = len(patterns)
+    vertex = list(range(count, count + len(graph.nodes)))  # per node position: its vertex
     for k, nodes in enumerate(patterns):
         for node in nodes:
-            group[node] = k
-    successors: dict[object, set] = {}
-    predecessors: dict[object, set] = {}
-    for node in graph.nodes:
-        target = group.get(node, node)
-        successors.setdefault(target, set())
-        predecessors.setdefault(target, set())
+            vertex[position[node]] = k
+    size = count + len(graph.nodes)
+    successors: list[set[int]] = [set() for _ in range(size)]
+    predecessors: list[set[int]] = [set() for _ in range(size)]
+    for i, node in enumerate(graph.nodes):
+        target = vertex[i]
         for operand in node.operands:
-            source = group.get(operand, operand)
-            if source != target:  # pattern numbers compare by value, nodes by identity
-                successors.setdefault(source, set()).add(target)
+            source = vertex[position[operand]]
+            if source != target:
+                successors[source].add(target)
                 predecessors[target].add(source)
-    pending = {v: len(p) for v, p in predecessors.items()}
-    ready = [v for v, count in pending.items() if count == 0]
+    pending = [len(p) for p in predecessors]
+    ready = [v for v in range(size) if not pending[v]]
     while ready:
-        vertex = ready.pop()
-        for user in successors[vertex]:
+        for user in successors[ready.pop()]:
             pending[user] -= 1
-            if pending[user] == 0:
+            if not pending[user]:
                 ready.append(user)
-    remaining = {v for v, count in pending.items() if count > 0}
+    remaining = {v for v in range(size) if pending[v]}
     if not remaining:
         return None
-    # The walk picks vertices in a fixed order (patterns by number, then nodes by graph position),
-    # not in set order, which follows object addresses: the same plan on every run.
-    position = graph.index.position
-
-    def order(v: object) -> tuple[int, int]:
-        return (0, v) if isinstance(v, int) else (1, position[v])
-
-    walk: list[object] = []
-    seen: dict[object, int] = {}
-    vertex = min(remaining, key=order)
-    while vertex not in seen:
-        seen[vertex] = len(walk)
-        walk.append(vertex)
-        vertex = min((p for p in predecessors[vertex] if p in remaining), key=order)
-    cycle = walk[seen[vertex]:]
-    return sorted({v for v in cycle if isinstance(v, int)})
+    walk: list[int] = []
+    seen: dict[int, int] = {}
+    at = min(remaining)
+    while at not in seen:
+        seen[at] = len(walk)
+        walk.append(at)
+        at = min(p for p in predecessors[at] if p in remaining)
+    return sorted(v for v in walk[seen[at]:] if v < count)

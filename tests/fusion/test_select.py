@@ -253,3 +253,39 @@ def test_a_pair_of_acyclic_patterns_closes_a_cycle_exactly_when_each_reaches_the
         assert _PairCycles(graph)(a, b) == expected
     finally:
         analysis.CycleChecker.BITSET_NODES = original
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_contracted_cycle_answers_as_networkx_and_names_patterns_on_a_cycle(data):
+    """Random DAGs and random disjoint patterns: a cycle is found exactly when the contracted graph
+    (networkx) has one, and the patterns named close a cycle by themselves."""
+    import networkx as nx
+
+    g = GraphBuilder("random")
+    nodes = [g.parameter([2], DType.F32, name="p") for _ in range(data.draw(st.integers(1, 2)))]
+    for _ in range(data.draw(st.integers(2, 16))):
+        picks = data.draw(st.lists(st.sampled_from(nodes), min_size=1, max_size=2))
+        nodes.append(g.node("add" if len(picks) == 2 else "neg", picks))
+    used = {id(x) for node in nodes for x in node.operands}
+    graph = g.build([node for node in nodes if id(node) not in used])
+    chosen = data.draw(st.lists(st.sampled_from(graph.nodes), min_size=1, max_size=10, unique_by=id))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, len(chosen)), max_size=4))) | {len(chosen)})
+    patterns, start = [], 0
+    for cut in cuts:
+        if cut > start:
+            patterns.append(chosen[start:cut])
+            start = cut
+    group = {node: k for k, pattern in enumerate(patterns) for node in pattern}
+    contracted = nx.DiGraph()
+    contracted.add_nodes_from(("p", group[n]) if n in group else n for n in graph.nodes)
+    for user in graph.nodes:
+        for operand in user.operands:
+            u = ("p", group[operand]) if operand in group else operand
+            v = ("p", group[user]) if user in group else user
+            if u != v:
+                contracted.add_edge(u, v)
+    found = contracted_cycle(graph, patterns)
+    assert (found is None) == nx.is_directed_acyclic_graph(contracted)
+    if found is not None:
+        assert found and contracted_cycle(graph, [patterns[k] for k in found]) is not None
