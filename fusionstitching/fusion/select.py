@@ -136,7 +136,7 @@ def break_cycles(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Seque
 class _PairCycles:
     """Whether two disjoint patterns, each acyclic when contracted alone (every candidate is), close a
     cycle together: exactly when each reaches the other, which the graph's descendant bit sets
-    (``CycleChecker``, made at the first question) answer without contracting the graph."""
+    (``CycleChecker.reaches``, made at the first question) answer without contracting the graph."""
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
@@ -145,10 +145,7 @@ class _PairCycles:
     def __call__(self, a: Sequence[Node], b: Sequence[Node]) -> bool:
         if self._checker is None:
             self._checker = CycleChecker(self.graph)
-        reaches = self._checker.reaches
-        if reaches is None:  # a graph too large for bit sets
-            return contracted_cycle(self.graph, [a, b]) is not None
-        return reaches(a, b) and reaches(b, a)
+        return self._checker.reaches(a, b) and self._checker.reaches(b, a)
 
 
 def _cycles(graph: Graph, patterns: Sequence[Sequence[Node]], pairs: _PairCycles) -> list[list[int]]:

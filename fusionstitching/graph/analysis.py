@@ -203,19 +203,22 @@ class CycleChecker:
                     mask |= self._above[j] | (1 << j)
                 self._above[i] = mask
 
-    @property
-    def reaches(self):
-        """``reaches(a, b)``: whether some node of ``b`` descends from some node of ``a``; None for a
-        graph too large for bit sets."""
-        if self._below is None:
-            return None
-
-        def reaches(a: Iterable[Node], b: Iterable[Node]) -> bool:
+    def reaches(self, a: Iterable[Node], b: Iterable[Node]) -> bool:
+        """Whether some node of ``b`` descends from some node of ``a``."""
+        if self._below is not None:
             _, below, _ = self._masks(a)
             inside, _, _ = self._masks(b)
             return bool(below & inside)
-
-        return reaches
+        targets = set(b)
+        stack, seen = list(a), set()
+        while stack:
+            for user in self.users[stack.pop()]:
+                if user in targets:
+                    return True
+                if user not in seen:
+                    seen.add(user)
+                    stack.append(user)
+        return False
 
     def creates_cycle(self, nodes: Iterable[Node]) -> bool:
         if self._below is not None:

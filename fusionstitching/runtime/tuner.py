@@ -167,6 +167,7 @@ class Tuner:
         """The kernel to run for ``kernel``'s pattern: ``kernel`` itself, or one generated with the
         measured or stored template. ``inputs``: the pattern's input tensors for this call."""
         start = time.perf_counter()
+        measured = self._spent[1]  # characters of candidates made before this call
         try:
             nodes = self._nodes(kernel)
             key = self.key(kernel)
@@ -193,11 +194,6 @@ class Tuner:
                 else:
                     text = self._tune(key, kernel, nodes, inputs, start)
                 self._decided[key] = text
-                if self._patterns and self._spent[1]:  # the cost per character as measured
-                    self.seconds_per_character = self._spent[0] / self._spent[1]
-                    self.seconds += time.perf_counter() - start
-                    start = time.perf_counter()
-                    self._choose()
             if text == canonical(kernel.template, nodes):
                 return kernel
             try:
@@ -211,6 +207,9 @@ class Tuner:
             return chosen if chosen.lowered.aliases == kernel.lowered.aliases else kernel
         finally:
             self.seconds += time.perf_counter() - start
+            if self._patterns and self._spent[1] != measured:  # a pattern was measured: its cost per character
+                self.seconds_per_character = self._spent[0] / self._spent[1]
+                self._choose()
 
     def _at_the_floor(self, kernel: GeneratedKernel) -> bool:
         """Whether moving the pattern's bytes takes less than twice the GPU's latency floor (the

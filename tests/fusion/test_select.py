@@ -225,6 +225,17 @@ def test_ilp_matches_brute_force_on_random_candidates(seed):
     assert select_ilp(graph, patterns, scores) == selection
 
 
+def _drawn_dag(data, most: int):
+    """A random DAG of 2 to ``most`` neg/add nodes over one or two parameters, every sink an output."""
+    g = GraphBuilder("random")
+    nodes = [g.parameter([2], DType.F32, name="p") for _ in range(data.draw(st.integers(1, 2)))]
+    for _ in range(data.draw(st.integers(2, most))):
+        picks = data.draw(st.lists(st.sampled_from(nodes), min_size=1, max_size=2))
+        nodes.append(g.node("add" if len(picks) == 2 else "neg", picks))
+    used = {id(x) for node in nodes for x in node.operands}
+    return g.build([node for node in nodes if id(node) not in used])
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_a_pair_of_acyclic_patterns_closes_a_cycle_exactly_when_each_reaches_the_other(data):
@@ -233,13 +244,7 @@ def test_a_pair_of_acyclic_patterns_closes_a_cycle_exactly_when_each_reaches_the
     bit sets."""
     from fusionstitching.graph import analysis
 
-    g = GraphBuilder("random")
-    nodes = [g.parameter([2], DType.F32, name="p") for _ in range(data.draw(st.integers(1, 2)))]
-    for _ in range(data.draw(st.integers(2, 14))):
-        picks = data.draw(st.lists(st.sampled_from(nodes), min_size=1, max_size=2))
-        nodes.append(g.node("add" if len(picks) == 2 else "neg", picks))
-    used = {id(x) for node in nodes for x in node.operands}
-    graph = g.build([node for node in nodes if id(node) not in used])
+    graph = _drawn_dag(data, 14)
     chosen = data.draw(st.lists(st.sampled_from(graph.nodes), min_size=2, max_size=8, unique_by=id))
     cut = data.draw(st.integers(1, len(chosen) - 1))
     a, b = chosen[:cut], chosen[cut:]
@@ -262,13 +267,7 @@ def test_contracted_cycle_answers_as_networkx_and_names_patterns_on_a_cycle(data
     (networkx) has one, and the patterns named close a cycle by themselves."""
     import networkx as nx
 
-    g = GraphBuilder("random")
-    nodes = [g.parameter([2], DType.F32, name="p") for _ in range(data.draw(st.integers(1, 2)))]
-    for _ in range(data.draw(st.integers(2, 16))):
-        picks = data.draw(st.lists(st.sampled_from(nodes), min_size=1, max_size=2))
-        nodes.append(g.node("add" if len(picks) == 2 else "neg", picks))
-    used = {id(x) for node in nodes for x in node.operands}
-    graph = g.build([node for node in nodes if id(node) not in used])
+    graph = _drawn_dag(data, 16)
     chosen = data.draw(st.lists(st.sampled_from(graph.nodes), min_size=1, max_size=10, unique_by=id))
     cuts = sorted(set(data.draw(st.lists(st.integers(1, len(chosen)), max_size=4))) | {len(chosen)})
     patterns, start = [], 0

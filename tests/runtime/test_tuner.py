@@ -281,6 +281,16 @@ def test_the_budget_is_chosen_again_at_the_cost_the_first_pattern_measured():
     assert tuner.tuned == 2 and tuner.over_budget == 0 and len(measure.calls) == 2
 
 
+def test_a_prioritized_pattern_at_the_latency_floor_counts_as_such_not_as_over_budget():
+    compiled = _layernorm(batch=16, hidden=64)
+    kernel = compiled.kernels[0]
+    measure = LastIsFastest()
+    tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, None, budget_s=10.0)
+    tuner.prioritize(compiled.kernels)
+    assert tuner.kernel_for(kernel, []) is kernel and not measure.calls
+    assert tuner.at_floor == 1 and tuner.over_budget == 0
+
+
 def test_a_kernel_at_the_latency_floor_is_not_measured(tmp_path):
     compiled = _layernorm(batch=16, hidden=64)
     measure = LastIsFastest()
