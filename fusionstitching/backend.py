@@ -169,7 +169,7 @@ class _Runner:
         self.numbers: dict[tuple, dict[int, Any]] = {}
         self.origins: dict[str, str] = {}  # the converted graph's node origins (for failure evidence)
         # A training forward's outputs saved for the backward, whose layout the compiler may choose
-        # (``graph.layout.saved_layouts``) where it can tell AOTAutograd before the backward is
+        # (``graph.layout.saved_layouts``, ``fusion.padding.padded_layouts``) where it can tell AOTAutograd before the backward is
         # compiled: at a static compile, inside the forward compiler's call. {output: strides}
         # of those it chose unlike eager; outputs computed by PyTorch are given these strides too.
         self.saved = tuple(range(self.outputs))[saved]
@@ -305,6 +305,7 @@ class _Runner:
     def _compile_real(self, gm: fx.GraphModule, inputs: list[Any], key: tuple, choose_layouts: bool = False):
         from fusionstitching.frontend.context import Unsupported
         from fusionstitching.frontend.torch_fx import convert
+        from fusionstitching.fusion.padding import padded_layouts
         from fusionstitching.graph.layout import saved_layouts
         from fusionstitching.pipeline import compile_graph
 
@@ -325,8 +326,10 @@ class _Runner:
             self._fall_back(str(err))
             return None
         promised = {}
-        if choose_layouts and self.saved and self.options.channels_last:
-            chosen = saved_layouts(graph, self.saved)
+        if choose_layouts and self.saved:
+            chosen = saved_layouts(graph, self.saved) if self.options.channels_last else graph
+            chosen = padded_layouts(chosen, [k for k in self.saved if chosen.output_layouts[k] is graph.output_layouts[k]],
+                                    self.options)
             promised = {k: tuple(chosen.output_layouts[k].strides) for k in self.saved
                         if chosen.output_layouts[k] is not graph.output_layouts[k]}
             graph = chosen

@@ -1,7 +1,8 @@
 """``explore``: Graph → FusionPlan, the fusion stage's pipeline (DESIGN.md "Fusion exploration").
 
-1. add a check output for each gather that no kernel reads in full, so that every index is
-   range-checked (``graph.transforms.check_indices``; before the next step, which drops a gather
+1. sum one-hot rows as their one value (``graph.transforms.sum_one_hots``: a cross-entropy
+   backward's sum of its loss gradient), add a check output for each gather that no kernel
+   reads in full, so that every index is range-checked (``graph.transforms.check_indices``; before the next step, which drops a gather
    read only by an empty tensor), replace computations on empty tensors by constants
    (``fold_empty``), fold
    chains of views and views that change nothing (``fold_views``), merge nodes that compute
@@ -82,6 +83,7 @@ from fusionstitching.graph.transforms import (
     fold_views,
     merge_duplicates,
     reduce_in_two_steps,
+    sum_one_hots,
     widen_dots,
 )
 from fusionstitching.options import Options
@@ -163,7 +165,7 @@ def _explore(graph: Graph, solver: str, options: Options, generators: Sequence[s
         raise ValueError(f"explore: generators {tuple(generators)!r} need one of {GRAPH_SEEDED} and only "
                          f"names of {GENERATORS}")
     notes = []
-    graph = duplicate_broadcasts(merge_duplicates(fold_views(fold_empty(check_indices(graph)))))
+    graph = duplicate_broadcasts(merge_duplicates(fold_views(fold_empty(check_indices(sum_one_hots(graph))))))
     unbiased = convolution_bias_apart(graph)
     if unbiased is not graph:
         graph = unbiased

@@ -91,6 +91,7 @@ class Roles:
                                  "(GEMM library)")
         views = gemm_operand_views(graph, library)
         views.update(output_views(graph, library, views))
+        views.update(sliced_output_views(graph, library, views))
         views.update(permuted_input_views(graph, views))
         views.update(merged_input_views(graph, inputs, library, views))
         views.update(restored_shape_views(graph, inputs, library, views))
@@ -153,6 +154,24 @@ def output_views(graph: Graph, library: dict[Node, str], views: dict[Node, str])
         strides = _view_strides(node, {**views, **found, node: ""})
         if strides is not None and _same_strides(node.shape, strides, layout.strides):
             found[node] = "graph output promised in the layout of a view of its operand"
+    return found
+
+
+def sliced_output_views(graph: Graph, library: dict[Node, str], views: dict[Node, str]) -> dict[Node, str]:
+    """Slices from the origin of a library result, read by nothing, that are graph outputs promised
+    in that result's layout: a padded GEMM's product saved for the backward (``padding.py``). As
+    views they cost nothing; a kernel would copy them out of the padded buffer."""
+    users = graph.index.users
+    found: dict[Node, str] = {}
+    for k, node in enumerate(graph.outputs):
+        layout = graph.output_layouts[k]
+        if node is None or node.op != "slice" or layout is None or k in graph.mutations or users[node] \
+                or node in views or node.operands[0] not in library or layout.offset != 0:
+            continue
+        if any(node.attrs["start"]) or any(s != 1 for s in node.attrs["stride"]):
+            continue
+        if _same_strides(node.shape, contiguous_strides(node.operands[0].shape), layout.strides):
+            found[node] = "graph output promised in the layout of the library result it is a slice of"
     return found
 
 

@@ -16,16 +16,25 @@ copy: the pass pads a GEMM only where those copies and the padded product's extr
 less time than the GEMM's arithmetic at the GPU's datasheet rate, the least that the slow kernel
 would lose. A pad goes under a transpose view
 (the weight gradient reads the loss gradient transposed: both GEMMs then share one padded buffer).
+
+A product that a training forward saves for its backward (GPT-2's logits, 412 MB in bf16 at batch
+8 × 512) need not be copied out of the padded buffer: no user sees a saved tensor's layout, so
+``padded_layouts`` promises it the padded product's strides (the backend tells AOTAutograd before
+the backward is compiled, as for ``graph.layout.saved_layouts``). The pass then gives the output a
+slice of its own, which the plan runs as a view of the product (``legality.sliced_output_views``),
+while the kernels reading the value read the product through another slice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
-from fusionstitching.cost.gpu_spec import GpuSpec
+from fusionstitching.cost.gpu_spec import GpuSpec, gpu_spec
 from fusionstitching.fusion.legality import dot_flops, is_small_dot
-from fusionstitching.graph.graph import Graph, Node
+from fusionstitching.graph.graph import Graph, Node, verify
+from fusionstitching.graph.node import Layout, contiguous_strides
 from fusionstitching.graph.transforms import _make, _Names, _rebuilt
 from fusionstitching.options import Options
 
@@ -48,16 +57,23 @@ class PaddedDot:
                 f"GEMM at least {self.gemm_us:.1f} us)")
 
 
-def pad_unaligned_dots(graph: Graph, spec: GpuSpec, options: Options) -> tuple[Graph, list[PaddedDot]]:
+def pad_unaligned_dots(graph: Graph, spec: GpuSpec, options: Options, free: Sequence[int] = ()
+                       ) -> tuple[Graph, list[PaddedDot]]:
     """A copy of ``graph`` whose library dots with unaligned leading dimensions take padded
-    operands (see the module docstring), and what was padded."""
+    operands (see the module docstring), and what was padded. A padded dot that is an output
+    promised the padded product's layout, or one of the outputs ``free`` (whose layout the caller
+    will choose), costs no copy and gets a slice of its own."""
     candidates = [n for n in graph.nodes if n.op == "dot_general" and not is_small_dot(n, options)]
     if not candidates:
         return graph, []
-    outputs = graph.index.output_ids
+    outputs: dict[int, int] = {}
+    for k, out in enumerate(graph.outputs):
+        if out is not None:
+            outputs.setdefault(id(out), k)
     names = _Names(n.name for n in graph.nodes)
     made: dict[tuple, Node] = {}
     copies: dict[int, Node] = {id(p): p for p in graph.parameters}
+    viewed: dict[int, Node] = {}  # output index → its own slice of the padded product
     done: list[PaddedDot] = []
     chosen = {id(n) for n in candidates}
     for old in graph.nodes:
@@ -68,21 +84,71 @@ def pad_unaligned_dots(graph: Graph, spec: GpuSpec, options: Options) -> tuple[G
         if id(old) in chosen:
             highs = _paddings(new)
             if highs is not None:
-                verdict = _worth(new, highs, spec, id(old) in outputs)
+                k = outputs.get(id(old))
+                laid_out = k is not None and k not in graph.mutations and (
+                    k in free or _promised_padded(graph.output_layouts[k], _product_shape(new, highs)))
+                verdict = _worth(new, highs, spec, k is not None and not laid_out)
                 if verdict is not None:
                     lhs = _padded(new.operands[0], highs[0], names, made)
                     rhs = _padded(new.operands[1], highs[1], names, made)
                     product = _make("dot_general", [lhs, rhs], names.new(f"{old.name}_padded"), dtype=new.dtype,
                                     **new.attrs)
                     rank = len(new.shape)
-                    new = _make("slice", [product], old.name, start=(0,) * rank, limit=new.shape,
-                                stride=(1,) * rank, layout=old.layout)
+                    window = {"start": (0,) * rank, "limit": new.shape, "stride": (1,) * rank}
+                    if laid_out:
+                        viewed[k] = _make("slice", [product], old.name, layout=old.layout, **window)
+                        new = _make("slice", [product], names.new(f"{old.name}_read"), **window)
+                    else:
+                        new = _make("slice", [product], old.name, layout=old.layout, **window)
                     done.append(PaddedDot(old.name, (old.operands[0].shape, old.operands[1].shape),
                                           (lhs.shape, rhs.shape), *verdict))
         copies[id(old)] = new
     if not done:
         return graph, []
-    return _rebuilt(graph, copies), done
+    if not viewed:
+        return _rebuilt(graph, copies), done
+    result = Graph(graph.parameters, [None if out is None else viewed.get(k, copies[id(out)])
+                                      for k, out in enumerate(graph.outputs)],
+                   name=graph.name, mutations=graph.mutations, output_layouts=graph.output_layouts)
+    verify(result)
+    result.origins, result.checks = graph.origins, graph.checks
+    return result, done
+
+
+def padded_layouts(graph: Graph, free: Sequence[int], options: Options) -> Graph:
+    """``graph`` with the outputs ``free`` (a training forward's saved tensors) that
+    ``pad_unaligned_dots`` pads promised the layout of their padded product: the backward reads
+    them there, and no kernel copies them out of it. ``graph`` itself where there is none."""
+    if not options.pad_gemms or not free:
+        return graph
+    padded, _ = pad_unaligned_dots(graph, gpu_spec(options.device), options, free)
+    layouts = list(graph.output_layouts)
+    for k in free:
+        out, before = padded.outputs[k], graph.outputs[k]
+        if before is not None and before.op == "dot_general" and out.op == "slice" \
+                and out.operands[0].op == "dot_general" and sum(o is out for o in padded.outputs) == 1:
+            layouts[k] = Layout(contiguous_strides(out.operands[0].shape))
+    if layouts == list(graph.output_layouts):
+        return graph
+    result = Graph(graph.parameters, graph.outputs, name=graph.name, mutations=graph.mutations,
+                   output_layouts=layouts)
+    result.origins, result.checks = graph.origins, graph.checks
+    return result
+
+
+def _product_shape(dot: Node, highs: tuple[list[int], list[int]]) -> tuple[int, ...]:
+    """The shape of ``dot`` on operands padded by ``highs``: batch, lhs free, rhs free dims."""
+    lhs, rhs = dot.operands
+    lb, rb, lc, rc = (list(dot.attrs[k]) for k in ("lhs_batch", "rhs_batch", "lhs_contract", "rhs_contract"))
+    lfree = [d for d in range(len(lhs.shape)) if d not in lb + lc]
+    rfree = [d for d in range(len(rhs.shape)) if d not in rb + rc]
+    return tuple([lhs.shape[d] + highs[0][d] for d in lb + lfree] + [rhs.shape[d] + highs[1][d] for d in rfree])
+
+
+def _promised_padded(layout: Layout | None, product_shape: Sequence[int]) -> bool:
+    """Whether an output's promised ``layout`` is that of the padded product (a view of it)."""
+    return layout is not None and layout.offset == 0 and all(
+        size == 1 or a == b for size, a, b in zip(product_shape, layout.strides, contiguous_strides(product_shape)))
 
 
 def _vector(node: Node) -> int:

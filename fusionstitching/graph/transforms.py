@@ -441,6 +441,115 @@ def _merge_key(node: Node) -> tuple | None:
     return (node.op, node.dtype, node.shape, node.layout, tuple(id(x) for x in node.operands), attrs)
 
 
+def sum_one_hots(graph: Graph) -> Graph:
+    """A copy of ``graph`` where a sum along one dim of a one-hot row is the row's one value.
+
+    A cross-entropy backward sums its loss gradient along the vocabulary: the scatter lowering and
+    torch's ``nll_loss_backward`` give ``select(iota_d == index, a, 0) * b``, ``a`` and ``b``
+    constant along ``d``. Summed as it stands, that is a pass over every (row, class) element (206
+    million for GPT-2's 4096 tokens × 50257 classes) for one value per row. The pass replaces the
+    reduce by ``select(0 <= index < n, a, 0) * b + 0 * b`` on the reduced shape, where each operand
+    constant along ``d`` is read at position 0 of ``d`` (a slice, then a reshape dropping ``d``).
+
+    The result is exactly the sum: every position but the hit adds ``0 * b``, which is 0 for a
+    finite ``b`` and NaN otherwise; the last term keeps that NaN (and, with the index out of range,
+    the sum of ``n`` such terms is that term too). One nonzero term is summed without rounding, in
+    a half type as well. The select form without ``* b`` is matched too, and the index and its
+    iota may stand on either side of the ``==``; anything else is left as it is."""
+    found = {id(n): term for n in graph.nodes if n.op == "reduce" and (term := _one_hot_term(n)) is not None}
+    if not found:
+        return graph
+    names = _Names(n.name for n in graph.nodes)
+    copies: dict[int, Node] = {id(p): p for p in graph.parameters}
+    for old in graph.nodes:
+        if id(old) in copies:
+            continue
+        if id(old) in found:
+            index, value, scale = (None if x is None else copies[id(x)] for x in found[id(old)])
+            copies[id(old)] = _summed_one_hot(old, index, value, scale, names)
+        else:
+            copies[id(old)] = dataclasses.replace(old, operands=tuple(copies[id(x)] for x in old.operands))
+    return _rebuilt(graph, copies)
+
+
+def _one_hot_term(reduce: Node) -> tuple[Node, Node, Node | None] | None:
+    """(index, value, scale or None) when ``reduce`` sums, along one dim ``d``, the one-hot
+    ``select(iota_d == index, value, 0)`` (times ``scale``), all three constant along ``d``."""
+    if reduce.attrs["kind"] != "sum" or len(reduce.attrs["dims"]) != 1:
+        return None
+    (d,), term = reduce.attrs["dims"], reduce.operands[0]
+    if term.shape[d] < 2:
+        return None
+    hot, scale = term, None
+    if term.op == "mul":
+        pairs = (term.operands, term.operands[::-1])
+        hot, scale = next(((h, s) for h, s in pairs if h.op == "select" and _constant_along(s, d)), (None, None))
+    if hot is None or hot.op != "select" or term.dtype != reduce.dtype:
+        return None
+    hit, value, zero = hot.operands
+    if not (_is_zero(zero) and _constant_along(value, d)) or hit.op != "compare" or hit.attrs["direction"] != "EQ":
+        return None
+    for iota, index in (hit.operands, hit.operands[::-1]):
+        if (iota.op == "iota" and iota.attrs["dimension"] == d and not index.dtype.is_float
+                and index.dtype != DType.BOOL and _constant_along(index, d)):
+            return index, value, scale
+    return None
+
+
+def _constant_along(node: Node, d: int, depth: int = 0) -> bool:
+    """Whether ``node`` has the same value at every position of dim ``d`` (by its structure)."""
+    if node.shape[d] == 1:
+        return True
+    if node.op == "broadcast_in_dim":
+        dims = tuple(node.attrs["broadcast_dimensions"])
+        return d not in dims or node.operands[0].shape[dims.index(d)] == 1
+    if node.op == "iota":
+        return node.attrs["dimension"] != d
+    if OPS[node.op].category in (Category.LIGHT_ELEMENTWISE, Category.EXPENSIVE_ELEMENTWISE) and depth < 8:
+        return all(_constant_along(x, d, depth + 1) for x in node.operands)
+    return False
+
+
+def _is_zero(node: Node) -> bool:
+    """A constant 0 (or +-0.0), possibly broadcast."""
+    while node.op == "broadcast_in_dim":
+        node = node.operands[0]
+    if node.op != "constant":
+        return False
+    value = np.asarray(node.attrs["value"])
+    return value.size > 0 and bool(np.all(value == 0))
+
+
+def _summed_one_hot(reduce: Node, index: Node, value: Node, scale: Node | None, names: _Names) -> Node:
+    """The nodes replacing ``reduce`` (``sum_one_hots``); the last keeps its name and layout."""
+    (d,) = reduce.attrs["dims"]
+    n, shape = reduce.operands[0].shape[d], reduce.shape
+
+    def at_zero(x: Node) -> Node:  # x, constant along d, on the reduced shape
+        start, limit = [0] * len(x.shape), list(x.shape)
+        limit[d] = 1
+        row = _make("slice", [x], names.new(f"{x.name}_row"), start=start, limit=limit, stride=[1] * len(x.shape))
+        return _make("reshape", [row], names.new(f"{x.name}_row"), shape=shape)
+
+    def filled(number: float, dtype: DType) -> Node:
+        scalar = _make("constant", (), names.new(f"{reduce.name}_c"), dtype=dtype, value=np.asarray(number, dtype.numpy))
+        return _make("broadcast_in_dim", [scalar], names.new(f"{reduce.name}_c"), shape=shape, broadcast_dimensions=())
+
+    index = at_zero(index)
+    inside = _make("and", [_make("compare", [index, filled(0, index.dtype)], names.new(f"{reduce.name}_low"),
+                                 direction="GE"),
+                           _make("compare", [index, filled(n, index.dtype)], names.new(f"{reduce.name}_high"),
+                                 direction="LT")], names.new(f"{reduce.name}_inside"))
+    zero = filled(0, reduce.dtype)
+    if scale is None:
+        return _make("select", [inside, at_zero(value), zero], reduce.name, layout=reduce.layout)
+    scale = at_zero(scale)
+    hot = _make("mul", [_make("select", [inside, at_zero(value), zero], names.new(f"{reduce.name}_hot")), scale],
+                names.new(f"{reduce.name}_value"))
+    rest = _make("mul", [filled(0, reduce.dtype), scale], names.new(f"{reduce.name}_rest"))
+    return _make("add", [hot, rest], reduce.name, layout=reduce.layout)
+
+
 DUPLICATED_OPS = ("broadcast_in_dim", "iota")
 
 

@@ -11,8 +11,8 @@ algorithm over the steps, with in-place updates after every reader of the old va
   batch × M × K and batch × K × N, i.e. cuBLAS on a GPU), a library op (its ``torch.ops``
   callable), or a node no kernel could be built for; on a CPU all of them go through
   ``graph.reference``;
-- *view*: a reshape, transpose or broadcast executed as layout metadata (``reshape``, ``permute``,
-  ``expand``): no kernel, no copy.
+- *view*: a reshape, transpose, broadcast or slice executed as layout metadata (``reshape``,
+  ``permute``, ``expand``, indexing): no kernel, no copy.
 
 Inputs are the graph's parameters in order; outputs follow ``graph.outputs``. An output that
 overwrites an input (``graph.mutations``) is written into that input tensor, unless the kernel

@@ -379,7 +379,10 @@ def _chained(functions: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 
 
 def view_function(node: Node) -> Callable[[Any], Any]:
-    """The torch view op for a reshape, transpose or broadcast node (layout metadata only)."""
+    """The torch view op for a reshape, transpose, broadcast or slice node (layout metadata only)."""
+    if node.op == "slice":
+        window = tuple(slice(a, b, s) for a, b, s in zip(node.attrs["start"], node.attrs["limit"], node.attrs["stride"]))
+        return lambda x: x[window]
     if node.op == "reshape":
         shape = tuple(node.shape)
         return lambda x: x.reshape(shape)

@@ -25,7 +25,9 @@ from fusionstitching.graph.ops import Category, DType
 from fusionstitching.schedule import feasible
 
 INPUT_OPS = ("parameter", "constant")
-VIEW_OPS = ("reshape", "transpose", "broadcast_in_dim")
+# the plan's view steps: graph.ops.VIEW_OPS, and the slice of a padded GEMM product saved for the
+# backward in the product's layout (fusion/padding.py)
+VIEW_OPS = ("reshape", "transpose", "broadcast_in_dim", "slice")
 BASELINE_PRODUCERS = (Category.LIGHT_ELEMENTWISE, Category.SHAPE, Category.RANDOM)
 
 

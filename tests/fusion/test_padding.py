@@ -146,3 +146,85 @@ def test_padding_that_would_add_more_arithmetic_than_it_saves_is_left_alone():
     graph = b.build([b.node("dot_general", [b.unary("neg", x), b.unary("neg", w)], lhs_batch=(), rhs_batch=(),
                             lhs_contract=(1,), rhs_contract=(0,))])
     assert len(pad_unaligned_dots(graph, slow, Options(small_dot_max_flops=0))[1]) == 1
+
+
+def _saved_logits(rows: int = 1024, hidden: int = 1024, vocab: int = 1001):
+    """An LM head's logits, saved for the backward (output 1), and their row maxima (output 0)."""
+    b = GraphBuilder("lm_head")
+    x = b.parameter((rows, hidden), DType.BF16, "x")
+    w = b.parameter((hidden, vocab), DType.BF16, "w")
+    logits = b.node("dot_general", [b.unary("neg", x), b.unary("neg", w)], lhs_batch=(), rhs_batch=(),
+                    lhs_contract=(1,), rhs_contract=(0,))
+    return b.build([b.reduce(logits, (1,), "max"), logits])
+
+
+def test_a_saved_padded_product_is_returned_as_a_view_of_the_padded_buffer():
+    """The saved logits are promised the padded product's strides, come back as a view of it (no
+    kernel copies 1001 of every 1008 columns out) and hold the graph's values; the kernel reading
+    them reads the padded buffer."""
+    from fusionstitching.fusion.padding import padded_layouts
+
+    graph = _saved_logits()
+    options = Options(strict=True)
+    assert padded_layouts(graph, [], options) is graph
+    assert padded_layouts(graph, [1], Options(pad_gemms=False)) is graph
+    laid_out = padded_layouts(graph, [1], options)
+    assert laid_out.output_layouts[0] is graph.output_layouts[0]
+    assert laid_out.output_layouts[1].strides == (1008, 1)
+    compiled = compile_graph(laid_out, options)
+    assert compiled.plan.views.get("dot_general", "").startswith("graph output promised"), compiled.plan.explain()
+    assert compiled.plan.pattern_of("dot_general") is None, compiled.plan.explain()
+    arrays = random_arrays(graph)
+    got = compiled.run([torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16) for a in arrays])
+    assert got[1].stride() == (1008, 1) and got[1].shape == (1024, 1001)
+    for want, out in zip(reference.evaluate(graph, arrays), got):
+        np.testing.assert_allclose(out.float().numpy(), want.astype(np.float32), rtol=3e-2, atol=3e-2)
+    # without the promise the output is the kernel's contiguous copy
+    plain = compile_graph(graph, options)
+    assert "dot_general" not in plain.plan.views
+    assert plain.run([torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16) for a in arrays])[1].is_contiguous()
+
+
+def test_an_output_also_returned_to_the_user_is_not_promised_padded():
+    """The same product as a user output and a saved one: the user's layout is eager's, so the
+    saved one shares the materialized slice and keeps its layout."""
+    from fusionstitching.fusion.padding import padded_layouts
+    from fusionstitching.graph.graph import Graph
+
+    graph = _saved_logits()
+    both = Graph(graph.parameters, [graph.outputs[1], graph.outputs[0], graph.outputs[1]], name="both")
+    assert padded_layouts(both, [2], Options()) is both
+
+
+def test_training_through_the_backend_saves_the_padded_logits_and_matches_eager(monkeypatch):
+    """A bf16 LM head and cross-entropy trained through the backend (strict, CPU): the forward
+    promises AOTAutograd the padded strides for the logits it saves, the backward reads them so,
+    and loss and gradients are eager's."""
+    import fusionstitching
+    from fusionstitching import backend
+
+    made = []
+    init = backend._Runner.__init__
+    monkeypatch.setattr(backend._Runner, "__init__", lambda self, *a, **k: init(self, *a, **k) or made.append(self))
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 1024, generator=generator).bfloat16()
+    targets = torch.randint(0, 1001, (1024,), generator=generator)
+    w0 = (torch.randn(1024, 1001, generator=generator) * 0.05).bfloat16()
+
+    def loss_of(w):
+        return torch.nn.functional.cross_entropy((x @ w).float(), targets)
+
+    w_eager, w_ours = w0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    want = loss_of(w_eager)
+    want.backward()
+    torch._dynamo.reset()
+    compiled = fusionstitching.compile(loss_of, fusionstitching.Options(strict=True))
+    got = compiled(w_ours)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w_ours.grad.float(), w_eager.grad.float(), rtol=2e-2, atol=2e-3)
+    forward, backward = made
+    assert (1008, 1) in forward.promised.values(), forward.promised
+    first = forward.saved[0]
+    k = next(k for k, strides in forward.promised.items() if strides == (1008, 1))
+    assert backward.static.graph.parameters[k - first].layout.strides == (1008, 1)

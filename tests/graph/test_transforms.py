@@ -10,7 +10,7 @@ from fusionstitching.graph.graph import GraphBuilder, Layout
 from fusionstitching.graph.ops import DType
 from fusionstitching.graph.reference import evaluate
 from fusionstitching.graph.serialize import from_json
-from fusionstitching.graph.transforms import check_indices, split_dim, split_reduction
+from fusionstitching.graph.transforms import check_indices, split_dim, split_reduction, sum_one_hots
 
 RNG = np.random.default_rng(0)
 
@@ -439,3 +439,73 @@ def test_a_gather_read_in_part_gets_a_check_output_and_one_read_in_full_none():
     for whole in (_gathered(lambda b, g: b.unary("exp", g)), _gathered(_cols(0, 2), _cols(2, 6))):
         assert check_indices(whole).checks == 0  # read in full, by one consumer or by slices together
     assert check_indices(_gathered(_cols(0, 2), _cols(3, 6))).checks == 1  # column 2 is never read
+
+
+# ------------------------------------------------------------------------------------------
+# sum_one_hots: the sum of a one-hot row is its one value.
+# ------------------------------------------------------------------------------------------
+
+
+def one_hot_sum(rows=6, classes=9, dim=1, dtype=DType.F32, scaled=True, index_first=False, value_along=False):
+    """``sum_dim(select(iota_dim == index, value, 0) [* scale])``, a cross-entropy backward's form;
+    ``value_along``: the value varies along the summed dim (not a one-hot row's one value)."""
+    b = GraphBuilder("g")
+    shape = (rows, classes) if dim == 1 else (classes, rows)
+    index = b.parameter((rows,), DType.I64, "index")
+    scale = b.parameter((rows,), dtype, "scale")
+    kept = 1 - dim
+    hit = b.iota(shape, dim, DType.I64)
+    spread = b.broadcast(index, shape, (kept,))
+    hit = b.compare("EQ", spread, hit) if index_first else b.compare("EQ", hit, spread)
+    value = b.parameter(shape, dtype, "value") if value_along else b.broadcast(b.constant(-1.0, dtype), shape, ())
+    term = b.select(hit, value, b.broadcast(b.constant(0.0, dtype), shape, ()))
+    if scaled:
+        term = b.binary("mul", term, b.broadcast(scale, shape, (kept,)))
+    total = b.reduce(term, (dim,), "sum")
+    return b.build([total, term])
+
+
+def one_hot_inputs(graph, index):
+    values = []
+    for p in graph.parameters:
+        if p.name == "index":
+            values.append(np.asarray(index, np.int64))
+        else:
+            scale = np.array([0.5, np.inf, -2.0, np.nan, 3.0, -np.inf][: p.shape[0]] + [1.25] * (p.shape[0] - 6))
+            values.append((scale if p.shape == (len(index),) else RNG.uniform(-1, 1, p.shape)).astype(p.dtype.numpy))
+    return values
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
+@pytest.mark.parametrize("scaled", [True, False])
+@pytest.mark.parametrize("index_first", [True, False])
+def test_one_hot_sum_is_its_value(dim, dtype, scaled, index_first):
+    graph = one_hot_sum(dim=dim, dtype=dtype, scaled=scaled, index_first=index_first)
+    rewritten = sum_one_hots(graph)
+    assert [n.op for n in rewritten.nodes].count("reduce") == 0
+    assert rewritten.outputs[0].name == graph.outputs[0].name
+    # in range, the last class, out of range on both sides; scales with inf and NaN (0 * inf is NaN
+    # at every position but the hit, so is the sum)
+    inputs = one_hot_inputs(graph, [3, 8, -1, 0, 9, 2])
+    for expected, found in zip(evaluate(graph, inputs), evaluate(rewritten, inputs)):
+        assert found.dtype == expected.dtype and found.shape == expected.shape
+        np.testing.assert_array_equal(found.astype(np.float64), expected.astype(np.float64))
+
+
+def test_sum_of_values_along_the_dim_is_kept():
+    graph = one_hot_sum(value_along=True)
+    assert sum_one_hots(graph) is graph
+
+
+def test_one_hot_sum_in_a_compiled_graph_simulates_like_the_reference():
+    """Through the whole pipeline (explore, codegen, the simulator): the reduce is gone from the plan."""
+    from fusionstitching.options import Options
+    from fusionstitching.pipeline import compile_graph
+
+    graph = one_hot_sum(rows=8, classes=37)
+    compiled = compile_graph(graph, Options(strict=True))
+    assert not any(n.op == "reduce" for n in compiled.plan.graph.nodes)
+    inputs = one_hot_inputs(graph, [3, 36, 0, 0, 5, 2, 1, 7])
+    for expected, found in zip(evaluate(graph, inputs), compiled(*inputs)):
+        np.testing.assert_array_equal(np.asarray(found), expected)
