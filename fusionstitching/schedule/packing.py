@@ -33,9 +33,10 @@ MAX_BLOCKS = 65535
 LOADS_IN_FLIGHT = 16
 
 
-def _packed_template(pattern, threads: int, rows: int = 1, columns: int = 1) -> KernelSchedule:
+def _packed_template(pattern, threads: int, rows: int = 1, columns: int = 1, row_loop: bool = False) -> KernelSchedule:
     """``rows``: points of an outer dim each thread takes (``with_rows``); ``columns``: adjacent
-    columns each thread of a column sum takes (``_root_schedule``)."""
+    columns each thread of a column sum takes; ``row_loop``: a block per row of each elementwise
+    root (``_root_schedule``)."""
     transposed = _reads_transposed(pattern)
     widest: dict[tuple[int, int], int] = {}  # (size, last dim) → the widest item of such elementwise roots
     for root in pattern.outputs:
@@ -44,7 +45,7 @@ def _packed_template(pattern, threads: int, rows: int = 1, columns: int = 1) -> 
             widest[key] = max(widest.get(key, 1), root.dtype.itemsize)
     schedules = [_root_schedule(root, threads, transposed[id(root)],
                                 None if is_reduction(root) or not root.shape else widest[(root.size, root.shape[-1])],
-                                columns)
+                                columns, row_loop)
                  for root in pattern.outputs]
     if rows > 1:
         schedules = [with_rows(sched, root, rows) for sched, root in zip(schedules, pattern.outputs)]
@@ -83,6 +84,19 @@ def invariant_work(pattern, rows: int = 2) -> bool:
         return False
     largest = max(roots)
     return any(n.op not in _FREE_OPS and n.op not in ("parameter", "iota") and n.size * rows <= largest
+               for n in pattern.nodes)
+
+
+def row_invariant_work(pattern) -> bool:
+    """Whether some node of ``pattern`` that is not free index arithmetic has no more points than
+    the largest elementwise root has rows (its innermost dim taken away): values computed per row
+    and broadcast along it, which a block per row (``_root_schedule(row_loop=)``) computes once per
+    thread and row."""
+    roots = [r for r in pattern.outputs if not is_reduction(r) and len(r.shape) >= 2]
+    if not roots:
+        return False
+    largest = max(roots, key=lambda r: r.size)
+    return any(n.op not in _FREE_OPS and n.op not in ("parameter", "iota") and n.size * largest.shape[-1] <= largest.size
                for n in pattern.nodes)
 
 
@@ -172,8 +186,13 @@ def _short_vector_rows(space, kept: list[int], threads: int, vector: int) -> dic
 
 
 def _root_schedule(root: Node, threads: int, across: int | None = None, item: int | None = None,
-                   columns: int = 1) -> Schedule:
-    """``across``: the dim along which the root reads a transposed input (``_reads_transposed``).
+                   columns: int = 1, row_loop: bool = False) -> Schedule:
+    """``row_loop``: an elementwise root whose rows are longer than the block gets a block per row,
+    its threads looping over the row (``GRID`` on the outer dims, ``CTA`` on the innermost): what
+    it computes per row (a loss gradient's scale, a softmax's row statistics) is computed once per
+    thread and row instead of once per element, which a row whose length is no multiple of a vector
+    otherwise costs (a thread per element).
+    ``across``: the dim along which the root reads a transposed input (``_reads_transposed``).
     ``columns``: for a column sum (a reduction keeping the innermost dim), adjacent columns per
     thread (``CTA-THREAD_<columns>`` on that dim): each row's loads of a thread become one vector
     access, a warp reading ``columns`` times the bytes per load instruction.
@@ -184,6 +203,8 @@ def _root_schedule(root: Node, threads: int, across: int | None = None, item: in
     random numbers and the second reading the f32 softmax numerators again."""
     space = iteration_space(root)
     reduced = set(reduced_dims(root)) if is_reduction(root) else set()
+    if row_loop and not reduced and len(space) >= 2 and space[-1] > threads:
+        return Schedule(root.name, tuple([(Tile(Level.GRID),)] * (len(space) - 1) + [(Tile(Level.CTA),)]))
     if reduced or len(space) < 2 or across == len(space) - 1:
         across = None
     if across is not None and threads == 256 and space[across] >= 32 and space[-1] >= 32 and space[-1] % 4 == 0:

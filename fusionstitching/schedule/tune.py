@@ -6,9 +6,10 @@ fixes by heuristics:
 
 - thread composition and packing (no value crossing threads): threads per block (128 to 1024),
   and where some node computes values broadcast into the roots (a BatchNorm's per-channel scale),
-  2, 4 or 8 points of an outer dim per thread, which then computes those values once; where a root
-  is a column sum, 2, 4 or 8 adjacent columns per thread (up to 16 bytes of the narrowest input),
-  read as one vector per row;
+  2, 4 or 8 points of an outer dim per thread, which then computes those values once; where some
+  node computes values per row (a loss gradient's scale), a block per row (128 to 1024 threads
+  looping over it); where a root is a column sum, 2, 4 or 8 adjacent columns per thread (up to 16
+  bytes of the narrowest input), read as one vector per row;
 - batched patterns (groups of different ranks, a block per batch element): threads per block (128
   to 1024, at most the widest dim across the threads);
 - composed row reductions: block mode (a block per row) with 128 to 1024 threads, and warp mode
@@ -50,7 +51,7 @@ from fusionstitching.schedule.grouping import (
     composed_template,
     thread_serial_template,
 )
-from fusionstitching.schedule.packing import _column_sum, _packed_template, invariant_work
+from fusionstitching.schedule.packing import _column_sum, _packed_template, invariant_work, row_invariant_work
 from fusionstitching.schedule.propagate import check_block_locality
 from fusionstitching.schedule.refusals import refusal
 from fusionstitching.schedule.template import WARP_SIZE, KernelSchedule, Schedule
@@ -74,6 +75,9 @@ def tuning_space(pattern) -> list[tuple[str, Callable[[], KernelSchedule]]]:
         if invariant_work(pattern, min(ROWS_PER_THREAD)):
             makes += [("rows", lambda r=r: _packed_template(pattern, DEFAULT_THREADS, rows=r))
                       for r in _near(ROWS_PER_THREAD, 4)]
+        if row_invariant_work(pattern):
+            makes += [("row loop", lambda t=t: _packed_template(pattern, t, row_loop=True))
+                      for t in _near(BLOCK_THREADS, 256)]
         if any(_column_sum(o) for o in pattern.outputs):
             widest = 16 // min([n.dtype.itemsize for n in pattern.inputs] or [4])
             makes += [("columns", lambda t=t, v=v: _packed_template(pattern, t, columns=v))

@@ -229,3 +229,27 @@ def test_column_sums_are_offered_several_adjacent_columns_per_thread(dtype, widt
             offered |= {v for v in (2, 4, 8) if any(f"-THREAD_{v}]" in t or f"-THREAD_{v};" in t for t in texts)}
         assert offered == widths, offered
         assert _check_candidates(forward) >= len(widths)
+
+
+def test_per_row_work_is_offered_a_block_per_row():
+    """A cross-entropy backward over rows of a length no vector divides (1001 classes): its loss
+    gradient's per-row scale and row statistics are computed per element by a thread per element;
+    the space offers templates with a block per row, its threads looping over the row (``row
+    loop``), and each computes what the plan's does."""
+    from fusionstitching.frontend.torch_fx import capture
+    from fusionstitching.schedule.packing import row_invariant_work
+
+    logits = torch.randn(64, 1001, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 1001, (64,))
+    backward = capture(lambda x: torch.nn.functional.cross_entropy(x.float(), targets), logits, train=True).backward
+    compiled = compile_graph(backward, Options(strict=True))
+    kernel = max(compiled.kernels, key=lambda k: max(n.size for n in k.lowered.pattern.nodes))
+    pattern = kernel.lowered.pattern
+    assert row_invariant_work(pattern)
+    nodes = sorted(pattern.nodes, key=compiled.graph.index.position.__getitem__)
+    texts = [str(t) for t in ranked_templates(compiled.graph, nodes, SPEC, BANDWIDTH)]
+    looping = {t for t in texts if "[GRID,CTA]" in t}
+    assert {int(t.split("threads=")[1].rstrip(")")) for t in looping} >= {128, 256, 512}, texts
+    assert _check_candidates(backward) >= 3
+    assert not row_invariant_work(compile_graph(capture(lambda x, y: torch.relu(x) * y, torch.randn(64, 256),
+                                                        torch.randn(64, 256)).forward).kernels[0].lowered.pattern)
