@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from fusionstitching.codegen import kernel_ir as K
-from fusionstitching.codegen.groups import Factor, decompose
+from fusionstitching.codegen.groups import Factor, decompose, strided_loop
 from fusionstitching.codegen.values import (
     CodegenError,
     ValueEmitter,
@@ -108,6 +108,15 @@ def _lower_group(em: ValueEmitter, sched: Schedule, stores, start: int, stop: in
     def level_loop(level: Level, first: K.Expr, step: K.Expr, count: int, inner, kind: str) -> list[K.Stmt]:
         fs = [f for f in factors if f.level == level]
         total = math.prod(f.extent for f in fs)
+        if level == Level.CTA and kind == "block_stride" and count < total:
+            # a block looping over a row (``packing._root_schedule(row_loop=)``): in unrolled
+            # rounds, so that a thread's loads of several iterations are in flight together
+            def iteration(var: K.Expr) -> list[K.Stmt]:
+                made: list[K.Stmt] = []
+                stmts, _ = em.nested(lambda: made.extend(decompose(em, fs, var) + inner()))
+                return stmts + made
+
+            return strided_loop(em, level.value.lower(), first, count, total, iteration)
         var = em.fresh(level.value.lower(), it)
         body = decompose(em, fs, var) + inner()
         if count >= total:

@@ -63,7 +63,10 @@ def pad_unaligned_dots(graph: Graph, spec: GpuSpec, options: Options, free: Sequ
     operands (see the module docstring), and what was padded. A padded dot that is an output
     promised the padded product's layout, or one of the outputs ``free`` (whose layout the caller
     will choose), costs no copy and gets a slice of its own."""
-    candidates = [n for n in graph.nodes if n.op == "dot_general" and not is_small_dot(n, options)]
+    # empty products are folded to constants before exploration (``fold_empty``); a caller that
+    # runs before it (``padded_layouts``) has nothing to pad there
+    candidates = [n for n in graph.nodes if n.op == "dot_general" and not is_small_dot(n, options)
+                  and all(x.size for x in n.operands) and n.size]
     if not candidates:
         return graph, []
     outputs: dict[int, int] = {}

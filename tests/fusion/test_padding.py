@@ -185,6 +185,17 @@ def test_a_saved_padded_product_is_returned_as_a_view_of_the_padded_buffer():
     assert plain.run([torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16) for a in arrays])[1].is_contiguous()
 
 
+def test_an_empty_product_is_not_padded():
+    """A dot over an empty dim, saved: ``padded_layouts`` runs before empty values are folded, and
+    leaves it alone."""
+    from fusionstitching.fusion.padding import padded_layouts
+
+    b = GraphBuilder("empty")
+    x, w = b.parameter((2047, 0), DType.F32, "x"), b.parameter((0, 1001), DType.F32, "w")
+    graph = b.build([b.node("dot_general", [x, w], lhs_batch=(), rhs_batch=(), lhs_contract=(1,), rhs_contract=(0,))])
+    assert padded_layouts(graph, [0], Options(small_dot_max_flops=0)) is graph
+
+
 def test_an_output_also_returned_to_the_user_is_not_promised_padded():
     """The same product as a user output and a saved one: the user's layout is eager's, so the
     saved one shares the materialized slice and keeps its layout."""
