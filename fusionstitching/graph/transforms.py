@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -185,21 +185,28 @@ def fold_empty(graph: Graph) -> Graph:
     if not any(n.size == 0 for n in graph.nodes):
         return graph
     names = _Names(n.name for n in graph.nodes)
+
+    def rewrite(old: Node, operands: tuple[Node, ...], _copies: dict[int, Node]) -> Node:
+        if old.size == 0 and old.op != "library":
+            return _make("constant", (), old.name, shape=old.shape, dtype=old.dtype,
+                         value=np.zeros(old.shape, old.dtype.numpy))
+        if old.op in ("reduce", "dot_general", "pad") and any(x.size == 0 for x in operands[:1]):
+            return _filled(old, _empty_result(old), names)
+        if old.op == "concatenate" and any(x.size == 0 for x in operands):
+            pieces = tuple(x for x in operands if x.size)
+            return dataclasses.replace(old, operands=pieces) if len(pieces) > 1 else pieces[0]
+        return dataclasses.replace(old, operands=operands)
+
+    return _rewritten(graph, rewrite)
+
+
+def _rewritten(graph: Graph, rewrite: Callable[[Node, tuple[Node, ...], dict[int, Node]], Node]) -> Graph:
+    """``graph`` rebuilt in order, each node replaced by ``rewrite(node, its operands' copies, the
+    copies so far by id of the original)``."""
     copies: dict[int, Node] = {id(p): p for p in graph.parameters}
     for old in graph.nodes:
-        if id(old) in copies:
-            continue
-        operands = tuple(copies[id(x)] for x in old.operands)
-        if old.size == 0 and old.op != "library":
-            copies[id(old)] = _make("constant", (), old.name, shape=old.shape, dtype=old.dtype,
-                                    value=np.zeros(old.shape, old.dtype.numpy))
-        elif old.op in ("reduce", "dot_general", "pad") and any(x.size == 0 for x in operands[:1]):
-            copies[id(old)] = _filled(old, _empty_result(old), names)
-        elif old.op == "concatenate" and any(x.size == 0 for x in operands):
-            pieces = tuple(x for x in operands if x.size)
-            copies[id(old)] = dataclasses.replace(old, operands=pieces) if len(pieces) > 1 else pieces[0]
-        else:
-            copies[id(old)] = dataclasses.replace(old, operands=operands)
+        if id(old) not in copies:
+            copies[id(old)] = rewrite(old, tuple(copies[id(x)] for x in old.operands), copies)
     return _rebuilt(graph, copies)
 
 
@@ -460,16 +467,14 @@ def sum_one_hots(graph: Graph) -> Graph:
     if not found:
         return graph
     names = _Names(n.name for n in graph.nodes)
-    copies: dict[int, Node] = {id(p): p for p in graph.parameters}
-    for old in graph.nodes:
-        if id(old) in copies:
-            continue
-        if id(old) in found:
-            index, value, scale = (None if x is None else copies[id(x)] for x in found[id(old)])
-            copies[id(old)] = _summed_one_hot(old, index, value, scale, names)
-        else:
-            copies[id(old)] = dataclasses.replace(old, operands=tuple(copies[id(x)] for x in old.operands))
-    return _rebuilt(graph, copies)
+
+    def rewrite(old: Node, operands: tuple[Node, ...], copies: dict[int, Node]) -> Node:
+        if id(old) not in found:
+            return dataclasses.replace(old, operands=operands)
+        index, value, scale = (None if x is None else copies[id(x)] for x in found[id(old)])
+        return _summed_one_hot(old, index, value, scale, names)
+
+    return _rewritten(graph, rewrite)
 
 
 def _one_hot_term(reduce: Node) -> tuple[Node, Node, Node | None] | None:
