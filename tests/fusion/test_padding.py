@@ -4,6 +4,7 @@ a whole number of 16-byte vectors take operands padded by the kernels that produ
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from fusionstitching.cost.gpu_spec import gpu_spec
@@ -18,6 +19,7 @@ from fusionstitching.pipeline import compile_graph
 from .helpers import random_arrays
 
 H100 = gpu_spec("H100")
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _gradient_gemms(rows: int = 2048, vocab: int = 1001, hidden: int = 2048):
@@ -207,10 +209,11 @@ def test_an_output_also_returned_to_the_user_is_not_promised_padded():
     assert padded_layouts(both, [2], Options()) is both
 
 
-def test_training_through_the_backend_saves_the_padded_logits_and_matches_eager(monkeypatch):
-    """A bf16 LM head and cross-entropy trained through the backend (strict, CPU): the forward
-    promises AOTAutograd the padded strides for the logits it saves, the backward reads them so,
-    and loss and gradients are eager's."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu_only])])
+def test_training_through_the_backend_saves_the_padded_logits_and_matches_eager(monkeypatch, device):
+    """A bf16 LM head and cross-entropy trained through the backend (strict): the forward
+    promises AOTAutograd the padded strides for the logits it saves, the backward reads them so
+    (on a GPU, its kernel reads them through those strides), and loss and gradients are eager's."""
     import fusionstitching
     from fusionstitching import backend
 
@@ -218,9 +221,9 @@ def test_training_through_the_backend_saves_the_padded_logits_and_matches_eager(
     init = backend._Runner.__init__
     monkeypatch.setattr(backend._Runner, "__init__", lambda self, *a, **k: init(self, *a, **k) or made.append(self))
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(1024, 1024, generator=generator).bfloat16()
-    targets = torch.randint(0, 1001, (1024,), generator=generator)
-    w0 = (torch.randn(1024, 1001, generator=generator) * 0.05).bfloat16()
+    x = torch.randn(1024, 1024, generator=generator).bfloat16().to(device)
+    targets = torch.randint(0, 1001, (1024,), generator=generator).to(device)
+    w0 = (torch.randn(1024, 1001, generator=generator) * 0.05).bfloat16().to(device)
 
     def loss_of(w):
         return torch.nn.functional.cross_entropy((x @ w).float(), targets)
