@@ -66,7 +66,7 @@ def test_with_a_backward_no_input_is_updated_in_place_after_an_op_read_it():
     """Eager refuses a value saved for the backward (a where's mask) that changed in place: the CPU
     fuzz run's programs 1126202:416 and 5014 were invalid."""
     updates = 0
-    for k in range(2000):
+    for k in range(10000):  # until three updates are seen: they are rare in programs with a backward
         program = generate(1126202, k)
         if not program.backward:
             continue
@@ -75,7 +75,9 @@ def test_with_a_backward_no_input_is_updated_in_place_after_an_op_read_it():
                 updates += 1
                 target = step.operands[0]
                 assert all(target not in earlier.operands for earlier in program.steps[:n]), source(program)
-    assert updates > 2
+        if updates >= 3:
+            break
+    assert updates >= 3
 
 
 def test_no_embedding_table_of_width_zero():

@@ -106,6 +106,7 @@ def convert(
     mutated: dict[int, Node] = {}  # parameter index → its new value (from in-graph copy_)
     placeholder_index = 0
     fx_outputs: list[Any] = []
+    checks: list[Node] = []  # one output per runtime assertion (``_assertion``), trailing
     for fx_node in gm.graph.nodes:
         if fx_node.op == "placeholder":
             slot = placeholder_slots[placeholder_index]
@@ -122,6 +123,11 @@ def convert(
             values[fx_node] = _constant(builder, getattr(gm, fx_node.target))
         elif fx_node.op == "call_function" and _is_number(fx_node.meta.get("val")):
             values[fx_node] = fx_node.meta["val"]  # size arithmetic, concrete in a specialization
+        elif fx_node.op == "call_function" and str(fx_node.target) in ASSERTIONS:
+            builder.origin = f"{fx_node.name}: {fx_node.target}"
+            checks += _assertion(builder, values[fx_node.args[0]], fx_node)
+            values[fx_node] = None
+            builder.origin = None
         elif fx_node.op == "call_function":
             builder.origin = f"{fx_node.name}: {fx_node.target}"
             values[fx_node] = _call(builder, rng, fx_node, values, mutated, warned)
@@ -141,9 +147,35 @@ def convert(
         outputs.append(value)
         layouts.append(builder.parameters[param].layout)
     try:
-        return builder.build(outputs, mutations=mutations, output_layouts=layouts)
+        graph = builder.build(outputs + checks, mutations=mutations, output_layouts=layouts + [None] * len(checks))
     except VerifyError as err:
         raise CaptureError(f"graph {name}: {err}") from None
+    graph.checks = len(checks)
+    return graph
+
+
+# Runtime assertions torch's decompositions insert (``F.one_hot``'s class range): a condition that
+# eager raises on when it is false.
+ASSERTIONS = ("aten._assert_async.msg", "aten._assert_async.default")
+
+
+def _assertion(builder: GraphBuilder, condition: Any, fx_node: fx.Node) -> list[Node]:
+    """A check output that stops the call where ``condition`` is false, as eager raises: a gather
+    from one position at index 0 when it holds and 1 when not, so that the gather's range check
+    (in a kernel, or the simulator's) fails. A condition known at capture needs no check."""
+    if not isinstance(condition, Node):
+        if not condition:
+            raise CaptureError(f"FX node {fx_node.name} ({fx_node.target}): the assertion fails: "
+                               f"{fx_node.args[1] if len(fx_node.args) > 1 else ''}")
+        return []
+    if condition.size != 1:
+        raise CaptureError(f"FX node {fx_node.name} ({fx_node.target}): a condition of {condition.size} elements")
+    holds = builder.reshape(condition, (1,))
+    zero, one = builder.constant([0], DType.I32, (1,)), builder.constant([1], DType.I32, (1,))
+    index = builder.select(holds, zero, one)
+    positions = builder.node("iota", shape=(1,), dtype=DType.I32, name=f"{fx_node.name}_holds", dimension=0)
+    read = builder.node("gather", [positions, index], axis=0, batch_dims=0)
+    return [builder.reduce(read, (0,), "max")]
 
 
 def _constant(builder: GraphBuilder, tensor: torch.Tensor) -> Node:
@@ -572,8 +604,10 @@ def _convert_backward(bw: fx.GraphModule, specs: list[ParamSpec], order: list[in
                       warned: set[str]) -> Graph:
     """The backward graph with one gradient per forward parameter (``order[p]`` = its FX output)."""
     full = convert(bw, specs, list(range(len(specs))), name=name, warned=warned)
-    outputs = [full.outputs[i] if i >= 0 else None for i in order]
-    layouts = [full.output_layouts[i] if i >= 0 else None for i in order]
+    checks = len(full.outputs) - full.checks
+    outputs = [full.outputs[i] if i >= 0 else None for i in order] + full.outputs[checks:]
+    layouts = [full.output_layouts[i] if i >= 0 else None for i in order] + full.output_layouts[checks:]
     graph = Graph(full.parameters, outputs, name=name, output_layouts=layouts)
     verify(graph)
+    graph.origins, graph.checks = full.origins, full.checks
     return graph

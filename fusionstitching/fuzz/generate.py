@@ -60,7 +60,7 @@ SPECIAL = ("empty", "scalar_after_row", "expand_output", "out_of_range", "long_r
 FAMILY_WEIGHTS = {
     "elementwise": 20, "expensive": 18, "compare": 5, "where": 5, "convert": 4, "broadcast": 3,
     "reduce": 13, "reduce_all": 4, "softmax": 4, "norm": 4, "reshape": 5, "transpose": 5, "slice": 5,
-    "cat": 3, "pad": 3, "gather": 6, "matmul": 3, "creation": 2, "inplace": 3,
+    "cat": 3, "pad": 3, "gather": 6, "matmul": 3, "creation": 2, "inplace": 3, "loss": 3,
 }
 FAMILIES = tuple(FAMILY_WEIGHTS)
 VIEWS = ("reshape", "transpose", "slice", "broadcast", "inplace")  # categories whose ops may return a view
@@ -837,6 +837,33 @@ class _Builder:
                             value.bound, value.exact)
         code = "{0}[{1}]" if at == 0 else "{0}[:, {1}]"
         return self.add("index", "gather", code, [value, index], shape, value.dtype, value.bound, value.exact)
+
+    def _loss(self) -> _Value | None:
+        """A classification loss of a [rows, classes] value against an index target: cross-entropy
+        (mean, sum or per row; with label smoothing or an ignored class), ``nll_loss`` of a
+        ``log_softmax``, or a one-hot product summed over the classes. Their backward sums a
+        one-hot gradient over the classes (``graph.transforms.sum_one_hots``)."""
+        rng = self.rng
+        value = self.pick(lambda v: v.dtype == "float" and len(v.shape) == 2 and not v.expanded)
+        if value is None or self.size(value.shape[1]) == 0:
+            return None
+        rows, classes = value.shape
+        target = self.index_input((rows,), classes, (rows,))
+        kind = rng.choice(["cross_entropy", "cross_entropy", "nll_loss", "one_hot"])
+        if kind == "one_hot":
+            return self.add("one_hot", "loss", "(F.one_hot({1}, {d0}) * {0}).sum(-1)", [value, target], (rows,),
+                            "float", value.bound, False, dims=(classes,), reduced=True)
+        reduction = rng.choice(["mean", "sum", "none"])
+        bound = 2 * value.bound + math.log(self.size(classes) + 1)
+        if reduction == "sum":
+            bound *= max(1, self.size(rows))
+        if kind == "nll_loss":
+            code = f"F.nll_loss(F.log_softmax({{0}}, 1), {{1}}, reduction='{reduction}')"
+        else:
+            extra = rng.choice(["", ", label_smoothing=0.1", ", ignore_index=0"])
+            code = f"F.cross_entropy({{0}}, {{1}}, reduction='{reduction}'{extra})"
+        shape = (rows,) if reduction == "none" else ()
+        return self.add(kind, "loss", code, [value, target], shape, "float", bound, False, reduced=True)
 
     def _matmul(self) -> _Value | None:
         rng = self.rng

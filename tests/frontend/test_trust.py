@@ -97,6 +97,9 @@ def test_empty_tensors(fn, shapes):
     (lambda x, i: x.scatter(1, i, 5.0) * 2, (torch.zeros(3, 4), torch.tensor([[1], [7], [0]]))),
     (lambda x, i, v: torch.index_put(x, (i,), v, accumulate=True) * 1.0,
      (torch.zeros(5, 3), torch.tensor([0, -6]), torch.ones(2, 3))),
+    # torch's one_hot asserts its class range (aten._assert_async): checked by a gather
+    (lambda x, t: (torch.nn.functional.one_hot(t, 4) * x).sum(-1), (torch.randn(3, 4), torch.tensor([0, 4, 1]))),
+    (lambda x, t: (torch.nn.functional.one_hot(t, 4) * x).sum(-1), (torch.randn(3, 4), torch.tensor([0, -1, 1]))),
 ])
 def test_an_index_out_of_range_raises_as_in_eager(fn, args):
     """Indices were clamped: a bad token id or label read some valid row."""
@@ -104,6 +107,20 @@ def test_an_index_out_of_range_raises_as_in_eager(fn, args):
         fn(*args)
     with pytest.raises(IndexError, match="index out of range in"):
         _compiled(fn)(*args)
+
+
+def test_one_hot_products_and_their_gradients_are_eagers():
+    """``F.one_hot`` under TorchDynamo asserts its class range (``aten._assert_async``): the
+    assertions become checks, and the products and the gradient through them are eager's."""
+    fn = lambda x, t: (torch.nn.functional.one_hot(t, 5) * x).sum(-1) + x.mean(-1)
+    x, t = torch.randn(6, 5, requires_grad=True), torch.tensor([0, 4, 2, 2, 1, 3])
+    want = fn(x, t)
+    want.sum().backward()
+    expected, x.grad = x.grad.clone(), None
+    got = _compiled(fn, strict=True)(x, t)
+    got.sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(x.grad, expected)
 
 
 def test_indices_in_range_and_negative_ones_where_torch_allows_them():
