@@ -578,16 +578,13 @@ def _convert_recording(recording: _Recording, specs: list[ParamSpec],
     if [p.name for p in bw_placeholders[: len(saved)]] != saved_names:
         raise CaptureError(f"backward of {name}: saved tensors {saved_names} do not lead its inputs")
     bw_specs = [_spec(p.name, p.meta["val"]) for p in bw_placeholders]
-    # The saved tensors' layouts the backend chooses (``graph.layout.saved_layouts``, and the padded
-    # GEMM products of ``fusion.padding.padded_layouts`` with the default options): the forward
-    # returns them so, and the backward is converted for them, as AOTAutograd compiles it.
-    from fusionstitching.fusion.padding import padded_layouts
+    # The saved tensors' layouts the backend chooses (``graph.layout.saved_layouts``): the forward
+    # returns them so, and the backward is converted for them, as AOTAutograd compiles it. (The
+    # backend also promises padded GEMM products their padded layout, ``fusion.padding``, a
+    # decision of the fusion stage that capture leaves to it.)
     from fusionstitching.graph.layout import saved_layouts
-    from fusionstitching.options import Options
 
     chosen = saved_layouts(forward, range(n_user, n_user + len(saved))) if channels_last else forward
-    chosen = padded_layouts(chosen, [k for k in range(n_user, n_user + len(saved))
-                                     if chosen.output_layouts[k] is forward.output_layouts[k]], Options())
     for k in range(len(saved)):
         layout = chosen.output_layouts[n_user + k]
         if layout is not forward.output_layouts[n_user + k]:
