@@ -66,6 +66,26 @@ def test_an_index_out_of_range_stops_the_call_naming_the_op():
     assert "index out of range in index_select" in done.stdout + done.stderr
 
 
+_BAD_CLASS = textwrap.dedent("""
+    import torch, fusionstitching
+    f = torch.compile(lambda x, t: (torch.nn.functional.one_hot(t, 4) * x).sum(-1), backend="fusionstitching")
+    x, t = torch.randn(3, 4, device="cuda"), torch.tensor([0, 4, 1], device="cuda")
+    f(x, t)
+    torch.cuda.synchronize()
+    print("NO ERROR")
+""")
+
+
+@needs_cuda
+def test_a_failed_runtime_assertion_stops_the_call_naming_it():
+    """``F.one_hot``'s class-range assertion (``aten._assert_async``) is a check whose kernel traps
+    where eager raises; run apart, as above."""
+    done = subprocess.run([sys.executable, "-c", _BAD_CLASS], capture_output=True, text=True, timeout=300, check=False)
+    assert "NO ERROR" not in done.stdout
+    assert done.returncode != 0
+    assert "index out of range in _assert_async" in done.stdout + done.stderr
+
+
 @needs_cuda
 def test_two_threads_and_two_streams_call_one_compiled_function():
     f = _compiled(lambda x, y: torch.softmax(x * y, -1) + y.tanh())
