@@ -89,7 +89,7 @@ def pad_unaligned_dots(graph: Graph, spec: GpuSpec, options: Options, free: Sequ
             if highs is not None:
                 k = outputs.get(id(old))
                 laid_out = k is not None and k not in graph.mutations and (
-                    k in free or _promised_padded(graph.output_layouts[k], _product_shape(new, highs)))
+                    k in free or _promised_padded(graph.output_layouts[k], new, highs))
                 verdict = _worth(new, highs, spec, k is not None and not laid_out)
                 if verdict is not None:
                     lhs = _padded(new.operands[0], highs[0], names, made)
@@ -148,10 +148,10 @@ def _product_shape(dot: Node, highs: tuple[list[int], list[int]]) -> tuple[int, 
     return tuple([lhs.shape[d] + highs[0][d] for d in lb + lfree] + [rhs.shape[d] + highs[1][d] for d in rfree])
 
 
-def _promised_padded(layout: Layout | None, product_shape: Sequence[int]) -> bool:
-    """Whether an output's promised ``layout`` is that of the padded product (a view of it)."""
-    return layout is not None and layout.offset == 0 and all(
-        size == 1 or a == b for size, a, b in zip(product_shape, layout.strides, contiguous_strides(product_shape)))
+def _promised_padded(layout: Layout | None, dot: Node, highs: tuple[list[int], list[int]]) -> bool:
+    """Whether an output's promised ``layout`` is that of the padded product (a view of it): the
+    product's own contiguous layout."""
+    return layout is not None and layout.is_contiguous(_product_shape(dot, highs))
 
 
 def _vector(node: Node) -> int:
