@@ -18,7 +18,7 @@ numbers the paper takes from microbenchmark reports; they are rough issue costs 
 one element needs, not measurements.
 
 Simplifications, beyond the paper's: all warps of a wave run concurrently and a wave takes L_warp
-(no partial waves, no contention between resident warps for issue slots); memory traffic is not
+(no partial waves); memory traffic is not
 in L (the memory side is M(V) of ``cost.bandwidth``; ``memory_bound_us`` gives it, and a
 memory-intensive kernel takes about max(L, M(V))). Units: cycles inside, µs out (boost clock).
 """
@@ -38,6 +38,7 @@ DEFAULT_REGISTERS_PER_THREAD = 16  # [C §5.4]
 MAX_REGISTERS_PER_THREAD = 255
 REGISTER_ALLOCATION_UNIT = 256  # registers, allocated per warp
 SMEM_ALLOCATION_UNIT = 128  # bytes
+ISSUE_SLOTS_PER_SM = 4  # warp schedulers per SM, each issuing one warp instruction per cycle (sm_70 to sm_90)
 
 # Cycles per element of work, by op category (a dot's element of work is one FMA). Parameters and
 # constants cost nothing here: reading them is memory traffic, counted by M(V).
@@ -160,6 +161,17 @@ def instructions_per_thread(nodes: Iterable[Node], blocks: int, threads_per_bloc
             raise ValueError(f"node {node.name} ({node.op}, {node.category.value}) cannot be part of a kernel")
         cycles += weight * node_work(node) * (computed.get(id(node), 1.0) if computed else 1.0)
     return cycles / threads
+
+
+def issue_bound_us(spec: GpuSpec, thread_cycles: float) -> float:
+    """The time the GPU's schedulers take to issue ``thread_cycles`` (Σ over every thread of the
+    kernel of its N_instruction × CPI, ``instructions_per_thread`` × threads): each SM issues
+    ``ISSUE_SLOTS_PER_SM`` warp instructions, i.e. that many times ``warp_size`` thread
+    instructions, per cycle."""
+    if thread_cycles < 0:
+        raise ValueError(f"thread_cycles must be >= 0, found {thread_cycles}")
+    per_cycle = spec.sms * ISSUE_SLOTS_PER_SM * spec.warp_size
+    return thread_cycles / per_cycle / (spec.clock_ghz * 1e3)
 
 
 def memory_bound_us(model: BandwidthModel, nbytes: float) -> float:

@@ -48,6 +48,7 @@ kernels or estimated time on any of those graphs.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
@@ -68,6 +69,7 @@ from fusionstitching.fusion.remote import RemoteFusion
 from fusionstitching.fusion.score import Scorer
 from fusionstitching.fusion.select import Selection, select_ilp
 from fusionstitching.fusion.split import split_underfilled_reductions
+from fusionstitching.graph.analysis import in_place_outputs, pattern_structure
 from fusionstitching.graph.collapse import collapse_reduced_runs
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.layout import (
@@ -87,6 +89,7 @@ from fusionstitching.graph.transforms import (
     widen_dots,
 )
 from fusionstitching.options import Options
+from fusionstitching.schedule.tune import canonical, model_choice, renamed
 
 MERGE_ROUNDS = 4
 SOLVERS = ("ilp", "beam")
@@ -151,7 +154,39 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
                 f"against {plain.estimated_us:.1f} us unsplit; kept {'split' if keep else 'unsplit'}")
         plan = plan if keep else plain
         plan.notes.append(note)
+    plan = _model_templates(plan, options)
     plan.seconds = time.perf_counter() - start
+    return plan
+
+
+def _model_templates(plan: FusionPlan, options: Options) -> FusionPlan:
+    """Each pattern without cross-thread reductions takes the template the latency evaluator ranks
+    first where it beats the default rule's (``schedule.tune.model_choice``); patterns of one
+    structure and template are decided once."""
+    graph = plan.graph
+    spec, bandwidth = gpu_spec(options.device), bandwidth_model(options.device)
+    aliased = in_place_outputs(graph)
+    position = graph.index.position
+    decided: dict[tuple, str] = {}
+    patterns, changed = [], 0
+    for pattern in plan.patterns:
+        if pattern.schedule is None:
+            patterns.append(pattern)
+            continue
+        nodes = sorted((graph.node(n) for n in pattern.nodes), key=position.__getitem__)
+        key = (pattern_structure(graph, nodes, aliased), canonical(pattern.schedule, nodes))
+        text = decided.get(key)
+        if text is None:
+            text = decided[key] = canonical(model_choice(graph, nodes, pattern.schedule, spec, bandwidth,
+                                                         options.smem_limit), nodes)
+        if text != key[1]:
+            pattern = dataclasses.replace(pattern, schedule=renamed(text, nodes))
+            changed += 1
+        patterns.append(pattern)
+    if changed:
+        plan = dataclasses.replace(plan, patterns=tuple(patterns), notes=list(plan.notes))
+        plan.notes.append(f"model templates: {changed} pattern(s) take the latency evaluator's first template "
+                          "over the default rule's (schedule/tune.py model_choice)")
     return plan
 
 

@@ -22,9 +22,11 @@ fixes by heuristics:
 
 ``ranked_templates`` checks each as ``feasible`` does (the schedule's own refusals, block locality,
 then the registered lowering check) and returns the ones that pass, best model estimate first; the
-default rule's template is first among equal estimates. The runtime's tuner puts the plan's template
-(the default rule's, or the first that lowered) first of all: that is the model's first choice, the
-one ``Options(tune="off")`` runs. Templates print with their roots named by position (``canonical``),
+default rule's template is first among equal estimates. The plan's template is the default rule's
+(or the first that lowered), except in patterns without cross-thread reductions, where exploration
+takes the model's first wherever it is estimated faster beyond a tie (``model_choice``). The
+runtime's tuner puts the plan's template first of all: that is the model's first choice, the one
+``Options(tune="off")`` runs. Templates print with their roots named by position (``canonical``),
 so a template measured on one pattern applies to every pattern of its structure (``renamed``).
 """
 
@@ -35,9 +37,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 from fusionstitching.cost.bandwidth import BandwidthModel
 from fusionstitching.cost.gpu_spec import GpuSpec
-from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us
+from fusionstitching.cost.latency import instructions_per_thread, issue_bound_us, kernel_latency_us
 from fusionstitching.graph.graph import Graph, Node
-from fusionstitching.graph.pattern import PatternError, reduced_dims, resolve_pattern
+from fusionstitching.graph.ops import Category
+from fusionstitching.graph.pattern import PatternError, is_reduction, reduced_dims, resolve_pattern
 from fusionstitching.graph.pattern import iteration_space as _space
 from fusionstitching.schedule.grouping import (
     _LOWERING,
@@ -54,7 +57,7 @@ from fusionstitching.schedule.grouping import (
 from fusionstitching.schedule.packing import _column_sum, _packed_template, invariant_work, row_invariant_work
 from fusionstitching.schedule.propagate import check_block_locality
 from fusionstitching.schedule.refusals import refusal
-from fusionstitching.schedule.template import WARP_SIZE, KernelSchedule, Schedule
+from fusionstitching.schedule.template import WARP_SIZE, KernelSchedule, Level, Schedule, tile_extents
 
 BLOCK_THREADS = (128, 256, 512, 1024)
 WARPS_PER_BLOCK = (1, 2, 4, 8, 16, 32)
@@ -112,13 +115,102 @@ def _near(values: Sequence[int], centre: int) -> list[int]:
 
 
 def model_estimate_us(pattern, template: KernelSchedule, spec: GpuSpec, bandwidth: BandwidthModel) -> float:
-    """The latency evaluator's time for ``template``: max(L, M(V)), L = N_wave × L_warp of its launch
-    (``cost.latency``), M(V) the pattern's DRAM traffic (inputs read once, outputs written once)."""
+    """The latency evaluator's time for ``template``: the largest of L = N_wave × L_warp of its launch
+    (``cost.latency``), the time to issue every thread's instructions (``issue_bound_us``) and M(V)
+    the pattern's DRAM traffic (inputs read once, outputs written once). The instructions count each
+    node as often as the template evaluates it (``evaluations``): a value broadcast into a root is
+    computed again by every thread that reads it, once per thread over its THREAD tiles."""
     launch = template.launch
-    cycles = instructions_per_thread(pattern.nodes, launch.blocks, launch.threads)
+    computed = evaluations(pattern, template)
+    cycles = instructions_per_thread(pattern.nodes, launch.blocks, launch.threads, computed)
     latency = kernel_latency_us(spec, launch.blocks, launch.threads, cycles)
+    issue = issue_bound_us(spec, cycles * launch.blocks * launch.threads)
     moved = sum(n.size * n.dtype.itemsize for n in list(pattern.inputs) + list(pattern.outputs))
-    return max(latency, bandwidth.time_us(moved))
+    return max(latency, issue, bandwidth.time_us(moved))
+
+
+_ELEMENTWISE = (Category.LIGHT_ELEMENTWISE, Category.EXPENSIVE_ELEMENTWISE)
+
+
+def evaluations(pattern, template: KernelSchedule) -> dict[int, float]:
+    """How many times the kernel computes each node that an elementwise root reads through
+    elementwise ops, broadcasts, transposes and reshapes, as a multiple of the node's size (the
+    ``computed`` argument of ``instructions_per_thread``), summed over the roots that read it.
+
+    A root's threads evaluate the node once per point of the root, except along the root's dims on
+    which the node does not vary: there the points of one thread's THREAD tiles share one value
+    (the unrolled copies read the same addresses and compute the same values, which the compiler
+    computes once). A BatchNorm's per-channel scale in a [N, H, W, C] kernel is computed N·H·W
+    times over at one point per thread, N·H·W / 8 times at ``GRID-THREAD_8`` on N. Nodes read
+    another way (slices, gathers, reductions and what they read) keep the factor 1."""
+    by_name = {n.name: n for n in pattern.nodes}
+    inside = {id(n) for n in pattern.nodes}
+    factors: dict[int, float] = {}
+    for sched in template.schedules:
+        root = by_name.get(sched.root)
+        if root is None or is_reduction(root) or len(sched.dims) != len(root.shape):
+            continue
+        shared_by: list[tuple[int, int]] = []  # (dim, extent) of the root's THREAD tiles
+        for d, tiles in enumerate(sched.dims):
+            for tile, extent in zip(tiles, tile_extents(root.shape[d], tiles)):
+                if tile.level == Level.THREAD and extent > 1:
+                    shared_by.append((d, extent))
+        for node, varying in _varying_dims(root, inside).items():
+            node = by_name[node]
+            if node.size == 0:
+                continue
+            reuse = math.prod(extent for d, extent in shared_by if d not in varying)
+            factors[id(node)] = factors.get(id(node), 0.0) + root.size / reuse / node.size
+    return factors
+
+
+def _varying_dims(root: Node, inside: set[int]) -> dict[str, frozenset[int]]:
+    """The nodes of the pattern (ids in ``inside``) that ``root`` reads through shape-preserving
+    elementwise ops, ``broadcast_in_dim``, ``transpose`` and reshapes that only add or drop dims of
+    1, each with the dims of root's shape along which its value may change."""
+    everything = frozenset(range(len(root.shape)))
+    varying: dict[str, frozenset[int]] = {}
+    seen: set[tuple[int, tuple]] = set()
+    stack: list[tuple[Node, tuple[int | None, ...]]] = [(root, tuple(range(len(root.shape))))]
+    while stack:
+        node, dims = stack.pop()
+        if (id(node), dims) in seen:
+            continue
+        seen.add((id(node), dims))
+        moving = [d for d, size in zip(dims, node.shape) if size > 1]
+        here = everything if None in moving else frozenset(moving)
+        varying[node.name] = varying.get(node.name, frozenset()) | here
+        for operand, operand_dims in _operand_dims(node, dims):
+            if id(operand) in inside and operand_dims is not None:
+                stack.append((operand, operand_dims))
+    return varying
+
+
+def _operand_dims(node: Node, dims: tuple[int | None, ...]):
+    """(operand, the root dim of each of its dims, or None for the operand's dims where unknown)
+    for the operands of ``node`` whose dims ``dims`` (of node's) map onto; operands reached in no
+    such way (a slice, a gather, a reduction) are left out."""
+    if node.op == "broadcast_in_dim":
+        operand = node.operands[0]
+        yield operand, tuple(dims[k] for k in node.attrs["broadcast_dimensions"])
+    elif node.op == "transpose":
+        operand = node.operands[0]
+        mapped: list[int | None] = [None] * len(operand.shape)
+        for k, p in enumerate(node.attrs["permutation"]):
+            mapped[p] = dims[k]
+        yield operand, tuple(mapped)
+    elif node.op == "reshape":
+        operand = node.operands[0]
+        kept = [d for d, size in zip(dims, node.shape) if size > 1]
+        if [s for s in operand.shape if s > 1] == [s for s in node.shape if s > 1]:
+            it = iter(kept)
+            yield operand, tuple(next(it) if size > 1 else None for size in operand.shape)
+        else:
+            yield operand, tuple(None for _ in operand.shape)
+    elif node.category in _ELEMENTWISE:
+        for operand in node.operands:
+            if operand.shape == node.shape:
+                yield operand, dims
 
 
 def ranked_templates(graph: Graph, nodes: Iterable[Node | str], spec: GpuSpec, bandwidth: BandwidthModel,
@@ -158,8 +250,7 @@ def iter_ranked_templates(graph: Graph, nodes: Iterable[Node | str], spec: GpuSp
         except ValueError:
             continue
         if math.isfinite(estimate):
-            # 5 % apart or less is a tie: the evaluator is no finer than that
-            made.append((round(math.log(max(estimate, 1e-3)) / math.log(1.05)), k, template))
+            made.append((_tie_class(estimate), k, template))
     made.sort(key=lambda item: (item[0], item[1]))
     for _, _, template in made:
         try:
@@ -172,6 +263,33 @@ def iter_ranked_templates(graph: Graph, nodes: Iterable[Node | str], spec: GpuSp
             continue
         if refused is None:
             yield template
+
+
+def model_choice(graph: Graph, nodes: Sequence[Node], template: KernelSchedule, spec: GpuSpec,
+                 bandwidth: BandwidthModel, smem_limit: int = 48 * 1024,
+                 lowers: LoweringCheck | None = None) -> KernelSchedule:
+    """The template the latency evaluator ranks first for a pattern without reductions across
+    threads, where it is estimated faster than ``template`` (the default rule's) beyond a tie (5 %);
+    ``template`` otherwise, and for every other pattern. ``Options(tune="off")`` runs this choice,
+    and tuning measures it first. Reductions keep the default rule: ``evaluations`` models the work
+    of elementwise roots only."""
+    pattern = resolve_pattern(graph, nodes)
+    if _crossing(pattern) or any(is_reduction(o) for o in pattern.outputs):
+        return template
+    try:
+        current = _tie_class(model_estimate_us(pattern, template, spec, bandwidth))
+    except ValueError:
+        return template
+    for candidate in iter_ranked_templates(graph, nodes, spec, bandwidth, smem_limit, lowers):
+        if _tie_class(model_estimate_us(pattern, candidate, spec, bandwidth)) < current:
+            return candidate
+        break  # the model's best that lowers is no better than the default's
+    return template
+
+
+def _tie_class(estimate_us: float) -> int:
+    """Estimates 5 % apart or less fall in one class: the evaluator is no finer than that."""
+    return round(math.log(max(estimate_us, 1e-3)) / math.log(1.05))
 
 
 def _interleaved(space: list[tuple[str, Callable[[], KernelSchedule]]]) -> list[tuple[int, Callable]]:
@@ -215,7 +333,9 @@ __all__ = [
     "WARPS_PER_BLOCK",
     "WARP_SIZE",
     "canonical",
+    "evaluations",
     "iter_ranked_templates",
+    "model_choice",
     "model_estimate_us",
     "ranked_templates",
     "renamed",

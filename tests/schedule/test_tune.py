@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -201,6 +202,93 @@ def test_per_channel_work_is_offered_once_per_thread_for_several_rows():
     texts = [str(t) for t in ranked_templates(compiled.graph, nodes, SPEC, BANDWIDTH)]
     assert {r for r in (2, 4, 8) if any(f"GRID-THREAD_{r}," in t for t in texts)} == {2, 4, 8}, texts
     assert _check_candidates(forward) >= 3
+
+
+def _batchnorm_kernel(batch: int = 16, channels: int = 32, size: int = 8, dtype: torch.dtype = torch.float32):
+    from fusionstitching.frontend.torch_fx import capture
+
+    module = _BatchNormReLU(channels).eval()
+    module.norm.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(batch, channels, size, size).to(memory_format=torch.channels_last)
+    forward = capture(module.to(dtype), x.to(dtype)).forward
+    compiled = compile_graph(forward, Options(strict=True, tune="off"))
+    kernel = next(k for k in compiled.kernels if "sqrt" in {n.op for n in k.lowered.pattern.nodes})
+    nodes = sorted(kernel.lowered.pattern.nodes, key=compiled.graph.index.position.__getitem__)
+    return compiled, kernel, nodes
+
+
+def test_per_channel_work_is_counted_once_per_point_and_shared_by_thread_tiles():
+    """``evaluations``: a per-channel node of a BatchNorm kernel is computed once per point of the
+    root (its size times N·H·W), and a template whose threads take r images of the same channels
+    computes it r times less often; nodes of the root's shape are computed once."""
+    from fusionstitching.graph.pattern import resolve_pattern
+    from fusionstitching.schedule.grouping import choose_template
+    from fusionstitching.schedule.packing import with_rows
+    from fusionstitching.schedule.template import Level, Schedule, Tile
+    from fusionstitching.schedule.tune import evaluations
+
+    compiled, _, nodes = _batchnorm_kernel()
+    pattern = resolve_pattern(compiled.graph, nodes)
+    root = max(pattern.outputs, key=lambda n: n.size)
+    sqrt = next(n for n in pattern.nodes if n.op == "sqrt")
+    assert sqrt.size == 32 and root.size == 16 * 32 * 8 * 8
+    default = choose_template(pattern)
+    plain = dataclasses.replace(default, schedules=tuple(
+        Schedule(s.root, tuple((Tile(Level.GRID),) for _ in s.dims), s.shared) for s in default.schedules))
+    counted = evaluations(pattern, plain)  # one point per thread
+    assert counted[id(sqrt)] == pytest.approx(root.size / sqrt.size)
+    assert all(counted[id(n)] == pytest.approx(1.0) for n in pattern.nodes if n.shape == root.shape)
+    for r in (2, 4, 8):
+        schedules = tuple(with_rows(s, root, r) if s.root == root.name else s for s in plain.schedules)
+        template = dataclasses.replace(plain, schedules=schedules)
+        assert template != plain
+        assert evaluations(pattern, template)[id(sqrt)] == pytest.approx(root.size / sqrt.size / r)
+
+
+def test_the_model_ranks_per_channel_work_shared_first_and_the_plan_takes_it():
+    """A bf16 channels-last BatchNorm kernel of ResNet's size is bound by issuing its per-element square roots and
+    divisions (``cost.latency.issue_bound_us``), not by memory: the model ranks a template whose
+    threads take several images of the same channels first, and exploration's plan takes it
+    (``model_choice``); it computes what the default rule's template does."""
+    from fusionstitching.fusion import explore
+    from fusionstitching.graph.pattern import resolve_pattern
+    from fusionstitching.schedule.grouping import choose_template
+    from fusionstitching.schedule.tune import model_choice, model_estimate_us
+
+    compiled, kernel, nodes = _batchnorm_kernel(batch=32, channels=256, size=56, dtype=torch.bfloat16)
+    graph = compiled.graph
+    pattern = resolve_pattern(graph, nodes)
+    default = choose_template(pattern)
+    chosen = model_choice(graph, nodes, default, SPEC, BANDWIDTH)
+    assert chosen != default
+    assert "GRID-THREAD_" in str(chosen), chosen
+    assert model_estimate_us(pattern, chosen, SPEC, BANDWIDTH) < 0.8 * model_estimate_us(pattern, default, SPEC,
+                                                                                         BANDWIDTH)
+    assert str(kernel.template) == str(chosen)  # the compiled plan took it
+    plan = explore(graph)
+    assert any("model templates" in note for note in plan.notes), plan.notes
+    small, small_kernel, small_nodes = _batchnorm_kernel(dtype=torch.bfloat16)
+    rng = np.random.default_rng(0)
+    inputs = _inputs(small_kernel, rng)
+    mine = small_kernel.simulate(inputs)
+    theirs = generate(small.graph, small_nodes, choose_template(resolve_pattern(small.graph, small_nodes))
+                      ).simulate(inputs)
+    for a, b in zip(mine, theirs):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_reductions_keep_the_default_rule_template():
+    from fusionstitching.frontend.torch_fx import capture
+    from fusionstitching.graph.pattern import resolve_pattern
+    from fusionstitching.schedule.grouping import choose_template
+    from fusionstitching.schedule.tune import model_choice
+
+    forward = capture(lambda x: torch.softmax(x, -1), torch.randn(256, 512)).forward
+    compiled = compile_graph(forward, Options(strict=True))
+    kernel = compiled.kernels[0]
+    nodes = sorted(kernel.lowered.pattern.nodes, key=compiled.graph.index.position.__getitem__)
+    default = choose_template(resolve_pattern(compiled.graph, nodes))
+    assert model_choice(compiled.graph, nodes, default, SPEC, BANDWIDTH) == default
 
 
 def test_elementwise_patterns_without_broadcast_work_keep_one_point_per_thread():
