@@ -1,4 +1,4 @@
-"""Host-side speed of the compiler itself.
+"""Host-side speed of the compiler itself, and where a first call's time goes.
 
 Planning and lowering allocate many short-lived objects (expression trees, candidate templates,
 per-pattern dictionaries): with Python's cyclic collector running, a young-generation collection
@@ -7,13 +7,36 @@ of BERT-base's training graphs on a 2-core machine. ``collector_paused`` switche
 collector off while a compile stage runs and back on afterwards (reference counting still frees
 everything acyclic at once; cycles left behind are collected at the next collection); it leaves
 a collector that the caller had switched off alone.
+
+``COMPILE_SECONDS`` adds up, per phase, the seconds this process spent compiling (``timed``):
+AOTAutograd's tracing ("tracing", what the backend call takes besides the phases inside it), the
+frontend's conversion to IR ("conversion"), "exploration", "code generation", NVRTC compilation
+and module loading ("nvrtc"), and schedule tuning at the first GPU call ("tuning").
+``stats()["compile seconds"]`` reports it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import time
+from collections import Counter
 from collections.abc import Iterator
+
+COMPILE_SECONDS: Counter[str] = Counter()
+PHASES = ("tracing", "conversion", "exploration", "code generation", "nvrtc", "tuning")
+
+
+@contextlib.contextmanager
+def timed(phase: str) -> Iterator[None]:
+    """Add the seconds spent inside to ``COMPILE_SECONDS[phase]`` (one of ``PHASES``)."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown compile phase {phase!r}; known: {', '.join(PHASES)}")
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        COMPILE_SECONDS[phase] += time.perf_counter() - start
 
 
 @contextlib.contextmanager

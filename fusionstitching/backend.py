@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import traceback
 import warnings
 from collections import Counter
@@ -57,6 +58,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from fusionstitching._host import COMPILE_SECONDS, PHASES, timed
 from fusionstitching.options import Options
 
 _STATS: Counter[str] = Counter()
@@ -71,18 +73,21 @@ class CompileFailure(RuntimeError):
     names the graph, the stage, the node being handled with its ATen op, and the cause."""
 
 
-def stats() -> dict[str, int]:
+def stats() -> dict[str, Any]:
     """Counts since the process started: compiled graphs, kernels, library calls, views, fallbacks,
     shape specializations and cache hits; ``"tuned"`` (patterns whose schedules were measured) and
     ``"perflib hits"`` (patterns whose schedule came from the performance library); ``"padded
-    GEMMs"`` (library GEMMs of unaligned sizes measured faster on zero-padded operands)."""
+    GEMMs"`` (library GEMMs of unaligned sizes measured faster on zero-padded operands). Every value
+    is an int but ``"compile seconds"``: a dict from compile phase (``_host.PHASES``) to the seconds
+    spent in it (``_host.timed``)."""
     from fusionstitching.runtime.program import PADDING_CHOICES
     from fusionstitching.runtime.tuner import COUNTS
 
-    result = dict(_STATS)
+    result: dict[str, Any] = dict(_STATS)
     result["tuned"] = COUNTS["tuned"]
     result["perflib hits"] = COUNTS["perflib hits"]
     result["padded GEMMs"] = PADDING_CHOICES["padded"]
+    result["compile seconds"] = {phase: float(COMPILE_SECONDS[phase]) for phase in PHASES}
     return result
 
 
@@ -92,6 +97,7 @@ def reset_stats() -> None:
 
     _STATS.clear()
     COUNTS.clear()
+    COMPILE_SECONDS.clear()
     PADDING_CHOICES.update(measured=0, padded=0)
 
 
@@ -119,12 +125,16 @@ def fusionstitching_backend(gm: fx.GraphModule, example_inputs: list[Any], mode:
     if mode not in (None, "default", "reduce-overhead"):
         raise ValueError(f"fusionstitching: unknown mode {mode!r}; known: None, 'reduce-overhead'")
     opts = _options(options)
-    return aot_autograd(
-        fw_compiler=_compiler("forward", opts, mode), bw_compiler=_compiler("backward", opts, mode),
-        inference_compiler=_compiler("inference", opts, mode),
-        partition_fn=partition, decompositions=decompositions(),
-        keep_inference_input_mutations=True,
-    )(gm, example_inputs)
+    start, inside = time.perf_counter(), sum(COMPILE_SECONDS.values())
+    try:
+        return aot_autograd(
+            fw_compiler=_compiler("forward", opts, mode), bw_compiler=_compiler("backward", opts, mode),
+            inference_compiler=_compiler("inference", opts, mode),
+            partition_fn=partition, decompositions=decompositions(),
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+    finally:  # AOTAutograd's tracing: the call but for the phases timed inside it
+        COMPILE_SECONDS["tracing"] += max(0.0, time.perf_counter() - start - (sum(COMPILE_SECONDS.values()) - inside))
 
 
 def compile(fn_or_module: Callable[..., Any], options: Options | None = None, mode: str | None = None,
@@ -320,7 +330,8 @@ class _Runner:
                 else:
                     raise Unsupported(f"input {i} is a {type(value).__name__}, not a tensor or a number")
             device, output_devices = _devices(gm, inputs)
-            graph = convert(gm, specs, slots, name=self.name)
+            with timed("conversion"):
+                graph = convert(gm, specs, slots, name=self.name)
             self.origins = graph.origins
         except Unsupported as err:  # a program outside what the compiler takes: announced, not an error
             self._fall_back(str(err))

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fusionstitching._host import collector_paused
+from fusionstitching._host import collector_paused, timed
 from fusionstitching.codegen.generate import GeneratedKernel, generate
 from fusionstitching.fusion import explore
 from fusionstitching.fusion.explore import DEFAULT_GENERATORS
@@ -53,9 +53,11 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
     ``output_devices``: where the graph runs and where its outputs go (``CompiledGraph``)."""
     options = options or Options()
     start = time.perf_counter()
-    plan = explore(graph, solver=options.solver, options=options,
-                   generators=options.generators or DEFAULT_GENERATORS)
-    compiled = compile_plan(plan, mode=mode, options=options, device=device, output_devices=output_devices)
+    with timed("exploration"):
+        plan = explore(graph, solver=options.solver, options=options,
+                       generators=options.generators or DEFAULT_GENERATORS)
+    with timed("code generation"):
+        compiled = compile_plan(plan, mode=mode, options=options, device=device, output_devices=output_devices)
     compiled.compile_seconds = time.perf_counter() - start
     directory = dump_dir if dump_dir is not None else os.environ.get(DUMP_VARIABLE)
     if directory:

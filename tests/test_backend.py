@@ -269,3 +269,26 @@ def test_the_backend_enters_aotautograd_through_dynamos_wrapper():
     before = counters["aot_autograd"]["total"]
     torch.compile(lambda a: (a * 2).sin(), backend="fusionstitching")(torch.randn(4))
     assert counters["aot_autograd"]["total"] == before + 1
+
+
+def test_stats_report_the_seconds_of_each_compile_phase():
+    """``stats()["compile seconds"]``: seconds per phase of compiling (a dict, the one value that is
+    not an int); a CPU graph has no NVRTC or tuning phase, and its tracing, conversion, exploration
+    and code generation took time."""
+    from fusionstitching._host import PHASES
+
+    reset_stats()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, y: torch.relu(x * y).sum(-1), backend="fusionstitching")
+    x, y = torch.randn(8, 64), torch.randn(8, 64)
+    assert relative_error(compiled(x, y), torch.relu(x * y).sum(-1)) < 1e-5
+    stats = fusionstitching.stats()
+    seconds = stats["compile seconds"]
+    assert set(seconds) == set(PHASES)
+    assert all(isinstance(v, float) and v >= 0 for v in seconds.values())
+    for phase in ("tracing", "conversion", "exploration", "code generation"):
+        assert seconds[phase] > 0, seconds
+    assert seconds["nvrtc"] == 0 and seconds["tuning"] == 0
+    assert all(type(v) is int for k, v in stats.items() if k != "compile seconds"), stats
+    reset_stats()
+    assert sum(fusionstitching.stats()["compile seconds"].values()) == 0

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from fusionstitching._host import timed
 from fusionstitching.codegen.generate import GeneratedKernel
 from fusionstitching.fusion.plan import FusionPlan
 from fusionstitching.graph import reference
@@ -190,8 +191,9 @@ class CompiledGraph:
             program = self._programs.get(device)
             if program is None:
                 start = time.perf_counter()
-                program = GpuProgram(graph, self.steps, device, self._constant, _library_function,
-                                     self.options)
+                with timed("nvrtc"):
+                    program = GpuProgram(graph, self.steps, device, self._constant, _library_function,
+                                         self.options)
                 self.compile_seconds += time.perf_counter() - start  # NVRTC (``precompile``)
                 if self.mode == "reduce-overhead":
                     program = GraphedProgram(program)
@@ -207,7 +209,9 @@ class CompiledGraph:
         if self._tuned or program.device.type != "cuda" or self.options.tune == "off" \
                 or torch.cuda.is_current_stream_capturing():
             return self._finish(originals, program.run(tensors))
-        return self._finish(originals, self._run_tuning(program, tensors))
+        with timed("tuning"):
+            outputs = self._run_tuning(program, tensors)
+        return self._finish(originals, outputs)
 
     def _run_tuning(self, program: GpuProgram | GraphedProgram, tensors: Sequence[Any]) -> list[Any]:
         """The first GPU call: each kernel's schedule is chosen as it comes (``runtime/tuner.py``),
