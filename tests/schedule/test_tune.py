@@ -341,3 +341,35 @@ def test_per_row_work_is_offered_a_block_per_row():
     assert _check_candidates(backward) >= 3
     assert not row_invariant_work(compile_graph(capture(lambda x, y: torch.relu(x) * y, torch.randn(64, 256),
                                                         torch.randn(64, 256)).forward).kernels[0].lowered.pattern)
+
+
+def test_evaluations_follow_broadcasts_transposes_and_reshapes_of_dims_of_one():
+    """A per-row value reaches the root through a reshape that adds a dim of 1, a broadcast and a
+    transpose: it varies along the root's dim 1 only, so THREAD tiles on dim 0 share it; a value of
+    the root's shape is computed once per point whatever the tiles; a reshape that regroups dims
+    leaves the value varying along every dim (no sharing assumed)."""
+    from fusionstitching.graph.graph import GraphBuilder
+    from fusionstitching.graph.ops import DType
+    from fusionstitching.graph.pattern import resolve_pattern
+    from fusionstitching.schedule.template import KernelSchedule, Launch, Level, Schedule, Tile
+    from fusionstitching.schedule.tune import evaluations
+
+    b = GraphBuilder("ev")
+    x = b.parameter((64, 32), DType.F32, "x")
+    v = b.parameter((64,), DType.F32, "v")
+    w = b.parameter((8, 4), DType.F32, "w")
+    per_row = b.unary("sqrt", v)  # [64]
+    tall = b.reshape(per_row, (64, 1))
+    spread = b.broadcast(b.reshape(tall, (64,)), (64, 32), (0,))  # varies along dim 0 of [64, 32]
+    turned = b.transpose(b.binary("mul", x, spread), (1, 0))  # [32, 64]: the row value varies along dim 1
+    regrouped = b.broadcast(b.reshape(b.unary("exp", w), (32,)), (32, 64), (0,))  # [8, 4] -> [32]: dim 0
+    root = b.binary("add", turned, regrouped)
+    graph = b.build([root])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    pattern = resolve_pattern(graph, nodes)
+    tiles = Schedule(root.name, ((Tile(Level.GRID), Tile(Level.THREAD, 4)), (Tile(Level.CTA),)))
+    counted = evaluations(pattern, KernelSchedule((tiles,), Launch(8, 64)))
+    assert counted[id(per_row)] == pytest.approx(root.size / per_row.size / 4)
+    assert counted[id(root)] == pytest.approx(1.0)
+    exp = next(n for n in nodes if n.op == "exp")
+    assert counted[id(exp)] == pytest.approx(root.size / exp.size)  # varies along dim 0: nothing shared
