@@ -34,9 +34,12 @@ def _run(tmp_path, compile_with: str, strategy: str, *extra: str, nproc: int = 2
 
 def _aborted_at_exit(stdout: str, stderr: str) -> bool:
     """Whether the run's only failure is the C++ runtime's abort at interpreter exit ("terminate
-    called without an active exception", SIGABRT) after rank 0 destroyed its process group."""
+    called without an active exception", SIGABRT) after rank 0 destroyed its process group. The
+    launcher then reports the failed child with a traceback of its own (``ChildFailedError``); a
+    traceback of any other kind is a rank's error."""
+    tracebacks = stderr.split("Traceback (most recent call last):")[1:]
     return ("process group destroyed" in stdout and "terminate called without an active exception" in stderr
-            and "Traceback" not in stderr)
+            and "SIGABRT" in stderr and all("ChildFailedError" in t for t in tracebacks))
 
 
 TINY = ("--tiny", "--steps", "3", "--batch", "2", "--seq", "32")

@@ -486,10 +486,20 @@ class ValueEmitter:
                     self._table[key] = before
         del self._undo[guard.depth:]
         self.stmts, self._guards = guard.stmts, self._guards[:k]
+        outer = self._undo[-1] if self._undo else None
+        recorded = len(outer) if outer is not None else 0
         try:
             result = self.value(node, index)
         finally:
             self.stmts, self._guards = saved_stmts, saved_guards
+            # A key the hoist bound in the scope around the guard that a scope inside it binds too:
+            # that inner scope, when it closes, restores the hoisted binding (it recorded the key
+            # as absent), and the outer scope's own record removes it once, when it closes.
+            hoisted = {key: self._table[key] for key, _ in (outer[recorded:] if outer is not None else ())}
+            for entries in inner:
+                for n, (key, before) in enumerate(entries):
+                    if key in hoisted:
+                        entries[n] = (key, hoisted.pop(key))
             self._undo.extend(inner)
             for key, value in reversed(shadowed):
                 if value is None:

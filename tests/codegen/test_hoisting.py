@@ -91,3 +91,26 @@ def test_random_padded_reads_of_broadcast_values_simulate_like_the_reference(see
         (got,) = kernel.simulate([data[n.name] for n in kernel.lowered.pattern.inputs])
         want = reference.evaluate(graph, [data[p.name] for p in graph.parameters])[0]
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_hoisted_gather_index_bound_inside_the_guard_too_closes_its_scopes():
+    """A padded read of a gathered row's LayerNorm (the fuzzer's program 1851208609:144): inside the
+    guard the gather binds its clamped index, then the hoist of a value outside the guard binds the
+    same index in the scope around it. Each scope, when it closes, takes back what it bound once
+    (the inner one restores the hoisted binding), so lowering finishes and the kernel computes what
+    eager does."""
+    import torch
+    import torch.nn.functional as F
+
+    import fusionstitching  # noqa: F401  (registers the backend)
+
+    def fn(x0, x1):
+        v1 = x0[x1] * x0[x1]
+        return v1 * 0.5, F.pad(F.layer_norm(v1, (2,)) + 1.25, (0, 2), value=0.5)
+
+    x0 = torch.randn(256, 2, generator=torch.Generator().manual_seed(0))
+    x1 = torch.randint(0, 256, (5,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="fusionstitching", options={"strict": True})
+    for got, want in zip(compiled(x0, x1), fn(x0, x1)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
