@@ -37,6 +37,7 @@ class GpuSpec:
     peak_half_tflops: float = 0.0  # datasheet dense f16/bf16 tensor-core rate (0: unknown)
     peak_f32_tflops: float = 0.0  # datasheet f32 rate without TF32 (torch's default for matmul)
     warp_size: int = 32
+    issue_slots_per_sm: int = 4  # warp schedulers per SM, each issuing one warp instruction per cycle (sm_70 to sm_90)
     max_threads_per_block: int = 1024
     smem_per_block: int = 48 * KIB  # static limit, without opt-in
     smem_reserved_per_block: int = 0  # shared memory the driver keeps per resident block (1 KiB from sm_80)

@@ -38,7 +38,6 @@ DEFAULT_REGISTERS_PER_THREAD = 16  # [C §5.4]
 MAX_REGISTERS_PER_THREAD = 255
 REGISTER_ALLOCATION_UNIT = 256  # registers, allocated per warp
 SMEM_ALLOCATION_UNIT = 128  # bytes
-ISSUE_SLOTS_PER_SM = 4  # warp schedulers per SM, each issuing one warp instruction per cycle (sm_70 to sm_90)
 
 # Cycles per element of work, by op category (a dot's element of work is one FMA). Parameters and
 # constants cost nothing here: reading them is memory traffic, counted by M(V).
@@ -166,11 +165,11 @@ def instructions_per_thread(nodes: Iterable[Node], blocks: int, threads_per_bloc
 def issue_bound_us(spec: GpuSpec, thread_cycles: float) -> float:
     """The time the GPU's schedulers take to issue ``thread_cycles`` (Σ over every thread of the
     kernel of its N_instruction × CPI, ``instructions_per_thread`` × threads): each SM issues
-    ``ISSUE_SLOTS_PER_SM`` warp instructions, i.e. that many times ``warp_size`` thread
+    ``spec.issue_slots_per_sm`` warp instructions, i.e. that many times ``warp_size`` thread
     instructions, per cycle."""
     if thread_cycles < 0:
         raise ValueError(f"thread_cycles must be >= 0, found {thread_cycles}")
-    per_cycle = spec.sms * ISSUE_SLOTS_PER_SM * spec.warp_size
+    per_cycle = spec.sms * spec.issue_slots_per_sm * spec.warp_size
     return thread_cycles / per_cycle / (spec.clock_ghz * 1e3)
 
 

@@ -156,7 +156,6 @@ def evaluations(pattern, template: KernelSchedule) -> dict[int, float]:
                 if tile.level == Level.THREAD and extent > 1:
                     shared_by.append((d, extent))
         for node, varying in _varying_dims(root, inside).items():
-            node = by_name[node]
             if node.size == 0:
                 continue
             reuse = math.prod(extent for d, extent in shared_by if d not in varying)
@@ -164,12 +163,12 @@ def evaluations(pattern, template: KernelSchedule) -> dict[int, float]:
     return factors
 
 
-def _varying_dims(root: Node, inside: set[int]) -> dict[str, frozenset[int]]:
+def _varying_dims(root: Node, inside: set[int]) -> dict[Node, frozenset[int]]:
     """The nodes of the pattern (ids in ``inside``) that ``root`` reads through shape-preserving
     elementwise ops, ``broadcast_in_dim``, ``transpose`` and reshapes that only add or drop dims of
     1, each with the dims of root's shape along which its value may change."""
     everything = frozenset(range(len(root.shape)))
-    varying: dict[str, frozenset[int]] = {}
+    varying: dict[Node, frozenset[int]] = {}
     seen: set[tuple[int, tuple]] = set()
     stack: list[tuple[Node, tuple[int | None, ...]]] = [(root, tuple(range(len(root.shape))))]
     while stack:
@@ -179,7 +178,7 @@ def _varying_dims(root: Node, inside: set[int]) -> dict[str, frozenset[int]]:
         seen.add((id(node), dims))
         moving = [d for d, size in zip(dims, node.shape) if size > 1]
         here = everything if None in moving else frozenset(moving)
-        varying[node.name] = varying.get(node.name, frozenset()) | here
+        varying[node] = varying.get(node, frozenset()) | here
         for operand, operand_dims in _operand_dims(node, dims):
             if id(operand) in inside and operand_dims is not None:
                 stack.append((operand, operand_dims))

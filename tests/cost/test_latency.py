@@ -134,14 +134,15 @@ def test_memory_bound_is_m_of_v():
 
 
 def test_the_issue_bound_is_every_threads_cycles_over_the_schedulers_of_all_sms():
-    """Each SM issues ISSUE_SLOTS_PER_SM warp instructions per cycle: one cycle of every thread of a
+    """Each SM issues ``issue_slots_per_sm`` (4) warp instructions per cycle: one cycle of every thread of a
     full H100 (132 SMs × 2048 threads) takes 2048 / (4 × 32) = 16 cycles of the whole GPU."""
     from fusionstitching.cost.gpu_spec import gpu_spec
-    from fusionstitching.cost.latency import ISSUE_SLOTS_PER_SM, issue_bound_us
+    from fusionstitching.cost.latency import issue_bound_us
 
     spec = gpu_spec("H100")
     threads = spec.sms * spec.max_threads_per_sm
-    cycles = spec.max_threads_per_sm / (ISSUE_SLOTS_PER_SM * spec.warp_size)
+    assert spec.issue_slots_per_sm == 4
+    cycles = spec.max_threads_per_sm / (spec.issue_slots_per_sm * spec.warp_size)
     assert issue_bound_us(spec, threads) == pytest.approx(cycles / (spec.clock_ghz * 1e3))
     assert issue_bound_us(spec, 2 * threads) == pytest.approx(2 * issue_bound_us(spec, threads))
     assert issue_bound_us(spec, 0) == 0
