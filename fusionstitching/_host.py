@@ -11,7 +11,8 @@ a collector that the caller had switched off alone.
 ``COMPILE_SECONDS`` adds up, per phase, the seconds this process spent compiling (``timed``):
 AOTAutograd's tracing ("tracing", what the backend call takes besides the phases inside it), the
 frontend's conversion to IR ("conversion"), "exploration", "code generation", NVRTC compilation
-and module loading ("nvrtc"), and schedule tuning at the first GPU call ("tuning").
+and module loading ("nvrtc"), and the first GPU call of a graph that tunes its schedules
+("tuning": the measurements and the call's own kernels).
 ``stats()["compile seconds"]`` reports it.
 """
 
