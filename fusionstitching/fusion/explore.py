@@ -143,12 +143,15 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
     of ``generators`` (names in ``GENERATORS``), selected by ``solver`` (``"ilp"`` or ``"beam"``)."""
     options = options or Options()
     start = time.perf_counter()
+    _check_arguments(solver, generators)
     checked: dict = {}  # schedule checks by pattern structure, shared by the two explorations
-    plan, refined = _explore(graph, solver, options, generators, split=options.split_reshaped_dims, checked=checked)
+    prepared = _prepared(graph, options)  # the rewrites before reshapes are split, shared too
+    plan, refined = _explore(prepared, solver, options, generators, split=options.split_reshaped_dims,
+                             checked=checked)
     if refined:
         # Split shapes fuse more, but a reshape they move next to a gather or a dot may fuse less:
         # the latency evaluator chooses between the two plans.
-        plain, _ = _explore(graph, solver, options, generators, split=False, checked=checked)
+        plain, _ = _explore(prepared, solver, options, generators, split=False, checked=checked)
         keep = plan.estimated_us < plain.estimated_us
         note = (f"reshapes resolved by splitting dims (graph/refine.py): estimated {plan.estimated_us:.1f} us "
                 f"against {plain.estimated_us:.1f} us unsplit; kept {'split' if keep else 'unsplit'}")
@@ -190,15 +193,18 @@ def _model_templates(plan: FusionPlan, options: Options) -> FusionPlan:
     return plan
 
 
-def _explore(graph: Graph, solver: str, options: Options, generators: Sequence[str],
-             split: bool, checked: dict | None = None) -> tuple[FusionPlan, bool]:
-    """``explore`` with reshapes resolved by splitting dims or not; whether splitting changed the graph."""
+def _check_arguments(solver: str, generators: Sequence[str]) -> None:
     if solver not in SOLVERS:
         raise ValueError(f"explore: unknown solver {solver!r}; known: {', '.join(map(repr, SOLVERS))}")
     unknown = [g for g in generators if g not in GENERATORS]
     if unknown or not any(g in GRAPH_SEEDED for g in generators):
         raise ValueError(f"explore: generators {tuple(generators)!r} need one of {GRAPH_SEEDED} and only "
                          f"names of {GENERATORS}")
+
+
+def _prepared(graph: Graph, options: Options) -> tuple[Graph, tuple[str, ...]]:
+    """The rewrites that come before reshapes are split (the same for both explorations), with
+    the notes they leave."""
     notes = []
     graph = duplicate_broadcasts(merge_duplicates(fold_views(fold_empty(check_indices(sum_one_hots(graph))))))
     unbiased = convolution_bias_apart(graph)
@@ -214,6 +220,14 @@ def _explore(graph: Graph, solver: str, options: Options, generators: Sequence[s
     if permuted is not graph:
         graph = permuted
         notes.append("library calls get and return permuted layouts as views (graph/layout.py)")
+    return graph, tuple(notes)
+
+
+def _explore(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Options, generators: Sequence[str],
+             split: bool, checked: dict | None = None) -> tuple[FusionPlan, bool]:
+    """``explore`` of a ``_prepared`` graph with reshapes resolved by splitting dims or not; whether
+    splitting changed the graph."""
+    graph, notes = prepared[0], list(prepared[1])
     refined = refine_reshaped_regions(graph) if split else graph
     split, graph = refined is not graph, refined
     if options.collapse_dims:

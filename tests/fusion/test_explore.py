@@ -376,7 +376,8 @@ def test_the_split_and_unsplit_explorations_share_their_schedule_checks(monkeypa
     with_cache = sum(legality.feasible_calls for legality in lowered)
     lowered.clear()
     options = Options()
-    alone = [explore_module._explore(graph, "ilp", options, explore_module.DEFAULT_GENERATORS, split=split)[0]
+    alone = [explore_module._explore(explore_module._prepared(graph, options), "ilp", options,
+                                     explore_module.DEFAULT_GENERATORS, split=split)[0]
              for split in (True, False)]
     without_cache = sum(legality.feasible_calls for legality in lowered)
     assert with_cache < without_cache
