@@ -278,21 +278,21 @@ def _wide_columns(reductions: list[Node]) -> bool:
     return True
 
 
-def column_template(pattern, reductions: list[Node]) -> KernelSchedule:
+def column_template(pattern, reductions: list[Node], max_warps: int = 32) -> KernelSchedule:
     """Column reductions (e.g. the final sum of per-block partials, a bias gradient): the innermost
     kept dim goes to the lanes (``GRID-CTA_32``: each warp reads whole 128-byte rows), the last
-    reduced dim that divides best is split over up to 32 warps (``THREAD_k-WARP_w``: warp w reads
-    rows w, w + w, …; at least 8 rows of all reduced dims per warp), other reduced dims are THREAD
-    loops (the final sums of stitched partials, [32, 16, 768] → [768], take 32 warps on the first
-    dim instead of 2 on the second); the warps' partial sums meet in shared memory, several times
-    faster than a block per column."""
+    reduced dim that divides best is split over up to ``max_warps`` (32) warps (``THREAD_k-WARP_w``:
+    warp w reads rows w, w + w, …; at least 8 rows of all reduced dims per warp), other reduced dims
+    are THREAD loops (the final sums of stitched partials, [32, 16, 768] → [768], take 32 warps on
+    the first dim instead of 2 on the second); the warps' partial sums meet in shared memory,
+    several times faster than a block per column."""
     space = _space(reductions[0])
     reduced = set(reduced_dims(reductions[0]))
     rows_total = math.prod(space[d] for d in reduced)
     warps, last = 1, max(reduced)
     for d in sorted(reduced, reverse=True):  # the reduced dim that takes the most warps; the last on ties
         w = 1
-        while w < 32 and space[d] % (2 * w) == 0 and rows_total // (2 * w) >= 8:
+        while w < max_warps and space[d] % (2 * w) == 0 and rows_total // (2 * w) >= 8:
             w *= 2
         if w > warps:
             warps, last = w, d

@@ -9,7 +9,10 @@ fixes by heuristics:
   2, 4 or 8 points of an outer dim per thread, which then computes those values once; where some
   node computes values per row (a loss gradient's scale), a block per row (128 to 1024 threads
   looping over it); where a root is a column sum, 2, 4 or 8 adjacent columns per thread (up to 16
-  bytes of the narrowest input), read as one vector per row;
+  bytes of the narrowest input), read as one vector per row; where every output is a column sum
+  of one space (a BatchNorm gradient's partial sums over a part's rows), the column template's
+  reduction across 2 to 32 warps per 32 columns, whose rows the thread-per-column templates loop
+  over one thread each;
 - batched patterns (groups of different ranks, a block per batch element): threads per block (128
   to 1024, at most the widest dim across the threads);
 - composed row reductions: block mode (a block per row) with 128 to 1024 threads, and warp mode
@@ -51,6 +54,7 @@ from fusionstitching.schedule.grouping import (
     _column_pattern,
     _crossing,
     batched_template,
+    column_template,
     composed_template,
     thread_serial_template,
 )
@@ -85,6 +89,10 @@ def tuning_space(pattern) -> list[tuple[str, Callable[[], KernelSchedule]]]:
             widest = 16 // min([n.dtype.itemsize for n in pattern.inputs] or [4])
             makes += [("columns", lambda t=t, v=v: _packed_template(pattern, t, columns=v))
                       for v in COLUMNS_PER_THREAD if v <= widest for t in _near(BLOCK_THREADS[:3], 128)]
+        sums = [o for o in pattern.outputs if is_reduction(o)]
+        if sums and _column_pattern(pattern, sums):
+            makes += [("column warps", lambda w=w: column_template(pattern, sums, max_warps=w))
+                      for w in _near(WARPS_PER_BLOCK[1:], 8)]
         return makes
     if _batched(pattern, reductions):
         return makes + [("threads", lambda t=t: batched_template(pattern, reductions, threads=t))
