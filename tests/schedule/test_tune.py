@@ -375,7 +375,7 @@ def test_evaluations_follow_broadcasts_transposes_and_reshapes_of_dims_of_one():
     assert counted[id(exp)] == pytest.approx(root.size / exp.size)  # varies along dim 0: nothing shared
 
 
-def test_partial_column_sums_offer_their_rows_across_warps():
+def test_partial_column_sums_offer_their_rows_across_warps(tmp_path):
     """A BatchNorm gradient's partial sums ([parts, rows, channels] → [parts, channels], two sums
     of one space): too few rows per part to be reduced across threads by default, so each thread
     loops over a column's rows. The space also offers the column template with 2 to 32 warps per 32
@@ -399,3 +399,7 @@ def test_partial_column_sums_offer_their_rows_across_warps():
     warps = {int(part.split("WARP_")[1].split(",")[0]) for t in texts for part in t.split("; ") if "WARP_" in part}
     assert {2, 4, 8}.issubset(warps), texts
     assert _check_candidates(forward) >= 3
+    for template in ranked_templates(compiled.graph, nodes, SPEC, BANDWIDTH):
+        if "WARP_" in str(template):  # NVRTC builds them without spilling
+            module = generate(compiled.graph, nodes, template).compile("sm_90", cache_dir=tmp_path)
+            assert all(r.spill_stores == 0 for r in module.resources.values()), template
