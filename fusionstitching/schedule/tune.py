@@ -89,8 +89,8 @@ def tuning_space(pattern) -> list[tuple[str, Callable[[], KernelSchedule]]]:
             widest = 16 // min([n.dtype.itemsize for n in pattern.inputs] or [4])
             makes += [("columns", lambda t=t, v=v: _packed_template(pattern, t, columns=v))
                       for v in COLUMNS_PER_THREAD if v <= widest for t in _near(BLOCK_THREADS[:3], 128)]
-        sums = [o for o in pattern.outputs if is_reduction(o)]
-        if sums and _column_pattern(pattern, sums):
+        sums = list(pattern.outputs)
+        if _column_pattern(pattern, sums):  # every output a column sum of one space
             makes += [("column warps", lambda w=w: column_template(pattern, sums, max_warps=w))
                       for w in _near(WARPS_PER_BLOCK[1:], 8)]
         return makes
