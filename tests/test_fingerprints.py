@@ -4,7 +4,7 @@
 A change that means to keep what the compiler produces must keep them. A change that means to
 alter plans or kernels regenerates the file and says so in its commit:
 
-    python -m fusionstitching.fuzz.fingerprints --write tests/data/fingerprints.jsonl.gz
+    python -m fusionstitching.fuzz.fingerprints --update tests/data/fingerprints.jsonl.gz
 """
 
 from __future__ import annotations

@@ -24,18 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us, waves
 from fusionstitching.fusion.plan import FusionPlan
 from fusionstitching.fusion.score import (
     Scorer,
     access_factor,
-    computed_fractions,
     counts_as_kernel,
     pattern_bytes,
 )
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.options import Options
-from fusionstitching.schedule.packing import serial_rounds
 from fusionstitching.schedule.template import KernelSchedule
 
 
@@ -44,21 +41,8 @@ def kernel_time_us(scorer: Scorer, nodes: Sequence[Node], schedule: KernelSchedu
     memory = scorer.memory.time_us(pattern_bytes(scorer.graph, nodes) * access_factor(scorer.graph, schedule))
     latency = 0.0
     if schedule is not None and any(counts_as_kernel(n) for n in nodes):
-        blocks, threads = schedule.launch.blocks, schedule.launch.threads
-        work = instructions_per_thread(list(nodes), blocks, threads, computed_fractions(scorer.graph, nodes))
-        latency = kernel_latency_us(scorer.spec, blocks, threads, work)
-        rounds = serial_rounds(schedule, nodes, _outputs(scorer.graph, nodes))
-        if rounds:
-            latency = max(latency, waves(scorer.spec, blocks, threads) * rounds * scorer.spec.memory_latency_us)
+        latency = scorer.latency_us(nodes, schedule)
     return max(latency, memory) + scorer.launch_us
-
-
-def _outputs(graph: Graph, nodes: Sequence[Node]) -> dict[str, Node]:
-    """The nodes of a kernel read outside it: graph outputs and nodes with users elsewhere."""
-    inside = {id(n) for n in nodes}
-    returned = {id(o) for o in graph.outputs if o is not None}
-    users = graph.index.users
-    return {n.name: n for n in nodes if id(n) in returned or any(id(u) not in inside for u in users[n])}
 
 
 def plan_time_us(plan: FusionPlan, options: Options | None = None, scorer: Scorer | None = None) -> float:

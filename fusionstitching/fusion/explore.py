@@ -275,6 +275,14 @@ def _explore(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Opti
         plans += [_finalize(graph, roles, legality, scorer, candidates, scores, s, solver, options) for s in selections]
     positive = sum(1 for s in scores if s > 0)
     best = selections[0]
+    # The delta score counts no memory round trips; where some candidates recompute reductions one
+    # load after another, a second selection charges them that time (``Scorer.recomputation_us``)
+    # and the latency evaluator, which counts them for every plan, chooses below.
+    recomputing = [scorer.recomputation_us(c.nodes, c.verdict.schedule) for c in candidates]
+    if any(recomputing):
+        charged = [s - r for s, r in zip(scores, recomputing)]
+        plans += [_finalize(graph, roles, legality, scorer, candidates, charged, s, solver, options)
+                  for s in _select(solver, graph, candidates, charged, best.cycle_constraints)]
     notes.append(f"generators {', '.join(g for g in GENERATORS if g in generators)}: {len(candidates)} legal "
                  f"candidates ({positive} with a positive {options.score} score, {context.rejected} proposals "
                  f"rejected); {solver} objective {best.objective:.1f} us in {best.rounds} round(s), "
@@ -283,7 +291,7 @@ def _explore(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Opti
     plan.notes[:0] = notes
     if len(plans) > 1:
         estimates = ", ".join(f"{p.estimated_us:.1f}" for p in plans)
-        plan.notes.append(f"candidate plans (rounds x buffer sets) estimated at {estimates} us by the latency "
+        plan.notes.append(f"candidate plans (rounds x buffer sets, recomputation charged or not) estimated at {estimates} us by the latency "
                           f"evaluator; kept number {plans.index(plan) + 1}")
     plan.notes.append(f"schedule checks: {legality.feasible_calls} lowered, {legality.cache_hits} answered by "
                       "structure from the cache")

@@ -14,7 +14,8 @@ Delta evaluator [C §5.4]: ``f = T_reduced_mem + T_reduced_calls − T_penalty``
   kernels);
 - ``T_penalty = max(0, L(P) − M(bytes(P)))``: how much longer than its memory time the fused
   kernel is expected to run, by the simplified latency evaluator (``cost/latency.py``: fixed 16
-  registers per thread, launch dims of the schedule ``feasible`` chose, no shared-memory term).
+  registers per thread, launch dims of the schedule ``feasible`` chose, no shared-memory term;
+  ``Scorer.recomputation_us`` is not part of it).
   This is what rejects, for example, a reduction whose composition leaves most of the GPU idle.
 
 Model-based score [B §4.3]: ``f = M(V) + (N − 1) φ`` with V the off-chip bytes saved.
@@ -30,12 +31,13 @@ from dataclasses import dataclass
 
 from fusionstitching.cost.bandwidth import BandwidthModel, bandwidth_model
 from fusionstitching.cost.gpu_spec import GpuSpec, gpu_spec
-from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us
+from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us, waves
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import OPS, Category
 from fusionstitching.graph.pattern import is_reduction, iteration_space
 from fusionstitching.options import Options
 from fusionstitching.schedule.grouping import SECTOR_BYTES
+from fusionstitching.schedule.packing import serial_rounds
 from fusionstitching.schedule.template import KernelSchedule, Level, Schedule, tile_extents
 
 
@@ -218,7 +220,48 @@ class Scorer:
     def penalty_us(self, nodes: Sequence[Node], schedule: KernelSchedule | None, fused_bytes: int) -> float:
         if schedule is None:
             return 0.0
+        return max(0.0, self._launch_latency_us(nodes, schedule) - self.memory.time_us(fused_bytes))
+
+    def recomputation_us(self, nodes: Sequence[Node], schedule: KernelSchedule | None) -> float:
+        """The time the memory round trips of a packed kernel's recomputed reductions add, one after
+        another, beyond what the kernel takes anyway: a sub-kernel reading a reduction another
+        sub-kernel computes recomputes it at each of its points (``serial_rounds``), where its ops
+        run unfused read it from memory once. The delta score leaves it out (the unfused side's
+        own loops are not counted either); ``explore`` selects a second plan with it subtracted,
+        and the latency evaluator, which counts every round trip, keeps the faster plan."""
+        if schedule is None:
+            return 0.0
+        outputs = kernel_outputs(self.graph, nodes)
+        rounds = serial_rounds(schedule, nodes, outputs)
+        if not rounds:
+            return 0.0
+        blocks, threads = schedule.launch.blocks, schedule.launch.threads
+        per_round = waves(self.spec, blocks, threads) * self.spec.memory_latency_us
+        memory = self.memory.time_us(pattern_bytes(self.graph, nodes) * access_factor(self.graph, schedule))
+        anyway = max(self._launch_latency_us(nodes, schedule), memory,
+                     serial_rounds(schedule, nodes, outputs, recomputed=False) * per_round)
+        return max(0.0, rounds * per_round - anyway)
+
+    def latency_us(self, nodes: Sequence[Node], schedule: KernelSchedule) -> float:
+        """L(P) of ``nodes`` run with ``schedule``: N_wave × L_warp of its launch (``cost/latency.py``),
+        and at least N_wave × the round trips to memory the busiest block of a packed kernel makes
+        one after another (``schedule.packing.serial_rounds``)."""
+        latency = self._launch_latency_us(nodes, schedule)
+        rounds = serial_rounds(schedule, nodes, kernel_outputs(self.graph, nodes))
+        if rounds:
+            blocks, threads = schedule.launch.blocks, schedule.launch.threads
+            latency = max(latency, waves(self.spec, blocks, threads) * rounds * self.spec.memory_latency_us)
+        return latency
+
+    def _launch_latency_us(self, nodes: Sequence[Node], schedule: KernelSchedule) -> float:
         blocks, threads = schedule.launch.blocks, schedule.launch.threads
         work = instructions_per_thread(list(nodes), blocks, threads, computed_fractions(self.graph, nodes))
-        latency = kernel_latency_us(self.spec, blocks, threads, work)
-        return max(0.0, latency - self.memory.time_us(fused_bytes))
+        return kernel_latency_us(self.spec, blocks, threads, work)
+
+
+def kernel_outputs(graph: Graph, nodes: Sequence[Node]) -> dict[str, Node]:
+    """The nodes of a kernel read outside it: graph outputs and nodes with users elsewhere."""
+    inside = {id(n) for n in nodes}
+    returned = {id(o) for o in graph.outputs if o is not None}
+    users = graph.index.users
+    return {n.name: n for n in nodes if id(n) in returned or any(id(u) not in inside for u in users[n])}

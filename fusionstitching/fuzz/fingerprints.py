@@ -3,12 +3,15 @@ what the compiler produces.
 
     python -m fusionstitching.fuzz.fingerprints --write FILE [--seed S] [--count N]
     python -m fusionstitching.fuzz.fingerprints --check FILE [--limit N]
+    python -m fusionstitching.fuzz.fingerprints --update FILE
 
 ``--write`` captures programs 0..N-1 of seed S (the fuzzer's programs, each with the options its
 index gets in a fuzz run), and stores each graph as IR JSON with the fingerprints of its plan and
 of its kernels' CUDA C (gzip-compressed JSON lines). ``--check`` plans the stored graphs again and
 reports every graph whose plan or CUDA differs; the check needs no TorchDynamo, so it does not
-depend on the torch version that captured the graphs. Programs that do not capture or plan (the
+depend on the torch version that captured the graphs. ``--update`` stores the fingerprints of
+today's plans and kernels for the graphs already stored (a change meant to alter plans keeps the
+same graphs, where ``--write`` would capture them again with today's fuzzer and torch). Programs that do not capture or plan (the
 ones the fuzzer expects to raise) are left out when writing.
 """
 
@@ -120,12 +123,21 @@ def check(entries: Sequence[Entry]) -> list[str]:
     return changed
 
 
+def _updated(entry: Entry) -> Entry:
+    """``entry`` with the fingerprints of its graph's plan and kernels today."""
+    from fusionstitching.graph.serialize import from_json
+
+    plan, cuda = fingerprints(from_json(entry.graph), entry.solver, entry.generators)
+    return Entry(**{**entry.__dict__, "plan": plan, "cuda": cuda})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusionstitching.fuzz.fingerprints",
                                      description=__doc__.split("\n")[0])
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--write", metavar="FILE")
     action.add_argument("--check", metavar="FILE")
+    action.add_argument("--update", metavar="FILE")
     parser.add_argument("--seed", type=int, default=2024)
     parser.add_argument("--count", type=int, default=1000, help="programs to capture (--write)")
     parser.add_argument("--limit", type=int, default=0, help="check only the first N graphs (--check)")
@@ -139,6 +151,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"fingerprints: {len(entries)} graphs, {time.perf_counter() - start:.0f} s", flush=True)
         write(args.write, entries)
         print(f"fingerprints: wrote {len(entries)} graphs of {args.count} programs (seed {args.seed}) to {args.write}")
+        return 0
+    if args.update:
+        entries = read(args.update)
+        write(args.update, [_updated(e) for e in entries])
+        print(f"fingerprints: {len(entries)} stored graphs fingerprinted again in {args.update}, "
+              f"{time.perf_counter() - start:.0f} s")
         return 0
     entries = read(args.check)
     if args.limit:

@@ -351,12 +351,15 @@ def needs_composition(schedules: Sequence[Schedule], outputs: dict[str, Node], n
 # ----------------------------------------------------------------------------------------------
 
 
-def serial_rounds(schedule: KernelSchedule, nodes: Sequence[Node], outputs: dict[str, Node]) -> int:
+def serial_rounds(schedule: KernelSchedule, nodes: Sequence[Node], outputs: dict[str, Node],
+                  recomputed: bool = True) -> int:
     """The memory round trips the busiest block of a packed kernel (no composition) makes one after
     another: per sub-kernel, its GRID iterations per block (``block_ranges``) times its THREAD points
     per thread in runs of ``LOADS_IN_FLIGHT``; 0 for a template that needs composition. A small
     reduction packed beside a large one gets one block, whose grid loop then runs hundreds of
-    iterations, each a load's round trip."""
+    iterations, each a load's round trip. With ``recomputed`` false, a point's reads count one
+    each, as if the reductions a sub-kernel recomputes (``_recomputed_reads``) were read from
+    memory: the difference is what recomputing them costs."""
     by_name = {n.name: n for n in nodes}
     if any(s.root not in by_name for s in schedule.schedules) \
             or needs_composition(schedule.schedules, outputs, by_name):
@@ -368,7 +371,7 @@ def serial_rounds(schedule: KernelSchedule, nodes: Sequence[Node], outputs: dict
     for (sched, members), (start, stop) in zip(groups, block_ranges(groups, schedule.launch.blocks)):
         space = iteration_space(members[0])
         grid, thread = level_extent(sched, space, Level.GRID), level_extent(sched, space, Level.THREAD)
-        loads = thread * _recomputed_reads(members, nodes)
+        loads = thread * (_recomputed_reads(members, nodes) if recomputed else 1)
         rounds = max(rounds, math.ceil(grid / max(1, stop - start)) * math.ceil(loads / LOADS_IN_FLIGHT))
     return rounds
 

@@ -159,3 +159,56 @@ def test_a_kernel_ending_in_a_slice_reads_and_computes_only_the_sliced_elements(
     graph = b.build([b.binary("add", left, right)])
     nodes = [n for n in graph.nodes if n.op not in ("parameter", "constant")]
     assert pattern_bytes(graph, nodes) == 64 * 128 * 4 + 64 * 64 * 4
+
+
+def test_recomputed_reductions_are_charged_their_round_trips():
+    """``Scorer.recomputation_us``: a packed sub-kernel that reads a reduction computed by another
+    sub-kernel recomputes it at each point, 256 loads for each of ``scaled``'s points here, one
+    after another, where the other sub-kernel makes one round trip; the same nest reading no
+    reduction adds nothing."""
+    from fusionstitching.schedule.template import KernelSchedule, Launch, Level, Schedule, Tile
+
+    b = GraphBuilder("recomputed")
+    sums = b.reduce(b.parameter((64, 256), DType.F32, "z"), [1], "sum")
+    scaled = b.binary("mul", sums, b.parameter((64,), DType.F32, "s"))
+    other = b.reduce(b.parameter((64, 16), DType.F32, "u"), [1], "sum")
+    graph = b.build([scaled, other])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    lanes, grid, thread = (Tile(Level.GRID), Tile(Level.CTA, 32)), (Tile(Level.GRID),), (Tile(Level.THREAD),)
+    packed = KernelSchedule((Schedule(scaled.name, (lanes,)), Schedule(other.name, (grid, thread))), Launch(66, 256))
+    scorer = Scorer(graph, Options())
+    # 16 runs of 16 loads, less the memory time the kernel takes anyway (its floor)
+    charged = scorer.recomputation_us(nodes, packed)
+    assert 16 * scorer.spec.memory_latency_us > charged > 8 * scorer.spec.memory_latency_us
+
+    c = GraphBuilder("read")
+    scaled = c.binary("mul", c.parameter((64,), DType.F32, "t"), c.parameter((64,), DType.F32, "s"))
+    other = c.reduce(c.parameter((64, 16), DType.F32, "u"), [1], "sum")
+    graph = c.build([scaled, other])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    packed = KernelSchedule((Schedule(scaled.name, (lanes,)), Schedule(other.name, (grid, thread))), Launch(66, 256))
+    assert Scorer(graph, Options()).recomputation_us(nodes, packed) == 0.0
+
+
+def test_a_plan_recomputing_groupnorms_sums_loses_to_the_charged_selection(monkeypatch):
+    """The f32 UNet block's backward (batch 8, 256 channels, 64 × 64, GroupNorm 32): the delta
+    score's selection puts GroupNorm's per-channel final sums in one packed kernel with the
+    per-group sums and their scaling, whose threads recompute the 32-part channel sums for
+    each group's 8 channels, 1024 loads one after another (a 46 µs kernel on an H200). The
+    selection charged that time keeps the sums apart, and the latency evaluator keeps it."""
+    import gzip
+    from pathlib import Path
+
+    from fusionstitching.graph.serialize import from_json
+
+    text = gzip.decompress((Path(__file__).parent.parent / "data" / "unet_block_backward.json.gz").read_bytes())
+    graph = from_json(text.decode())
+    plan = explore(graph, options=Options())
+    monkeypatch.setattr(Scorer, "recomputation_us", lambda self, nodes, schedule: 0.0)
+    uncharged = explore(graph, options=Options())
+    assert plan.estimated_us < uncharged.estimated_us - 5.0, (plan.explain(), uncharged.explain())
+    scorer = Scorer(plan.graph, Options())
+    position = plan.graph.index.position
+    for pattern in plan.patterns:
+        nodes = sorted((plan.graph.node(n) for n in pattern.nodes), key=position.__getitem__)
+        assert scorer.recomputation_us(nodes, pattern.schedule) < 5.0, pattern
