@@ -50,7 +50,7 @@ from fusionstitching.cost.perflib import FILE_NAME, Measured, PerfLib, entry_key
 from fusionstitching.graph.analysis import in_place_outputs, pattern_structure
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.options import Options
-from fusionstitching.schedule.tune import canonical, iter_ranked_templates, renamed
+from fusionstitching.schedule.tune import canonical, iter_ranked_templates, model_estimate_us, renamed
 
 logger = logging.getLogger(__name__)
 
@@ -109,13 +109,16 @@ class Tuner:
         self.seconds_per_character = seconds_per_character  # a candidate's predicted cost, per character
         self.at_floor = 0  # patterns not measured: their kernels take about the latency floor
         self._worth: set[str] | None = None  # keys the budget is kept for (``prioritize``); None: all
-        self._patterns: list[tuple[str, int, GeneratedKernel]] = []  # (key, bytes, kernel), most bytes first
+        self._patterns: list[tuple[str, float, GeneratedKernel]] = []  # (key, µs, kernel), longest first
+        self._plan_us: dict[str, float] = {}  # kernel name -> the latency evaluator's µs (``plan_us``)
         self._spent = (0.0, 0)  # seconds and characters of the candidates made so far
 
     def prioritize(self, kernels: Sequence[GeneratedKernel]) -> None:
-        """Keep the budget for the patterns that move the most bytes: a program's kernels are tuned
-        as they run, and in program order a budget spent on the first small kernels never reached a
-        ResNet's large BatchNorm kernels. Patterns are taken by bytes moved, largest first, each
+        """Keep the budget for the patterns whose kernels take the most time: a program's kernels
+        are tuned as they run, and in program order a budget spent on the first small kernels never
+        reached a ResNet's large BatchNorm kernels. A pattern's time is the latency evaluator's for
+        its plan's template (``plan_us``: its memory time, or longer where its launch or its serial
+        round trips bound it), summed over its kernels; patterns are taken longest first, each
         costing its predicted generation and compilation (seconds per character of CUDA C, times the
         kernel's, for each candidate beyond the plan's), while the budget lasts; the others keep
         the plan's template unless the library knows them. The prediction starts from the graph's
@@ -124,14 +127,12 @@ class Tuner:
         the budget left (``_choose``)."""
         if self.budget_s is None:
             return
-        from fusionstitching.runtime.program import moved_bytes
-
-        by_key: dict[str, tuple[int, GeneratedKernel]] = {}
-        for kernel in kernels:  # a pattern's bytes over all its kernels: its template serves them all
+        by_key: dict[str, tuple[float, GeneratedKernel]] = {}
+        for kernel in kernels:  # a pattern's time over all its kernels: its template serves them all
             key = self.key(kernel)
-            total, first = by_key.get(key, (0, kernel))
-            by_key[key] = (total + moved_bytes(kernel), first)
-        self._patterns = sorted(((key, moved, kernel) for key, (moved, kernel) in by_key.items()),
+            total, first = by_key.get(key, (0.0, kernel))
+            by_key[key] = (total + self.plan_us(kernel), first)
+        self._patterns = sorted(((key, us, kernel) for key, (us, kernel) in by_key.items()),
                                 key=lambda item: -item[1])
         self._choose()
 
@@ -212,12 +213,21 @@ class Tuner:
                 self._choose()
 
     def _at_the_floor(self, kernel: GeneratedKernel) -> bool:
-        """Whether moving the pattern's bytes takes less than twice the GPU's latency floor (the
-        time of the smallest copy): such a kernel is bound by latency, not by its schedule, and the
-        few microseconds it takes are within the timing's noise (BERT batch 1's kernels)."""
-        from fusionstitching.runtime.program import moved_bytes
+        """Whether the kernel takes less than twice the GPU's latency floor (the time of the smallest
+        copy) by the latency evaluator: such a kernel is bound by latency, not by its schedule, and
+        the few microseconds it takes are within the timing's noise (BERT batch 1's kernels). A
+        kernel of few bytes whose threads loop long (a packed sub-kernel recomputing reductions, a
+        block looping over a large grid) is not at the floor."""
+        return self.plan_us(kernel) < 2 * self.bandwidth.floor_us
 
-        return self.bandwidth.time_us(moved_bytes(kernel)) < 2 * self.bandwidth.floor_us
+    def plan_us(self, kernel: GeneratedKernel) -> float:
+        """The latency evaluator's µs for ``kernel`` (its pattern under the template it was made
+        with, ``schedule.tune.model_estimate_us``)."""
+        us = self._plan_us.get(kernel.name)
+        if us is None:
+            us = self._plan_us[kernel.name] = model_estimate_us(kernel.lowered.pattern, kernel.template, self.spec,
+                                                                 self.bandwidth)
+        return us
 
     def _generate(self, nodes: list[Node], template, like: GeneratedKernel) -> GeneratedKernel:
         """The kernel for ``nodes`` under ``template`` (a pattern of the same structure and template

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from fusionstitching.cost.bandwidth import BandwidthModel
 from fusionstitching.cost.gpu_spec import GpuSpec
-from fusionstitching.cost.latency import instructions_per_thread, issue_bound_us, kernel_latency_us
+from fusionstitching.cost.latency import instructions_per_thread, issue_bound_us, kernel_latency_us, waves
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
 from fusionstitching.graph.pattern import PatternError, is_reduction, reduced_dims, resolve_pattern
@@ -58,7 +58,13 @@ from fusionstitching.schedule.grouping import (
     composed_template,
     thread_serial_template,
 )
-from fusionstitching.schedule.packing import _column_sum, _packed_template, invariant_work, row_invariant_work
+from fusionstitching.schedule.packing import (
+    _column_sum,
+    _packed_template,
+    invariant_work,
+    row_invariant_work,
+    serial_rounds,
+)
 from fusionstitching.schedule.propagate import check_block_locality
 from fusionstitching.schedule.refusals import refusal
 from fusionstitching.schedule.template import WARP_SIZE, KernelSchedule, Level, Schedule, tile_extents
@@ -124,14 +130,19 @@ def _near(values: Sequence[int], centre: int) -> list[int]:
 
 def model_estimate_us(pattern, template: KernelSchedule, spec: GpuSpec, bandwidth: BandwidthModel) -> float:
     """The latency evaluator's time for ``template``: the largest of L = N_wave × L_warp of its launch
-    (``cost.latency``), the time to issue every thread's instructions (``issue_bound_us``) and M(V)
-    the pattern's DRAM traffic (inputs read once, outputs written once). The instructions count each
-    node as often as the template evaluates it (``evaluations``): a value broadcast into a root is
-    computed again by every thread that reads it, once per thread over its THREAD tiles."""
+    (``cost.latency``), the memory round trips the busiest block of a packed template makes one
+    after another (``packing.serial_rounds``, as ``fusion/estimate.py`` counts them), the time to
+    issue every thread's instructions (``issue_bound_us``) and M(V) the pattern's DRAM traffic
+    (inputs read once, outputs written once). The instructions count each node as often as the
+    template evaluates it (``evaluations``): a value broadcast into a root is computed again by
+    every thread that reads it, once per thread over its THREAD tiles."""
     launch = template.launch
     computed = evaluations(pattern, template)
     cycles = instructions_per_thread(pattern.nodes, launch.blocks, launch.threads, computed)
     latency = kernel_latency_us(spec, launch.blocks, launch.threads, cycles)
+    rounds = serial_rounds(template, pattern.nodes, {n.name: n for n in pattern.outputs})
+    if rounds:
+        latency = max(latency, waves(spec, launch.blocks, launch.threads) * rounds * spec.memory_latency_us)
     issue = issue_bound_us(spec, cycles * launch.blocks * launch.threads)
     moved = sum(n.size * n.dtype.itemsize for n in list(pattern.inputs) + list(pattern.outputs))
     return max(latency, issue, bandwidth.time_us(moved))
