@@ -166,27 +166,14 @@ def test_recomputed_reductions_are_charged_their_round_trips():
     sub-kernel recomputes it at each point, 256 loads for each of ``scaled``'s points here, one
     after another, where the other sub-kernel makes one round trip; the same nest reading no
     reduction adds nothing."""
-    from fusionstitching.schedule.template import KernelSchedule, Launch, Level, Schedule, Tile
+    from tests.recomputing import recomputing_kernel
 
-    b = GraphBuilder("recomputed")
-    sums = b.reduce(b.parameter((64, 256), DType.F32, "z"), [1], "sum")
-    scaled = b.binary("mul", sums, b.parameter((64,), DType.F32, "s"))
-    other = b.reduce(b.parameter((64, 16), DType.F32, "u"), [1], "sum")
-    graph = b.build([scaled, other])
-    nodes = [n for n in graph.nodes if n.op != "parameter"]
-    lanes, grid, thread = (Tile(Level.GRID), Tile(Level.CTA, 32)), (Tile(Level.GRID),), (Tile(Level.THREAD),)
-    packed = KernelSchedule((Schedule(scaled.name, (lanes,)), Schedule(other.name, (grid, thread))), Launch(66, 256))
+    graph, nodes, packed = recomputing_kernel()
     scorer = Scorer(graph, Options())
     # 16 runs of 16 loads, less the memory time the kernel takes anyway (its floor)
     charged = scorer.recomputation_us(nodes, packed)
     assert 16 * scorer.spec.memory_latency_us > charged > 8 * scorer.spec.memory_latency_us
-
-    c = GraphBuilder("read")
-    scaled = c.binary("mul", c.parameter((64,), DType.F32, "t"), c.parameter((64,), DType.F32, "s"))
-    other = c.reduce(c.parameter((64, 16), DType.F32, "u"), [1], "sum")
-    graph = c.build([scaled, other])
-    nodes = [n for n in graph.nodes if n.op != "parameter"]
-    packed = KernelSchedule((Schedule(scaled.name, (lanes,)), Schedule(other.name, (grid, thread))), Launch(66, 256))
+    graph, nodes, packed = recomputing_kernel(reads_a_reduction=False)
     assert Scorer(graph, Options()).recomputation_us(nodes, packed) == 0.0
 
 

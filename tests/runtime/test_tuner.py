@@ -333,18 +333,9 @@ def test_a_kernel_of_few_bytes_that_loops_long_is_not_at_the_floor():
     66 KB whose sub-kernel recomputes a 256-long sum at each point (16 runs of 16 loads, one after
     another; the UNet block's GroupNorm sums took 46 µs on an H200 at 0.5 MB) is measured."""
     from fusionstitching.codegen.generate import generate
-    from fusionstitching.graph.graph import GraphBuilder
-    from fusionstitching.graph.ops import DType
-    from fusionstitching.schedule.template import KernelSchedule, Launch, Level, Schedule, Tile
+    from tests.recomputing import recomputing_kernel
 
-    b = GraphBuilder("recomputed")
-    sums = b.reduce(b.parameter((64, 256), DType.F32, "z"), [1], "sum")
-    scaled = b.binary("mul", sums, b.parameter((64,), DType.F32, "s"))
-    other = b.reduce(b.parameter((64, 16), DType.F32, "u"), [1], "sum")
-    graph = b.build([scaled, other])
-    nodes = [n for n in graph.nodes if n.op != "parameter"]
-    lanes, grid, thread = (Tile(Level.GRID), Tile(Level.CTA, 32)), (Tile(Level.GRID),), (Tile(Level.THREAD),)
-    packed = KernelSchedule((Schedule(scaled.name, (lanes,)), Schedule(other.name, (grid, thread))), Launch(66, 256))
+    graph, nodes, packed = recomputing_kernel()
     kernel = generate(graph, nodes, packed)
     tuner = Tuner(graph, Options(), "Test GPU", "sm_90", LastIsFastest(), None)
     assert tuner.bandwidth.time_us(66 * 1024) < 2 * tuner.bandwidth.floor_us  # by its bytes, at the floor
