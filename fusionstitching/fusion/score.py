@@ -229,7 +229,7 @@ class Scorer:
         run unfused read it from memory once. The delta score leaves it out (the unfused side's
         own loops are not counted either); ``explore`` selects a second plan with it subtracted,
         and the latency evaluator, which counts every round trip, keeps the faster plan."""
-        if schedule is None:
+        if schedule is None or not _reads_own_reduction(self.graph, nodes):
             return 0.0
         outputs = kernel_outputs(self.graph, nodes)
         rounds = serial_rounds(schedule, nodes, outputs)
@@ -257,6 +257,14 @@ class Scorer:
         blocks, threads = schedule.launch.blocks, schedule.launch.threads
         work = instructions_per_thread(list(nodes), blocks, threads, computed_fractions(self.graph, nodes))
         return kernel_latency_us(self.spec, blocks, threads, work)
+
+
+def _reads_own_reduction(graph: Graph, nodes: Sequence[Node]) -> bool:
+    """Whether a node of the kernel reads a reduction the kernel computes (what a packed sub-kernel
+    can recompute)."""
+    inside = {id(n) for n in nodes}
+    users = graph.index.users
+    return any(n.op == "reduce" and any(id(u) in inside for u in users[n]) for n in nodes)
 
 
 def kernel_outputs(graph: Graph, nodes: Sequence[Node]) -> dict[str, Node]:
