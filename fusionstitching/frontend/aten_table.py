@@ -531,6 +531,13 @@ def _pad(cx: LoweringContext, x: Node, pad: Sequence[int], value: Any = 0) -> No
     return cx.node("pad", x, low=tuple(low), high=tuple(high), interior=(0,) * len(x.shape), value=float(value))
 
 
+def _pair(v: Any, default: Sequence[int]) -> tuple[int, int]:
+    """A pooling argument (an int, or one or two ints; empty: ``default``) as (height, width)."""
+    v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
+    v = v or tuple(default)
+    return (int(v[0]), int(v[-1]))
+
+
 @lowers("aten.max_pool2d_with_indices.default")
 def _max_pool2d(cx: LoweringContext, x: Node, kernel_size: Sequence[int], stride: Sequence[int] = (),
                 padding: Any = 0, dilation: Any = 1, ceil_mode: bool = False) -> tuple[Node, Node]:
@@ -538,20 +545,14 @@ def _max_pool2d(cx: LoweringContext, x: Node, kernel_size: Sequence[int], stride
     fuses with the ops around it (ResNet's stem). The indices (each window's maximum as ``h · W + w``
     in its input plane) are computed only where something reads them (the backward of training),
     window by window in torch's order: a window's first valid position, then each later one that is
-    greater or NaN (so the first maximum, or the last NaN). The backward stays a library call:
-    gathered over the window's taps in a generated kernel it ran slower than torch's (CHANGELOG.md)."""
+    greater or NaN (so the first maximum, or the last NaN). The backward is ``_max_pool2d_backward``."""
     import operator
 
     if not x.dtype.is_float or len(x.shape) not in (3, 4):
         raise Unsupported(f"max pooling of a {x.dtype.value} tensor of rank {len(x.shape)}")
 
-    def pair(v: Any, default: Sequence[int]) -> tuple[int, int]:
-        v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
-        v = v or tuple(default)
-        return (int(v[0]), int(v[-1]))
-
-    (kh, kw), (ph, pw), (dh, dw) = pair(kernel_size, ()), pair(padding, (0,)), pair(dilation, (1,))
-    sh, sw = pair(stride, (kh, kw))
+    (kh, kw), (ph, pw), (dh, dw) = _pair(kernel_size, ()), _pair(padding, (0,)), _pair(dilation, (1,))
+    sh, sw = _pair(stride, (kh, kw))
     values_shape = tuple(int(d) for d in cx.meta_of(0).shape)
     ho, wo = values_shape[-2:]
     rank, (h, w) = len(x.shape), x.shape[-2:]
@@ -596,6 +597,73 @@ def _max_pool2d(cx: LoweringContext, x: Node, kernel_size: Sequence[int], stride
         index = cx.b.select(take, at, index)
         seen = valid if seen is None else cx.b.binary("or", seen, valid)
     return result, index
+
+
+@lowers("aten.max_pool2d_with_indices_backward.default")
+def _max_pool2d_backward(cx: LoweringContext, grad: Node, x: Node, kernel_size: Sequence[int],
+                         stride: Sequence[int] = (), padding: Any = 0, dilation: Any = 1, ceil_mode: bool = False,
+                         indices: Node | None = None) -> Node:
+    """The gradient of max pooling: each input position sums the output gradients whose window's
+    maximum it was (``indices == h · W + w``). Split by the input position's remainder modulo the
+    stride, a class of positions is covered by a fixed set of window taps at fixed output offsets
+    (3 × 3 windows of stride 2: 1, 2, 2 and 4 taps for the four classes, 2.25 on average, not 9),
+    so each class is an elementwise sum over slices of the output gradient and indices padded at
+    the edges (indices with -1, which matches no position), and the classes are interleaved into the
+    input grid by interior padding. ``ceil_mode`` only sets the outputs' extent, which the gradient
+    has."""
+    if indices is None or len(x.shape) not in (3, 4) or not grad.dtype.is_float:
+        raise Unsupported("max pooling backward without indices or of rank other than 3 or 4")
+
+    (kh, kw), (ph, pw), (dh, dw) = _pair(kernel_size, ()), _pair(padding, (0,)), _pair(dilation, (1,))
+    sh, sw = _pair(stride, (kh, kw))
+    rank, (h, w), (ho, wo) = len(x.shape), x.shape[-2:], grad.shape[-2:]
+    lead = tuple(x.shape[:-2])
+    wide = DType.F32 if grad.dtype in (DType.F16, DType.BF16) else grad.dtype  # torch accumulates in float
+
+    def taps(remainder: int, step: int, pad: int, dil: int, k: int) -> list[int]:
+        """The output offsets ``t`` of the taps covering input positions ``step · q + remainder``:
+        the window of output ``q + t`` covers it at tap ``j`` where ``step · t = remainder + pad - j · dil``."""
+        return [(remainder + pad - j * dil) // step for j in range(k) if (remainder + pad - j * dil) % step == 0]
+
+    def count(remainder: int, step: int, size: int) -> int:  # input positions of the class
+        return max(0, -(-(size - remainder) // step))
+
+    result = None
+    for a in range(min(sh, h)):
+        for b in range(min(sw, w)):
+            rows, cols = count(a, sh, h), count(b, sw, w)
+            shape = lead + (rows, cols)
+            row_taps, col_taps = taps(a, sh, ph, dh, kh), taps(b, sw, pw, dw, kw)
+            total = None
+            if row_taps and col_taps:
+                low = (max(0, -min(row_taps)), max(0, -min(col_taps)))
+                high = (max(0, max(row_taps) + rows - ho), max(0, max(col_taps) + cols - wo))
+                pads = {"low": (0,) * len(lead) + low, "high": (0,) * len(lead) + high, "interior": (0,) * rank}
+                g = cx.node("pad", cx.b.convert(grad, wide), value=0.0, **pads)
+                at = cx.node("pad", indices, value=-1.0, **pads)
+                row = cx.b.binary("add", cx.b.binary("mul", cx.b.iota(shape, rank - 2, DType.I64),
+                                                     cx.lift(sh, DType.I64, shape)), cx.lift(a, DType.I64, shape))
+                col = cx.b.binary("add", cx.b.binary("mul", cx.b.iota(shape, rank - 1, DType.I64),
+                                                     cx.lift(sw, DType.I64, shape)), cx.lift(b, DType.I64, shape))
+                target = cx.b.binary("add", cx.b.binary("mul", row, cx.lift(w, DType.I64, shape)), col)
+                zero = cx.constant(0, wide, shape)
+                for t in row_taps:
+                    for u in col_taps:
+                        start = (0,) * len(lead) + (t + low[0], u + low[1])
+                        limit = lead + (t + low[0] + rows, u + low[1] + cols)
+                        window = {"start": start, "limit": limit, "stride": (1,) * rank}
+                        hit = cx.b.compare("EQ", cx.node("slice", at, **window), target)
+                        term = cx.b.select(hit, cx.node("slice", g, **window), zero)
+                        total = term if total is None else cx.b.binary("add", total, term)
+            if total is None:  # a class no window covers (a stride longer than the window)
+                continue
+            spread = cx.node("pad", total, value=0.0, low=(0,) * len(lead) + (a, b),
+                             high=(0,) * len(lead) + (h - a - (rows - 1) * sh - 1, w - b - (cols - 1) * sw - 1),
+                             interior=(0,) * len(lead) + (sh - 1, sw - 1))
+            result = spread if result is None else cx.b.binary("add", result, spread)
+    if result is None:
+        return cx.constant(0, grad.dtype, x.shape)
+    return cx.b.convert(result, grad.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
