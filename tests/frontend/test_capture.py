@@ -37,8 +37,6 @@ LIBRARY_BY_DESIGN = {"aten.convolution.default", "aten.convolution_backward.defa
 NOT_LOWERED_YET = {
     "gpt2": {"aten.cumsum.default"}, "gpt2_train": {"aten.cumsum.default"}, "llama": {"aten.cumsum.default"},
     "llama_train": {"aten.cumsum.default", "aten.slice_scatter.default"},
-    # max pooling's backward: gathered over the window's taps in a generated kernel it ran slower
-    "resnet50_train": {"aten.max_pool2d_with_indices_backward.default"},
 }
 
 
