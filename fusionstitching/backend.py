@@ -76,7 +76,8 @@ class CompileFailure(RuntimeError):
 def stats() -> dict[str, Any]:
     """Counts since the process started: compiled graphs, kernels, library calls, views, fallbacks,
     shape specializations and cache hits; ``"tuned"`` (patterns whose schedules were measured) and
-    ``"perflib hits"`` (patterns whose schedule came from the performance library); ``"padded
+    ``"perflib hits"`` (patterns whose schedule came from the performance library); ``"surveyed"``
+    (patterns whose plan kernel a first call timed to spend its tuning budget); ``"padded
     GEMMs"`` (library GEMMs of unaligned sizes measured faster on zero-padded operands). Every value
     is an int but ``"compile seconds"``: a dict from compile phase (``_host.PHASES``) to the seconds
     spent in it (``_host.timed``)."""
@@ -86,6 +87,7 @@ def stats() -> dict[str, Any]:
     result: dict[str, Any] = dict(_STATS)
     result["tuned"] = COUNTS["tuned"]
     result["perflib hits"] = COUNTS["perflib hits"]
+    result["surveyed"] = COUNTS["surveyed"]
     result["padded GEMMs"] = PADDING_CHOICES["padded"]
     result["compile seconds"] = {phase: float(COMPILE_SECONDS[phase]) for phase in PHASES}
     return result

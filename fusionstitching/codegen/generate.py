@@ -54,6 +54,12 @@ class GeneratedKernel:
         return [n.name for n in self.lowered.pattern.outputs]
 
     @property
+    def moved_bytes(self) -> int:
+        """The bytes the kernel has to move: its inputs read once and its outputs written once."""
+        pattern = self.lowered.pattern
+        return sum(n.size * n.dtype.itemsize for n in list(pattern.inputs) + list(pattern.outputs))
+
+    @property
     def kernel(self):
         return self.lowered.kernel
 

@@ -235,11 +235,36 @@ class CompiledGraph:
                           f"templates", TuningWarning, stacklevel=3)
             return program.run(tensors)
         tuner.prioritize(program.kernels)
+        if tuner.leaves_out() and self._survey(program, tensors, tuner):
+            tuner.prioritize(program.kernels)
         outputs = program.run(tensors, tuner)
         chosen = iter(program.kernels)
         self.steps = [Step(s.kind, s.nodes, next(chosen)) if s.kernel is not None else s for s in self.steps]
         self.tuning = tuner
         return outputs
+
+    def _survey(self, program: GpuProgram | GraphedProgram, tensors: Sequence[Any], tuner: Any) -> bool:
+        """Run the program once with ``tuner.survey_kernel`` timing each pattern's kernel, when the
+        budget cannot measure every pattern: the budget then goes to the patterns measured furthest
+        from a copy's time. The run leaves the call as it was: the parameters the program updates in
+        place are scratch copies (no survey where they do not fit in half the free memory) and
+        torch's random-number state is restored. Whether the survey ran."""
+        import torch
+
+        from fusionstitching.runtime.tuner import Survey
+
+        targets = sorted(set(self.graph.mutations.values()))
+        scratch = list(tensors)
+        if targets:
+            need = sum(tensors[k].numel() * tensors[k].element_size() for k in targets)
+            free, _ = torch.cuda.mem_get_info(program.device)
+            if 2 * need > free:
+                return False
+            for k in targets:
+                scratch[k] = tensors[k].clone()
+        with torch.random.fork_rng(devices=[program.device]):
+            program.run(scratch, Survey(tuner))
+        return True
 
     def _to_move(self, tensors: Sequence[Any], device: Any) -> list[int]:
         """The inputs on another device than the call's that steps need there: all but the 0-d ones

@@ -53,14 +53,8 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None)
 KERNEL_BYTES: dict[str, int | None] = {}
 
 
-def moved_bytes(kernel: Any) -> int:
-    """The bytes ``kernel`` has to move: its inputs read once and its outputs written once."""
-    pattern = kernel.lowered.pattern
-    return sum(n.size * n.dtype.itemsize for n in list(pattern.inputs) + list(pattern.outputs))
-
-
 def record_bytes(kernel: Any) -> None:
-    moved = moved_bytes(kernel)
+    moved = kernel.moved_bytes
     KERNEL_BYTES[kernel.name] = moved if KERNEL_BYTES.get(kernel.name, moved) == moved else None
 
 

@@ -20,14 +20,19 @@ the program, in program order and with the call's own input values, goes through
    flush, as a kernel often finds them in a program), is no slower there either. Every measurement
    and the winner go to the library.
 
+When the budget (``Options.tune_budget``) cannot measure every pattern, the patterns it measures are
+the ones with the most to gain. ``prioritize`` orders them first by the latency evaluator's time;
+if that leaves some out, a survey runs the program once, timing each pattern's plan kernel alone
+(``survey_kernel``), and the order becomes the measured time beyond a same-size copy's.
+
 Tuning never touches the user's tensors: inputs a kernel overwrites in place are replaced by
 scratch copies, and outputs are scratch buffers. Kernels draw random numbers from the seed and
 offset the graph reads from its inputs, so torch's generator is not advanced either. The program
 then runs the chosen kernel for the call itself. A candidate whose in-place updates differ from the
 plan's kernel is not considered: the order of the program's steps depends on them.
 
-``COUNTS`` holds this process's ``"tuned"`` (patterns measured) and ``"perflib hits"`` (patterns
-whose template came from the library), read by ``fusionstitching.stats()``.
+``COUNTS`` holds this process's ``"tuned"`` (patterns measured), ``"perflib hits"`` (patterns
+whose template came from the library) and ``"surveyed"``, read by ``fusionstitching.stats()``.
 """
 
 from __future__ import annotations
@@ -111,14 +116,18 @@ class Tuner:
         self._worth: set[str] | None = None  # keys the budget is kept for (``prioritize``); None: all
         self._patterns: list[tuple[str, float, GeneratedKernel]] = []  # (key, µs, kernel), longest first
         self._plan_us: dict[str, float] = {}  # kernel name -> the latency evaluator's µs (``plan_us``)
+        self._keys: dict[str, str] = {}  # kernel name -> its pattern's key (``key``)
+        self._surveyed: dict[str, float | None] = {}  # key -> the plan's kernel's measured µs (``survey_kernel``)
+        self.surveyed = 0  # patterns timed by the survey
         self._spent = (0.0, 0)  # seconds and characters of the candidates made so far
 
     def prioritize(self, kernels: Sequence[GeneratedKernel]) -> None:
-        """Keep the budget for the patterns whose kernels take the most time: a program's kernels
-        are tuned as they run, and in program order a budget spent on the first small kernels never
-        reached a ResNet's large BatchNorm kernels. A pattern's time is the latency evaluator's for
-        its plan's template (``plan_us``: its memory time, or longer where its launch or its serial
-        round trips bound it), summed over its kernels; patterns are taken longest first, each
+        """Keep the budget for the patterns with the most to gain: a program's kernels are tuned as
+        they run, and in program order a budget spent on the first small kernels never reached a
+        ResNet's large BatchNorm kernels. A pattern's worth (``_worth_us``) is its time beyond a
+        copy's where the survey measured it, else the latency evaluator's time for its plan's
+        template (``plan_us``: its memory time, or longer where its launch or its serial round trips
+        bound it), summed over its kernels; patterns are taken most worth first, each
         costing its predicted generation and compilation (seconds per character of CUDA C, times the
         kernel's, for each candidate beyond the plan's), while the budget lasts; the others keep
         the plan's template unless the library knows them. The prediction starts from the graph's
@@ -131,10 +140,48 @@ class Tuner:
         for kernel in kernels:  # a pattern's time over all its kernels: its template serves them all
             key = self.key(kernel)
             total, first = by_key.get(key, (0.0, kernel))
-            by_key[key] = (total + self.plan_us(kernel), first)
+            by_key[key] = (total + self._worth_us(key, kernel), first)
         self._patterns = sorted(((key, us, kernel) for key, (us, kernel) in by_key.items()),
                                 key=lambda item: -item[1])
         self._choose()
+
+    def _worth_us(self, key: str, kernel: GeneratedKernel) -> float:
+        """What tuning ``kernel`` could gain at most, in µs: with a survey measurement, the plan's
+        measured time beyond a same-size copy's (``cost.bandwidth``; no template moves its bytes
+        faster); without one, the latency evaluator's time for the plan's template."""
+        us = self._surveyed.get(key)
+        if us is None:
+            return self.plan_us(kernel)
+        return max(0.0, us - self.bandwidth.time_us(kernel.moved_bytes))
+
+    def leaves_out(self) -> bool:
+        """Whether the budget, as ``prioritize`` spent it, leaves an undecided pattern unmeasured."""
+        return self._worth is not None and any(key not in self._decided and key not in self._worth
+                                               for key, _, _ in self._patterns)
+
+    def survey_kernel(self, kernel: GeneratedKernel, inputs: Sequence[Any]) -> GeneratedKernel:
+        """The survey's hook, in ``kernel_for``'s place (``GpuProgram.run``): times ``kernel``, the
+        plan's template, alone on this call's inputs once per pattern, as the candidates are timed,
+        and keeps it. Patterns the library knows are not timed. The latency evaluator misjudges some
+        kernels by several times (few blocks over a long reduction, serial round trips), and its
+        ordering let the budget miss them; ``prioritize`` after a survey orders by the measured
+        time beyond a copy's instead. Its time counts in the budget."""
+        start = time.perf_counter()
+        try:
+            key = self.key(kernel)
+            if key in self._surveyed or key in self._decided:
+                return kernel
+            if self.library is not None and self.library.winner(key) is not None:
+                self._surveyed[key] = None
+                return kernel
+            times = self.measure([kernel], inputs)
+            self._surveyed[key] = times[0]
+            if times[0] is not None:
+                self.surveyed += 1
+                COUNTS["surveyed"] += 1
+            return kernel
+        finally:
+            self.seconds += time.perf_counter() - start
 
     def _choose(self) -> None:
         """``_worth``: the undecided patterns, most bytes first, whose predicted cost fits the budget
@@ -159,10 +206,14 @@ class Tuner:
         return sorted(kernel.lowered.pattern.nodes, key=position.__getitem__)
 
     def key(self, kernel: GeneratedKernel) -> str:
-        """The library key of ``kernel``'s pattern on this GPU."""
-        nodes = self._nodes(kernel)
-        structure = repr((pattern_structure(self.graph, nodes, self._aliased), sorted(kernel.lowered.aliases.items())))
-        return entry_key(structure, self.device, self.arch, generator())
+        """The library key of ``kernel``'s pattern on this GPU (the same for every candidate of it)."""
+        key = self._keys.get(kernel.name)
+        if key is None:
+            nodes = self._nodes(kernel)
+            structure = repr((pattern_structure(self.graph, nodes, self._aliased),
+                              sorted(kernel.lowered.aliases.items())))
+            key = self._keys[kernel.name] = entry_key(structure, self.device, self.arch, generator())
+        return key
 
     def kernel_for(self, kernel: GeneratedKernel, inputs: Sequence[Any]) -> GeneratedKernel:
         """The kernel to run for ``kernel``'s pattern: ``kernel`` itself, or one generated with the
@@ -218,7 +269,8 @@ class Tuner:
         the few microseconds it takes are within the timing's noise (BERT batch 1's kernels). A
         kernel of few bytes whose threads loop long (a packed sub-kernel recomputing reductions, a
         block looping over a large grid) is not at the floor."""
-        return self.plan_us(kernel) < 2 * self.bandwidth.floor_us
+        us = self._surveyed.get(self.key(kernel))
+        return (self.plan_us(kernel) if us is None else us) < 2 * self.bandwidth.floor_us
 
     def plan_us(self, kernel: GeneratedKernel) -> float:
         """The latency evaluator's µs for ``kernel`` (its pattern under the template it was made
@@ -361,6 +413,16 @@ def gpu_tuner(graph: Graph, options: Options, device: Any, budget_s: float | Non
 
     return Tuner(graph, options, name, arch, GpuMeasure(device, options), library, resources, budget_s,
                  seconds_per_character)
+
+
+class Survey:
+    """The hook ``GpuProgram.run`` asks for each kernel during the survey (``Tuner.survey_kernel``)."""
+
+    def __init__(self, tuner: Tuner) -> None:
+        self.tuner = tuner
+
+    def kernel_for(self, kernel: GeneratedKernel, inputs: Sequence[Any]) -> GeneratedKernel:
+        return self.tuner.survey_kernel(kernel, inputs)
 
 
 class GpuMeasure:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fusionstitching.cli import capture_workload
-from fusionstitching.cost.perflib import FILE_NAME, PerfLib
+from fusionstitching.cost.perflib import FILE_NAME, Measured, PerfLib
 from fusionstitching.options import Options
 from fusionstitching.pipeline import compile_graph
 from fusionstitching.runtime.tuner import COUNTS, Tuner
@@ -137,8 +137,6 @@ def test_exhaustive_times_the_whole_space(tmp_path):
 
 
 def test_a_stored_template_this_code_cannot_build_keeps_the_plans(tmp_path):
-    from fusionstitching.cost.perflib import Measured
-
     compiled = _layernorm()
     kernel = compiled.kernels[0]
     library = PerfLib(tmp_path / FILE_NAME)
@@ -253,6 +251,66 @@ def test_a_budget_for_one_pattern_goes_to_the_one_that_moves_the_most_bytes(tmp_
     assert tuner.kernel_for(small, []) is small and not measure.calls and tuner.over_budget == 1
     assert tuner.kernel_for(large, []) is not large and tuner.tuned == 1
     assert measure.calls[0][0] == str(large.template)
+
+
+class ByName:
+    """Times each kernel as ``us`` gives it by name (the survey asks for one kernel at a time)."""
+
+    def __init__(self, us: dict[str, float]) -> None:
+        self.us = us
+        self.calls: list[list[str]] = []
+
+    def __call__(self, kernels, inputs, flush=True):
+        self.calls.append([k.name for k in kernels])
+        return [self.us[k.name] for k in kernels]
+
+
+def test_a_survey_gives_the_budget_to_the_pattern_measured_furthest_from_a_copy():
+    """The model keeps a one-pattern budget for the LayerNorm that moves 8 times the softmax's bytes;
+    timed alone, the LayerNorm runs at a copy's speed and the softmax at a tenth of it, so after the
+    survey the budget goes to the softmax. The survey times each pattern once and decides nothing."""
+    import torch
+
+    from fusionstitching.cost.bandwidth import bandwidth_model
+    from fusionstitching.frontend.torch_fx import capture
+
+    def fn(a, b):
+        return torch.softmax(a, -1), torch.nn.functional.layer_norm(b, (1024,))
+
+    compiled = compile_graph(capture(fn, torch.randn(4096, 1024), torch.randn(32768, 1024)).forward,
+                             Options(strict=True))
+    small, large = compiled.kernels
+    copy = bandwidth_model("H100")
+    measure = ByName({small.name: 10 * copy.time_us(small.moved_bytes), large.name: copy.time_us(large.moved_bytes)})
+    per_candidate = 10.0
+    tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, None,
+                  budget_s=per_candidate * (Options().tune_candidates - 1) * 1.01,
+                  seconds_per_character=per_candidate / len(large.cuda_source))
+    tuner.prioritize(compiled.kernels)
+    assert tuner._worth == {tuner.key(large)} and tuner.leaves_out()
+    for kernel in (small, large, small):
+        assert tuner.survey_kernel(kernel, []) is kernel
+    assert measure.calls == [[small.name], [large.name]] and tuner.surveyed == 2 and tuner.tuned == 0
+    tuner.prioritize(compiled.kernels)
+    assert tuner._worth == {tuner.key(small)}
+
+
+def test_a_survey_skips_what_the_library_knows_and_judges_the_floor_by_its_measurement(tmp_path):
+    """A pattern the library holds is not timed; one the model puts above the latency floor but
+    measured at it is not tuned."""
+    from fusionstitching.cost.bandwidth import bandwidth_model
+
+    compiled = _layernorm()
+    kernel = compiled.kernels[0]
+    library = PerfLib(tmp_path / FILE_NAME)
+    measure = ByName({kernel.name: bandwidth_model("H100").floor_us})
+    tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, library, budget_s=10.0)
+    assert not tuner._at_the_floor(kernel)
+    assert tuner.survey_kernel(kernel, []) is kernel and tuner._at_the_floor(kernel)
+    library.store(tuner.key(kernel), [Measured(canonical(kernel.template, tuner._nodes(kernel)), 1.0)])
+    other = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, library, budget_s=10.0)
+    other.survey_kernel(kernel, [])
+    assert len(measure.calls) == 1 and other.surveyed == 0
 
 
 def test_the_budget_is_chosen_again_at_the_cost_the_first_pattern_measured():
