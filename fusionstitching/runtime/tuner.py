@@ -114,7 +114,7 @@ class Tuner:
         self.seconds_per_character = seconds_per_character  # a candidate's predicted cost, per character
         self.at_floor = 0  # patterns not measured: their kernels take about the latency floor
         self._worth: set[str] | None = None  # keys the budget is kept for (``prioritize``); None: all
-        self._patterns: list[tuple[str, float, GeneratedKernel]] = []  # (key, µs, kernel), longest first
+        self._patterns: list[tuple[str, float, GeneratedKernel]] = []  # (key, worth µs, kernel), in order
         self._plan_us: dict[str, float] = {}  # kernel name -> the latency evaluator's µs (``plan_us``)
         self._keys: dict[str, str] = {}  # kernel name -> its pattern's key (``key``)
         self._surveyed: dict[str, float | None] = {}  # key -> the plan's kernel's measured µs (``survey_kernel``)
@@ -127,9 +127,10 @@ class Tuner:
         ResNet's large BatchNorm kernels. A pattern's worth (``_worth_us``) is its time beyond a
         copy's where the survey measured it, else the latency evaluator's time for its plan's
         template (``plan_us``: its memory time, or longer where its launch or its serial round trips
-        bound it), summed over its kernels; patterns are taken most worth first, each
-        costing its predicted generation and compilation (seconds per character of CUDA C, times the
-        kernel's, for each candidate beyond the plan's), while the budget lasts; the others keep
+        bound it), summed over its kernels. Each costs its predicted generation and compilation
+        (seconds per character of CUDA C, times the kernel's, for each candidate beyond the plan's);
+        patterns are taken most worth per second first (a huge packed kernel's candidates can take
+        a budget that a dozen small ones would turn into more µs), while the budget lasts; the others keep
         the plan's template unless the library knows them. The prediction starts from the graph's
         compile seconds per character, which counts exploration too; after each measured pattern
         it is what making its candidates took, and the patterns still ahead are chosen again with
@@ -141,8 +142,9 @@ class Tuner:
             key = self.key(kernel)
             total, first = by_key.get(key, (0.0, kernel))
             by_key[key] = (total + self._worth_us(key, kernel), first)
+        # most worth per second of making candidates first (their cost grows with the kernel's CUDA C)
         self._patterns = sorted(((key, us, kernel) for key, (us, kernel) in by_key.items()),
-                                key=lambda item: -item[1])
+                                key=lambda item: -item[1] / max(len(item[2].cuda_source), 1))
         self._choose()
 
     def _worth_us(self, key: str, kernel: GeneratedKernel) -> float:

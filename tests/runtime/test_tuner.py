@@ -295,6 +295,37 @@ def test_a_survey_gives_the_budget_to_the_pattern_measured_furthest_from_a_copy(
     assert tuner._worth == {tuner.key(small)}
 
 
+def test_the_budget_goes_first_to_the_most_worth_per_second_of_candidates():
+    """The LayerNorm is measured further from a copy's time than the softmax, but its candidates
+    (a CUDA C source twenty times as long, as a packed kernel's) would take the budget that the
+    softmax's turn into more µs per second."""
+    import dataclasses
+
+    import torch
+
+    from fusionstitching.cost.bandwidth import bandwidth_model
+    from fusionstitching.frontend.torch_fx import capture
+
+    def fn(a, b):
+        return torch.softmax(a, -1), torch.nn.functional.layer_norm(b, (1024,))
+
+    compiled = compile_graph(capture(fn, torch.randn(4096, 1024), torch.randn(32768, 1024)).forward,
+                             Options(strict=True))
+    small, large = compiled.kernels
+    large = dataclasses.replace(large, cuda_source=large.cuda_source * 20)
+    copy = bandwidth_model("H100")
+    measure = ByName({small.name: 10 * copy.time_us(small.moved_bytes), large.name: 3 * copy.time_us(large.moved_bytes)})
+    per_candidate = 1.0  # predicted seconds to make one candidate of the softmax
+    tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, None,
+                  budget_s=per_candidate * (Options().tune_candidates - 1) * 1.5,
+                  seconds_per_character=per_candidate / len(small.cuda_source))
+    for kernel in (small, large):
+        tuner.survey_kernel(kernel, [])
+    tuner.prioritize([small, large])
+    assert tuner._worth_us(tuner.key(large), large) > tuner._worth_us(tuner.key(small), small)
+    assert tuner._worth == {tuner.key(small)}
+
+
 def test_a_survey_skips_what_the_library_knows_and_judges_the_floor_by_its_measurement(tmp_path):
     """A pattern the library holds is not timed; one the model puts above the latency floor but
     measured at it is not tuned."""
