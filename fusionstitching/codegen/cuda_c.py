@@ -79,10 +79,11 @@ _F64_UNARY = {"exp": "exp", "log": "log", "log1p": "log1p", "expm1": "expm1", "t
               "sqrt": "sqrt", "rsqrt": "rsqrt", "sin": "sin", "cos": "cos", "abs": "fabs", "floor": "floor",
               "ceil": "ceil", "rcp": "__drcp_rn"}
 _VECTOR_TYPES = {("f32", 4): "float4", ("f64", 2): "double2", ("i32", 4): "int4", ("i64", 2): "longlong2",
-                 ("u32", 4): "uint4", ("f16", 8): "uint4", ("bf16", 8): "uint4",
+                 ("u32", 4): "uint4", ("f16", 8): "uint4", ("bf16", 8): "uint4", ("bool", 16): "uint4",
                  # 8-byte accesses (``vectorize._chunk``)
                  ("f32", 2): "float2", ("i32", 2): "int2", ("u32", 2): "uint2", ("f16", 4): "uint2",
-                 ("bf16", 4): "uint2"}
+                 ("bf16", 4): "uint2", ("bool", 8): "uint2"}
+_PACKED_BITS = {"f16": 16, "bf16": 16, "bool": 8}  # lanes narrower than a 32-bit word: bits per lane
 
 
 def render(kernel: K.Kernel) -> str:
@@ -184,10 +185,13 @@ def _vec_store(s: K.VecStore, pad: str) -> list[str]:
     dtype = _storage_type(s.values[0])
     vtype = _VECTOR_TYPES[(dtype, len(s.values))]
     values = [expr(v) for v in s.values]
-    if dtype in ("f16", "bf16"):
-        words = [f"((unsigned int)({values[2 * k]}) | ((unsigned int)({values[2 * k + 1]}) << 16))"
-                 for k in range(len(values) // 2)]
-        init = ", ".join(words)
+    bits = _PACKED_BITS.get(dtype)
+    if bits is not None:
+        per_word = 32 // bits
+        words = [" | ".join(f"((unsigned int)({values[per_word * k + j]}) << {bits * j})" if j else
+                            f"(unsigned int)({values[per_word * k]})" for j in range(per_word))
+                 for k in range(len(values) // per_word)]
+        init = ", ".join(f"({w})" for w in words)
     else:
         init = ", ".join(values)
     return [f"{pad}*reinterpret_cast<{vtype}*>(&{s.buffer}[{expr(s.index)}]) = make_{vtype}({init});"]
@@ -198,6 +202,8 @@ def _lane_of(tmp: str, dtype: str, k: int) -> str:
     if dtype in ("f16", "bf16"):
         word = f"{tmp}.{fields[k // 2]}"
         return f"(unsigned short)({word} >> 16)" if k % 2 else f"(unsigned short)({word} & 0xffffu)"
+    if dtype == "bool":  # a byte per lane; any nonzero byte is true, as a bool load reads it
+        return f"((({tmp}.{fields[k // 4]} >> {8 * (k % 4)}) & 0xffu) != 0u)"
     return f"{tmp}.{fields[k]}"
 
 

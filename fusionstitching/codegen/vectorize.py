@@ -4,7 +4,8 @@ When a root's innermost tile is ``THREAD_v``, lowering unrolls the v lanes and t
 their scalar accesses: ``Let x_j = buf[e + j]`` for j = 0..v-1 becomes one ``VecLoad`` (in chunks
 of 16 bytes of the buffer's type) and the v stores one ``VecStore``. Where the v lanes of a buffer
 hold only 8 bytes (a row of f32 tiled by 4 lanes also read as bf16: the GEMM output in BERT's
-LayerNorm kernels), they become one 8-byte access instead of four 2-byte ones.
+LayerNorm kernels), they become one 8-byte access instead of four 2-byte ones. Bools are a byte
+per lane: 16 or 8 lanes of a mask (a ReLU's, saved for the backward) are one access.
 A group merges only when an affine analysis proves the lane-0 index a multiple of the chunk:
 indices are expanded through the registers that define them (``definitions``) into a sum of
 opaque terms with integer coefficients plus a constant, and every coefficient and the constant
@@ -109,7 +110,7 @@ def _pack_loads(stmts: list[K.Stmt], definitions, lanes: int) -> list[K.Stmt]:
         if k in removed or form is None:
             continue
         chunk = _chunk(load.dtype, lanes)
-        if chunk > lanes or lanes % chunk or load.dtype == "bool" or not _aligned(form, chunk):
+        if chunk > lanes or lanes % chunk or not _aligned(form, chunk):
             continue
         group = {0: k}
         for k2, load2, form2 in loads[position + 1 :]:
@@ -150,7 +151,7 @@ def _pack_stores(stmts: list[K.Stmt], definitions, lanes: int) -> list[K.Stmt]:
                 continue
             dtype = store.value.dtype
             chunk = _chunk(dtype, lanes)
-            if chunk > lanes or lanes % chunk or dtype == "bool" or not _aligned(form, chunk):
+            if chunk > lanes or lanes % chunk or not _aligned(form, chunk):
                 continue
             group = {0: (k, store)}
             for k2, store2, form2 in items[position + 1 :]:

@@ -4,6 +4,8 @@ cached in shared memory (expensive ops both ways)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -317,3 +319,60 @@ def test_transpose_into_a_dim_before_others_takes_32_by_32_tiles_along_it():
     data = np.random.default_rng(4).standard_normal(shape).astype(ml_dtypes.bfloat16)
     (got,) = kernel.simulate([data])
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.transpose(data, (0, 3, 1, 2)).astype(np.float32))
+
+
+def _mask_kernel(lanes: int):
+    """A ReLU's mask saved for the backward (``x <= 0``, a bool per element) and a mask read back
+    (``where(m, x, 0)``), rows of 64 tiled by ``lanes`` THREAD lanes."""
+    b = GraphBuilder("mask")
+    rows, cols = 64, 64
+    x = b.parameter((rows, cols), DType.BF16, "x")
+    m = b.parameter((rows, cols), DType.BOOL, "m")
+    zero = b.broadcast(b.constant(0.0, DType.BF16), (rows, cols), ())
+    saved = b.compare("LE", x, zero)
+    kept = b.select(m, x, zero)
+    graph = b.build([saved, kept])
+    nodes = [n for n in graph.nodes if n.op not in ("parameter", "constant")]
+    tiles = f"[GRID-CTA_{256 * lanes // cols},CTA_{cols // lanes}-THREAD_{lanes}]"
+    template = parse_template("; ".join(f"{n.name}{tiles}" for n in (saved, kept))
+                              + f"; launch(blocks={rows * cols // 256},threads=256)")
+    return graph, generate(graph, nodes, template), saved
+
+
+@pytest.mark.parametrize("lanes,vector", [(16, "uint4"), (8, "uint2")])
+def test_bool_lanes_move_as_vectors_of_bytes(lanes, vector):
+    """The mask's lanes are one 16- or 8-byte access, not a store or load per byte; values
+    round-trip exactly."""
+    graph, kernel, saved = _mask_kernel(lanes)
+    source = kernel.cuda_source.split("extern")[1]
+    mask_in = f"in{kernel.inputs.index('m')}"
+    mask_out = f"out{kernel.outputs.index(saved.name)}"
+    assert f"reinterpret_cast<const {vector}*>(&{mask_in}[" in source
+    assert f"reinterpret_cast<{vector}*>(&{mask_out}[" in source
+    assert not re.search(rf"[^&]({mask_in}|{mask_out})\[", source)  # no scalar access left
+    compile_cuda(kernel.cuda_source, "sm_90")
+    import ml_dtypes
+    rng = np.random.default_rng(0)
+    arrays = {"x": rng.standard_normal((64, 64)).astype(ml_dtypes.bfloat16),
+              "m": rng.integers(0, 2, (64, 64)).astype(np.bool_)}
+    got = kernel.simulate([arrays[n] for n in kernel.inputs])
+    want = reference.evaluate(graph, [arrays["x"], arrays["m"]])
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lanes", [16, 8])
+def test_bool_vectors_on_the_gpu(lanes):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from fusionstitching.runtime.kernel_call import call_generated
+
+    _, kernel, saved = _mask_kernel(lanes)
+    x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    m = torch.rand(64, 64, device="cuda") > 0.5
+    got = dict(zip(kernel.outputs, call_generated(kernel, [{"x": x, "m": m}[n] for n in kernel.inputs])))
+    assert torch.equal(got[saved.name], x <= 0)
+    (kept,) = [name for name in kernel.outputs if name != saved.name]
+    assert torch.equal(got[kept], torch.where(m, x, torch.zeros_like(x)))
