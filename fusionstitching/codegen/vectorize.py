@@ -25,10 +25,13 @@ VECTOR_BYTES = 16
 
 
 def affine(e: K.Expr, definitions: Mapping[str, K.Expr],
-           memo: dict[str, tuple] | None = None) -> tuple[dict[str, int], int] | None:
-    """``e`` as (coefficients of opaque terms, constant), or None when it is not affine. ``memo``
-    keeps the forms of registers expanded through ``definitions`` (a register is defined once, so
-    its form never changes); the forms returned are shared and must not be modified."""
+           memo: dict[str, tuple] | None = None) -> tuple[dict[str | K.Expr, int], int] | None:
+    """``e`` as (coefficients of opaque terms, constant), or None when it is not affine. An opaque
+    term is a register that is no sum of products by constants, or a pure integer expression that is
+    not (a quotient, a remainder: ``(h / 2) * 3584`` in a padded read's index), keyed by itself: it has
+    one value wherever it occurs. ``memo`` keeps the forms of registers expanded through
+    ``definitions`` (a register is defined once, so its form never changes); the forms returned are
+    shared and must not be modified."""
     if isinstance(e, K.Const) and isinstance(e.value, int) and not isinstance(e.value, bool):
         return {}, e.value
     if isinstance(e, K.Var):
@@ -49,7 +52,7 @@ def affine(e: K.Expr, definitions: Mapping[str, K.Expr],
     if isinstance(e, K.Binary) and e.op in ("add", "sub"):
         a, b = affine(e.a, definitions, memo), affine(e.b, definitions, memo)
         if a is None or b is None:
-            return None
+            return _opaque(e)
         sign = 1 if e.op == "add" else -1
         terms = dict(a[0])
         for name, c in b[0].items():
@@ -58,14 +61,35 @@ def affine(e: K.Expr, definitions: Mapping[str, K.Expr],
     if isinstance(e, K.Binary) and e.op == "mul":
         a, b = affine(e.a, definitions, memo), affine(e.b, definitions, memo)
         if a is None or b is None:
-            return None
+            return _opaque(e)
         if not b[0]:
             a, b = b, a
         if a[0]:
-            return None  # product of two non-constant terms
+            return _opaque(e)  # product of two non-constant terms
         k = a[1]
         return {n: c * k for n, c in b[0].items() if c * k}, b[1] * k
-    return None
+    return _opaque(e)
+
+
+def _opaque(e: K.Expr) -> tuple[dict[K.Expr, int], int] | None:
+    """``e`` as one opaque term, where it is an integer expression of registers and constants only
+    (no load, shuffle or random number, whose values differ between occurrences)."""
+    if e.dtype not in ("i32", "i64") or not _pure_arithmetic(e):
+        return None
+    return {e: 1}, 0
+
+
+def _pure_arithmetic(e: K.Expr) -> bool:
+    kind = type(e)
+    if kind is K.Var or kind is K.Const or kind is K.Special:
+        return True
+    if kind is K.Binary:
+        return _pure_arithmetic(e.a) and _pure_arithmetic(e.b)
+    if kind is K.Unary or kind is K.Cast:
+        return _pure_arithmetic(e.x)
+    if kind is K.Select:
+        return _pure_arithmetic(e.cond) and _pure_arithmetic(e.a) and _pure_arithmetic(e.b)
+    return False
 
 
 def _chunk(dtype: str, lanes: int) -> int:
@@ -88,9 +112,144 @@ def _lane_offset(base: tuple[dict[str, int], int], other: tuple[dict[str, int], 
 
 
 def pack_lanes(stmts: Sequence[K.Stmt], definitions: Mapping[str, K.Expr], lanes: int) -> list[K.Stmt]:
-    """Merge the scalar loads and stores of ``lanes`` unrolled lanes into vector accesses."""
-    stmts = _pack_loads(list(stmts), definitions, lanes)
+    """Merge the scalar loads and stores of ``lanes`` unrolled lanes into vector accesses; the
+    lanes' branches on one condition are merged first (``_merge_lane_branches``), and their bodies
+    packed in turn."""
+    stmts, merged = _merge_lane_branches(list(stmts))
+    stmts = [K.If(s.cond, tuple(pack_lanes(s.then, definitions, lanes)), tuple(pack_lanes(s.orelse, definitions, lanes)))
+             if id(s) in merged else s for s in stmts]
+    stmts = _pack_loads(stmts, definitions, lanes)
     return _pack_stores(stmts, definitions, lanes)
+
+
+class _Effects:
+    """What a statement reads and changes: registers read (``reads``), declared (``defines``) and
+    assigned after their declaration (``assigns``), buffers loaded and stored, and whether it holds
+    anything a branch may not be moved across or merged with (a barrier, a trap, a loop, a
+    shuffle)."""
+
+    __slots__ = ("assigns", "defines", "fixed", "loaded", "reads", "stored")
+
+    def __init__(self, stmt: K.Stmt) -> None:
+        self.reads: set[str] = set()
+        self.defines: set[str] = set()
+        self.assigns: set[str] = set()
+        self.loaded: set[str] = set()
+        self.stored: set[str] = set()
+        self.fixed = False
+        self._stmt(stmt)
+        self.reads -= self.defines  # a register declared inside and read there is not read from outside
+
+    def _stmt(self, s: K.Stmt) -> None:
+        kind = type(s)
+        if kind is K.Let:
+            self._expr(s.value)
+            self.defines.add(s.var.name)
+        elif kind is K.Assign:
+            self._expr(s.value)
+            self.assigns.add(s.var.name)
+        elif kind is K.If:
+            self._expr(s.cond)
+            for inner in s.then + s.orelse:
+                self._stmt(inner)
+        elif kind is K.VecLoad:
+            self._expr(s.index)
+            self.loaded.add(s.buffer)
+            self.defines.update(v.name for v in s.vars)
+        elif kind in (K.Store, K.VecStore):
+            self._expr(s.index)
+            for value in (s.values if kind is K.VecStore else (s.value,)):
+                self._expr(value)
+            self.stored.add(s.buffer)
+        elif kind is not K.Comment:
+            self.fixed = True  # Barrier, Trap, For
+
+    def _expr(self, e: K.Expr) -> None:
+        kind = type(e)
+        if kind is K.Var:
+            self.reads.add(e.name)
+            return
+        if kind is K.Const or kind is K.Special:
+            return
+        if kind is K.Load:
+            self.loaded.add(e.buffer)
+        elif kind is K.Shuffle:
+            self.fixed = True
+        for child in vars(e).values():
+            for c in (child if isinstance(child, tuple) else (child,)):
+                if hasattr(c, "dtype") and not isinstance(c, str):
+                    self._expr(c)
+
+
+def _merge_lane_branches(stmts: list[K.Stmt]) -> tuple[list[K.Stmt], set[int]]:
+    """Unrolled lanes of one position guard their padded reads alike: lane j's branch has the same
+    condition as lane 0's (the position the lanes share), with its loads at the next element. Each
+    such branch is merged into the first one on its condition, so that the lanes' loads sit side by
+    side in one body. A branch moves up only past statements it does not depend on: every register
+    it reads is declared before the first branch, nothing between assigns them or reads what it
+    assigns, and nothing between stores to a buffer it loads. The declarations of the registers it
+    assigns (``float p = 0``, constants) move up with it. Branches that store, loop, shuffle or trap
+    stay where they are. Returns the statements and the ids of the merged branches."""
+    merged: set[int] = set()
+    if sum(type(s) is K.If for s in stmts) < 2:
+        return stmts, merged
+    out: list[K.Stmt] = []
+    effects: list[_Effects] = []
+    first: dict[K.Expr, int] = {}  # condition -> id of the branch in ``out`` that lanes merge into
+    for stmt in stmts:
+        mine = _Effects(stmt)
+        if type(stmt) is K.If and not mine.fixed and not mine.stored:
+            target = first.get(stmt.cond)
+            if target is not None:
+                at = next(k for k, s in enumerate(out) if id(s) == target)
+                if _merge_into(out, effects, at, stmt, mine):
+                    merged.discard(target)
+                    branch = next(s for s in out[at:] if type(s) is K.If)
+                    merged.add(id(branch))
+                    first[stmt.cond] = id(branch)
+                    continue
+            first[stmt.cond] = id(stmt)  # later lanes merge into this one
+        out.append(stmt)
+        effects.append(mine)
+    return out, merged
+
+
+def _merge_into(out: list[K.Stmt], effects: list[_Effects], at: int, branch: K.If, mine: _Effects) -> bool:
+    """Merge ``branch`` into the branch at ``out[at]`` if that is legal (``_merge_lane_branches``),
+    the declarations it needs moved up before it; whether it was."""
+    declared = {name: k for k, e in enumerate(effects) for name in e.defines}
+    moving = []  # positions of the declarations of registers the branch assigns, after ``at``
+    for name in mine.assigns:
+        k = declared.get(name)
+        if k is None:
+            continue  # declared in an enclosing scope
+        if k > at:
+            decl = out[k]
+            if type(decl) is not K.Let or type(decl.value) is not K.Const:
+                return False
+            moving.append(k)
+    for name in mine.reads:
+        k = declared.get(name)
+        if k is not None and k >= at and k not in moving:
+            return False
+    for k in range(at, len(out)):
+        e = effects[k]
+        if k in moving:
+            continue
+        if e.fixed and k > at or e.assigns & mine.reads or e.reads & mine.assigns or e.stored & mine.loaded:
+            return False
+    target = out[at]
+    merged = K.If(target.cond, target.then + branch.then, target.orelse + branch.orelse)
+    decls = [out[k] for k in sorted(moving)]
+    decl_effects = [effects[k] for k in sorted(moving)]
+    for k in sorted(moving, reverse=True):
+        del out[k]
+        del effects[k]
+    out[at] = merged
+    effects[at] = _Effects(merged)
+    out[at:at] = decls
+    effects[at:at] = decl_effects
+    return True
 
 
 def _load_of(stmt: K.Stmt) -> K.Load | None:
