@@ -376,30 +376,40 @@ class NeighbourMerging(PlanSeeded):
             candidate = _propose_union(union, self.seen, self.legality, "exploratory fusion of neighbouring patterns")
             if candidate is not None:
                 found.append(candidate)
+        parts: dict[int, list[list[Node]]] = {}  # seed -> its connected parts: a seed meets many neighbours
         for a, b in pairs:
             if (a, b) in edges:
                 found += self._evicting(seeds[a], seeds[b])
                 found += self._moving(seeds[a], seeds[b])
-                found += self._unpacking(seeds[a], seeds[b])
+                for k in (a, b):
+                    if k not in parts:
+                        parts[k] = _connected_parts(seeds[k])
+                found += self._unpacking(seeds[a], seeds[b], parts[a], parts[b])
         return found
 
-    def _unpacking(self, producer: Sequence[Node], consumer: Sequence[Node]) -> list[Candidate]:
+    def _unpacking(self, producer: Sequence[Node], consumer: Sequence[Node], producer_parts: list[list[Node]],
+                   consumer_parts: list[list[Node]]) -> list[Candidate]:
         """The parts of two packed patterns that the edge joins merged, each pattern's other parts
         left packed as they were. A pattern can be a packing of unconnected parts (a softmax's
         division packed with a weight's cast); merged whole with its neighbour, the unconnected part
         can make the union illegal or slow, and the connected parts (a softmax split in two, its
         exponentials written in f32 and read back) stay apart."""
+        if len(producer_parts) == len(consumer_parts) == 1:
+            return []  # nothing to leave packed
         joined, rest = [], []
-        for side, other in ((producer, consumer), (consumer, producer)):
-            parts = _connected_parts(side)
+        for parts, other in ((producer_parts, consumer), (consumer_parts, producer)):
             if len(parts) == 1:
                 joined += parts[0]
+                if len(joined) > MERGE_MAX_OPS:
+                    return []
                 continue
             read = {x for n in other for x in n.operands}
             members = set(other)
             for part in parts:
                 if any(n in read or any(x in members for x in n.operands) for n in part):
                     joined.extend(part)
+                    if len(joined) > MERGE_MAX_OPS:
+                        return []
                 else:
                     rest.append(part)
         if not rest or len(joined) > MERGE_MAX_OPS:
@@ -448,8 +458,11 @@ class NeighbourMerging(PlanSeeded):
         users = self.graph.index.users
         outputs = self.graph.index.output_ids
         members, reader = set(producer), set(consumer)
-        read = {n.shape for n in producer if any(u in reader for u in users[n])}
-        side = {n for n in producer if n.shape not in read and not any(u in reader for u in users[n])
+        read_by_consumer = {n for n in producer if any(u in reader for u in users[n])}
+        if len(read_by_consumer) + len(consumer) > MERGE_MAX_OPS:
+            return []  # what the consumer reads always stays with it: the union would be too large
+        read = {n.shape for n in read_by_consumer}
+        side = {n for n in producer if n.shape not in read and n not in read_by_consumer
                 and (id(n) in outputs or any(u not in members for u in users[n]))}
         if not side:
             return []

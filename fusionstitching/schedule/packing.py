@@ -364,25 +364,36 @@ def serial_rounds(schedule: KernelSchedule, nodes: Sequence[Node], outputs: dict
     if any(s.root not in by_name for s in schedule.schedules) \
             or needs_composition(schedule.schedules, outputs, by_name):
         return 0
-    groups = packed_groups([(s, by_name[s.root]) for s in schedule.schedules], {id(n) for n in nodes})
+    in_pattern = {id(n) for n in nodes}
+    groups = packed_groups([(s, by_name[s.root]) for s in schedule.schedules], in_pattern)
     if len(groups) > schedule.launch.blocks:
         return 0
     rounds = 0
     for (sched, members), (start, stop) in zip(groups, block_ranges(groups, schedule.launch.blocks)):
         space = iteration_space(members[0])
         grid, thread = level_extent(sched, space, Level.GRID), level_extent(sched, space, Level.THREAD)
-        loads = thread * (_recomputed_reads(members, nodes) if recomputed else 1)
+        loads = thread * (_recomputed_reads(members, in_pattern) if recomputed else 1)
         rounds = max(rounds, math.ceil(grid / max(1, stop - start)) * math.ceil(loads / LOADS_IN_FLIGHT))
     return rounds
 
 
-def _recomputed_reads(members: Sequence[Node], nodes: Sequence[Node]) -> int:
+def _recomputed_reads(members: Sequence[Node], in_pattern: set[int]) -> int:
     """Elements a point of a packed loop nest reads per point of its own: sub-kernels share no
     values, so a reduction the nest's roots read from elsewhere in the kernel is recomputed at each
-    point, its whole reduced length (times what its own operands recompute)."""
+    point, its whole reduced length (times what its own operands recompute). Only the nodes the
+    members depend on within the pattern (ids ``in_pattern``) are visited: a packed kernel's other
+    sub-kernels can hold a thousand nodes."""
     own = {id(m) for m in members}
     reads: dict[int, int] = {}
-    for node in nodes:  # in pattern order: operands first
+    stack = [(m, False) for m in members]
+    while stack:  # depth first, each node after its operands
+        node, ready = stack.pop()
+        if id(node) in reads:
+            continue
+        if not ready:
+            stack.append((node, True))
+            stack.extend((x, False) for x in node.operands if id(x) in in_pattern and id(x) not in reads)
+            continue
         below = max([reads[id(x)] for x in node.operands if id(x) in reads] or [1])
         if node.op == "reduce" and id(node) not in own:
             below *= max(1, node.operands[0].size // max(1, node.size))
