@@ -235,8 +235,17 @@ class CompiledGraph:
                           f"templates", TuningWarning, stacklevel=3)
             return program.run(tensors)
         tuner.prioritize(program.kernels)
-        if tuner.leaves_out() and self._survey(program, tensors, tuner):
-            tuner.prioritize(program.kernels)
+        if tuner.leaves_out():
+            try:
+                surveyed = self._survey(program, tensors, tuner)
+            except Exception as err:  # the budget then goes by the latency evaluator's order
+                if self.options.strict:
+                    raise
+                warnings.warn(f"{self.graph.name}: the tuning survey failed ({err}); the budget goes by the "
+                              f"model's times", TuningWarning, stacklevel=3)
+                surveyed = False
+            if surveyed:
+                tuner.prioritize(program.kernels)
         outputs = program.run(tensors, tuner)
         chosen = iter(program.kernels)
         self.steps = [Step(s.kind, s.nodes, next(chosen)) if s.kernel is not None else s for s in self.steps]
@@ -262,8 +271,9 @@ class CompiledGraph:
                 return False
             for k in targets:
                 scratch[k] = tensors[k].clone()
+        eager = program.program if isinstance(program, GraphedProgram) else program  # not a call it counts
         with torch.random.fork_rng(devices=[program.device]):
-            program.run(scratch, Survey(tuner))
+            eager.run(scratch, Survey(tuner))
         return True
 
     def _to_move(self, tensors: Sequence[Any], device: Any) -> list[int]:

@@ -430,3 +430,30 @@ def test_a_kernel_of_few_bytes_that_loops_long_is_not_at_the_floor():
     assert tuner.bandwidth.time_us(66 * 1024) < 2 * tuner.bandwidth.floor_us  # by its bytes, at the floor
     assert tuner.plan_us(kernel) >= 16 * tuner.spec.memory_latency_us
     assert not tuner._at_the_floor(kernel)
+
+
+def test_a_survey_runs_the_eager_program_and_is_no_call_of_a_cuda_graph(monkeypatch):
+    """Under ``mode="reduce-overhead"`` the program's second call captures a CUDA graph: the survey
+    runs the program inside it, so the tuning run after it is still the graph's first call."""
+    import contextlib
+
+    import torch
+
+    from fusionstitching.runtime.program import GraphedProgram
+    from fusionstitching.runtime.tuner import Survey
+
+    class Eager:
+        device = torch.device("cpu")
+
+        def __init__(self) -> None:
+            self.hooks: list = []
+
+        def run(self, tensors, tuner=None):
+            self.hooks.append(tuner)
+            return []
+
+    monkeypatch.setattr(torch.random, "fork_rng", lambda **kwargs: contextlib.nullcontext())
+    compiled = _layernorm(batch=16, hidden=64)
+    graphed = GraphedProgram(Eager())
+    assert compiled._survey(graphed, [], tuner=None)
+    assert graphed.calls == 0 and len(graphed.program.hooks) == 1 and isinstance(graphed.program.hooks[0], Survey)
