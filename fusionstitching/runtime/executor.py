@@ -269,8 +269,9 @@ class CompiledGraph:
             free, _ = torch.cuda.mem_get_info(program.device)
             if 2 * need > free:
                 return False
-            for k in targets:
-                scratch[k] = tensors[k].clone()
+            for k in targets:  # with the strides the kernels were compiled for, views included
+                t = tensors[k]
+                scratch[k] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
         eager = program.program if isinstance(program, GraphedProgram) else program  # not a call it counts
         with torch.random.fork_rng(devices=[program.device]):
             eager.run(scratch, Survey(tuner))
