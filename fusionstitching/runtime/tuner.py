@@ -186,8 +186,8 @@ class Tuner:
             self.seconds += time.perf_counter() - start
 
     def _choose(self) -> None:
-        """``_worth``: the undecided patterns, most bytes first, whose predicted cost fits the budget
-        left (at least the first)."""
+        """``_worth``: the undecided patterns, in ``prioritize``'s order, whose predicted cost fits
+        the budget left (at least the first)."""
         assert self.budget_s is not None
         left = self.budget_s - self.seconds
         self._worth, spent = set(), 0.0
@@ -267,7 +267,7 @@ class Tuner:
 
     def _at_the_floor(self, kernel: GeneratedKernel) -> bool:
         """Whether the kernel takes less than twice the GPU's latency floor (the time of the smallest
-        copy) by the latency evaluator: such a kernel is bound by latency, not by its schedule, and
+        copy) as the survey measured it, or else by the latency evaluator: such a kernel is bound by latency, not by its schedule, and
         the few microseconds it takes are within the timing's noise (BERT batch 1's kernels). A
         kernel of few bytes whose threads loop long (a packed sub-kernel recomputing reductions, a
         block looping over a large grid) is not at the floor."""
