@@ -457,3 +457,44 @@ def test_a_survey_runs_the_eager_program_and_is_no_call_of_a_cuda_graph(monkeypa
     graphed = GraphedProgram(Eager())
     assert compiled._survey(graphed, [], tuner=None)
     assert graphed.calls == 0 and len(graphed.program.hooks) == 1 and isinstance(graphed.program.hooks[0], Survey)
+
+
+def test_the_survey_runs_on_scratch_copies_with_the_strides_of_the_updated_inputs(monkeypatch):
+    """An input updated in place that is a strided view (a parameter inside a flat buffer) is copied
+    for the survey with its own strides, which the kernels were compiled for; the user's tensor is
+    not what the survey's run writes."""
+    import contextlib
+
+    import torch
+
+    from fusionstitching.frontend.torch_fx import capture
+    from fusionstitching.runtime.program import GraphedProgram
+
+    def step(p, g):
+        p.add_(g)
+        return p.sum(-1)
+
+    flat = torch.randn(64, 32)
+    p, g = flat[:, ::2], torch.randn(64, 16)
+    compiled = compile_graph(capture(step, p.clone(), g).forward, Options(strict=True))
+    assert compiled.graph.mutations
+
+    class Eager:
+        device = torch.device("cpu")
+
+        def __init__(self) -> None:
+            self.seen: list = []
+
+        def run(self, tensors, tuner=None):
+            self.seen.append(list(tensors))
+            return []
+
+    monkeypatch.setattr(torch.random, "fork_rng", lambda **kwargs: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
+    program = GraphedProgram(Eager())
+    position = next(iter(compiled.graph.mutations.values()))
+    tensors = [p, g] if position == 0 else [g, p]
+    assert compiled._survey(program, tensors, tuner=None)
+    (scratch,) = program.program.seen
+    copy, original = scratch[position], tensors[position]
+    assert copy is not original and copy.stride() == original.stride() and torch.equal(copy, original)
