@@ -58,7 +58,7 @@ from fusionstitching.codegen.values import (
 )
 from fusionstitching.codegen.vectorize import affine
 from fusionstitching.schedule.template import WARP_SIZE as WARP
-from fusionstitching.schedule.template import Level
+from fusionstitching.schedule.template import Level, grid_carried
 
 
 @dataclass
@@ -91,6 +91,10 @@ class Composer:
         self.shared: list[K.Buffer] = []
         self.placement: dict[str, K.Buffer] = {}  # S sub-root → its (possibly shared) buffer
         self._layouts: dict[int, tuple] = {}  # id(group) → (footprint, tile layout): factors never change
+        # Statements before and after the grid loop: the registers of carried reductions
+        # (``template.grid_carried``), set to the identity before it and stored after it.
+        self.prologue: list[K.Stmt] = []
+        self.epilogue: list[K.Stmt] = []
         self.reductions = Reductions(em, self, self.shared, threads, self.warp_mode, guard_tails)
         self.registers = RegisterComposition(em, groups, self, self.reductions, self.ranges, threads, self.warp_mode,
                                              probe, vectorize)
@@ -119,9 +123,14 @@ class Composer:
                                        "warps of the block)")
             if g.cross_thread and not self.warp_mode and self.threads > WARP and self.threads & (self.threads - 1):
                 raise CodegenError(f"{g.root.name}: block reductions need a power-of-two thread count")
+            if g.carried and (self.warp_mode or not grid_carried(g.sched, g.space, g.reduced, self.blocks)):
+                raise CodegenError(f"{g.root.name}: an output reduced over GRID tiles needs them to be the "
+                                   f"iterations of a block's grid loop (block mode, {self.blocks} blocks: the "
+                                   "kept GRID points)")
 
     def lower(self) -> list[K.Stmt]:
-        return self._level_loop(Level.GRID, self.special("bid"), self.blocks, "grid_stride", self._block_body)
+        loop = self._level_loop(Level.GRID, self.special("bid"), self.blocks, "grid_stride", self._block_body)
+        return self.prologue + loop + self.epilogue
 
     def _block_body(self) -> list[K.Stmt]:
         stmts = self._warp_level()
@@ -173,6 +182,10 @@ class Composer:
     def _groups(self) -> list[K.Stmt]:
         if self.registers.can_fuse():
             return self.registers.lower()
+        for group in self.groups:
+            if group.carried:
+                raise CodegenError(f"{group.root.name}: a reduction carried by the grid loop takes its elements "
+                                   "from a register body, and these groups do not share one")
         out: list[K.Stmt] = []
         for group in self.groups:
             self.em.stmts = []

@@ -40,6 +40,14 @@ class Group:
         return any(f.dim in self.reduced and f.level == Level.CTA for f in self.factors)
 
     @functools.cached_property
+    def carried(self) -> bool:
+        """An output reduced across the iterations of the grid-stride loop: the reduced dims have
+        GRID tiles only (``template.grid_carried``), so each block sums the tiles it visits in
+        registers. (A sub-root tiled so is recomputed whole by each reader instead.)"""
+        return bool(self.reduced) and self.output is not None and not self.shared and all(f.level == Level.GRID for f in self.factors if f.dim in self.reduced) \
+            and any(f.extent > 1 for f in self.factors if f.dim in self.reduced)
+
+    @functools.cached_property
     def cross_warp(self) -> bool:
         """Reduced across the warps of a block (WARP tiles on reduced dims), kept dims on the lanes."""
         return not self.cross_thread and any(f.dim in self.reduced and f.level == Level.WARP for f in self.factors)
@@ -118,3 +126,4 @@ def make_groups(schedules: Sequence[Schedule], nodes: dict[str, Node], outputs: 
         reduced = set(reduced_dims(root)) if is_reduction(root) else set()
         groups.append(Group(sched, root, space, factors, reduced, outputs.get(root.name), sched.shared))
     return groups
+

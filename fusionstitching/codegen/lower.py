@@ -36,7 +36,7 @@ from fusionstitching.graph.node import contiguous_strides
 from fusionstitching.graph.ops import VIEW_OPS
 from fusionstitching.graph.pattern import Pattern, iteration_space, resolve_pattern
 from fusionstitching.schedule.packing import needs_composition
-from fusionstitching.schedule.template import KernelSchedule, Level, tile_extents
+from fusionstitching.schedule.template import KernelSchedule, Level, grid_carried, tile_extents
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
     if unknown:
         raise CodegenError(f"template schedules {sorted(unknown)}, which are not nodes of the pattern")
 
-    _check_reduced_dims_in_one_block(schedule, by_name, {o.name for o in pattern.outputs})
+    _check_reduced_dims_in_one_block(schedule, by_name, {o.name for o in pattern.outputs}, launch.blocks)
     input_layouts = tuple(_input_layout(n) for n in pattern.inputs)
     aliases = _aliases(graph, pattern) if in_place else {}
     output_layouts = tuple(input_layouts[aliases[k]] if k in aliases else Layout.contiguous(o.shape)
@@ -137,13 +137,16 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
     return LoweredKernel(kernel, pattern, input_layouts, output_layouts, aliases, smem_plan)
 
 
-def _check_reduced_dims_in_one_block(schedule: KernelSchedule, by_name: dict[str, Node], outputs: set[str]) -> None:
+def _check_reduced_dims_in_one_block(schedule: KernelSchedule, by_name: dict[str, Node], outputs: set[str],
+                                     blocks: int) -> None:
     """A reduction that is stored, or reduced across threads (CTA/WARP on a reduced dim, or ``S``)
     for other groups to read, must be finished by one block: with a reduced dim split across
     blocks (a GRID tile of extent > 1) several blocks would store the same element, or readers
     would get one block's partial result. That takes a split reduction
     (``graph.transforms.split_reduction``) and a second kernel. (A reduction root with no thread
-    tile on its reduced dims is recomputed whole by each reader.)"""
+    tile on its reduced dims is recomputed whole by each reader.) The exception is an output whose
+    reduced GRID tiles are the iterations of one block's grid-stride loop (``template.grid_carried``):
+    the block that stores an element has visited all of its points."""
     for sched in schedule.schedules:
         root = by_name[sched.root]
         if not is_reduction(root):
@@ -153,6 +156,9 @@ def _check_reduced_dims_in_one_block(schedule: KernelSchedule, by_name: dict[str
         if sched.root not in outputs and not across:
             continue
         space = iteration_space(root)
+        if sched.root in outputs and not sched.shared and root.op == "reduce" \
+                and grid_carried(sched, space, reduced_dims(root), blocks):
+            continue
         for d in reduced_dims(root):
             extents = tile_extents(space[d], sched.dims[d])
             if any(t.level == Level.GRID and e > 1 for t, e in zip(sched.dims[d], extents)):

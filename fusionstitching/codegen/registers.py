@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 from fusionstitching.codegen import kernel_ir as K
 from fusionstitching.codegen.reductions import LoopNest, Reductions
 from fusionstitching.codegen.values import (
+    CodegenError,
     combine,
     reduce_identity,
     reduction_kind,
@@ -50,6 +51,9 @@ class RegisterNest(LoopNest, Protocol):
     def local_index(self, group: Group, index: Sequence[K.Expr]) -> K.Expr: ...
 
     def register_shared_reader(self, group: Group, buffer: K.Buffer) -> None: ...
+
+    prologue: list[K.Stmt]  # before the grid loop (carried accumulators)
+    epilogue: list[K.Stmt]  # after it (their stores)
 
 
 class RegisterComposition:
@@ -138,7 +142,7 @@ class RegisterComposition:
     def _register_groups(self) -> list[Group]:
         """The groups register composition covers; reductions across warps follow them (they only
         write the kernel's outputs, so nothing in the register body waits for them)."""
-        return [g for g in self.groups if not g.cross_warp]
+        return [g for g in self.groups if not g.cross_warp and not g.carried]
 
     def combos(self, extents: list[int]) -> list[tuple[K.Expr, ...]]:
         """The values of a thread's THREAD factors, one tuple per register copy of the body: every
@@ -252,6 +256,9 @@ class RegisterComposition:
                 self.nest.register_shared_reader(group, buffer)
         partials = {id(g): self._register_partials(g, lead, combos) for g in self.groups
                     if g.cross_warp and self._tiles_like(g, lead)}
+        for group in self.groups:
+            if group.carried:
+                self._carry(group, lead, combos)
         lanes = serial[-1][1] if serial and serial[-1][0] == len(lead.space) - 1 else 1
         stmts = em.stmts
         if lanes > 1 and self.vectorize:
@@ -301,6 +308,61 @@ class RegisterComposition:
                 value = em.let("v", K.Cast(K.Cast(value, root.dtype.value), "f32"))
             values.append((self.reductions.slot(group, index), value))
         return values
+
+    def _carry(self, group: Group, lead: Group, combos) -> None:
+        """A reduction carried by the grid loop (``template.grid_carried``: a partial column sum over
+        the rows a block visits, beside row reductions of a block per row): per register copy, an
+        accumulator set before the grid loop (``nest.prologue``), the element of this iteration
+        added in the register body (the body's own loads and values, as for ``_register_partials``),
+        and a store after the loop (``nest.epilogue``) at the block's kept GRID index."""
+        em = self.em
+        root = group.root
+        if not self._tiles_like(group, lead):
+            raise CodegenError(f"{root.name}: a reduction carried by the grid loop must tile its kept dims "
+                               f"like the register body ({lead.sched})")
+        em.current = root.name
+        self.nest.share_factors(group, Level.CTA, [f for f in lead.factors if f.level == Level.CTA])
+        thread_factors = [f for f in group.factors if f.level == Level.THREAD]
+        kind, rtype = reduction_kind(root), register_type(root.dtype)
+        em.stmts.append(K.Comment(f"group {root.name}: {group.sched} (carried by the grid loop)"))
+        accs = []
+        for combo in combos:
+            for f, value in zip(thread_factors, combo):
+                f.var = value
+            index, guard = self.nest.index(group)
+            if guard is not None:
+                raise CodegenError(f"{root.name}: a reduction carried by the grid loop cannot have tails")
+            value = em.term(root, index)
+            acc = em.accumulator("acc", rtype)
+            self.nest.prologue.append(K.Let(acc, reduce_identity(kind, root.dtype)))
+            em.stmts.append(K.Assign(acc, combine(kind, acc, value, rtype)))
+            accs.append(acc)
+
+        def stores() -> None:
+            cta = em.fresh("cta", em.index_type)
+            em.stmts.append(K.Let(cta, self.nest.special("tid")))
+            em.stmts.extend(self.nest.decompose_index([f for f in group.factors if f.level == Level.CTA], cta))
+            block = em.fresh("blk", em.index_type)
+            em.stmts.append(K.Let(block, self.nest.special("bid")))
+            kept_grid = [f for f in group.factors if f.level == Level.GRID and f.dim not in group.reduced]
+            em.stmts.extend(self.nest.decompose_index(kept_grid, block))
+            for f in group.factors:
+                if f.level == Level.GRID and f.dim in group.reduced:
+                    f.var = em.idx(0)
+            kept = [d for d in range(len(group.space)) if d not in group.reduced]
+            name, layout = group.output
+            for combo, acc in zip(combos, accs):
+                for f, value in zip(thread_factors, combo):
+                    f.var = value
+                index, _ = self.nest.index(group)
+                em.stmts.append(K.Store(name, em.linear([index[d] for d in kept], layout.strides),
+                                        K.Cast(acc, root.dtype.value) if root.dtype.is_half else acc))
+
+        epilogue, _ = em.nested(stores)
+        lanes = thread_factors[-1].extent if thread_factors and thread_factors[-1].dim == len(group.space) - 1 else 1
+        if lanes > 1 and self.vectorize:
+            epilogue = pack_lanes(epilogue, em.definitions, lanes)
+        self.nest.epilogue.extend(epilogue)
 
     def _store_partials(self, group: Group, values: list[tuple[K.Expr, K.Expr]]) -> list[K.Stmt]:
         em = self.em

@@ -44,7 +44,7 @@ from fusionstitching.graph.collapse import UnionFind
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
 from fusionstitching.graph.pattern import is_reduction
-from fusionstitching.schedule.grouping import is_stitched_partial
+from fusionstitching.schedule.grouping import is_looped_partial, is_stitched_partial
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,10 @@ def _elementwise_part(partial: Node, fusable: set[Node]) -> set[Node]:
 
 
 def _same_rows(partial: Node, row: Node) -> bool:
-    """Whether a stitched partial sums blocks of the rows that row reduction ``row`` reduces."""
+    """Whether a stitched partial sums blocks of the rows that row reduction ``row`` reduces (or,
+    carried by a grid loop, the rows its blocks visit)."""
+    if is_looped_partial(partial):
+        return partial.operands[0].operands[0].shape == row.operands[0].shape
     split, shape = partial.operands[0].shape, row.operands[0].shape
     return (len(split) == len(shape) + 1 and split[:-3] == shape[:-2] and split[-1] == shape[-1]
             and split[-3] * split[-2] == shape[-2])
@@ -141,7 +144,7 @@ class SubstitutionFusion:
         added to every candidate so far that holds a row reduction over the same rows and shares
         an input with it (LayerNorm backward's dgamma/dbeta partials and the dx kernel read dy),
         one partial after another, so the partials ride in the row reductions' kernel."""
-        partials = [n for n in self.graph.nodes if is_stitched_partial(n)]
+        partials = [n for n in self.graph.nodes if is_stitched_partial(n) or is_looped_partial(n)]
         if not partials:
             return
         fusable = set(self.roles.fusable)

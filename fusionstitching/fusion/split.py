@@ -27,7 +27,7 @@ from fusionstitching.cost.bandwidth import BandwidthModel
 from fusionstitching.cost.gpu_spec import GpuSpec
 from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us
 from fusionstitching.graph.graph import Graph, Node
-from fusionstitching.graph.transforms import split_dim, split_reductions
+from fusionstitching.graph.transforms import row_loop_dim, split_dim, split_reductions
 
 THREADS = 256
 MIN_CHUNK = 8
@@ -47,8 +47,12 @@ class SplitDecision:
     before_us: float
     after_us: float
     stitched: bool = False  # parts aligned with a row reduction's blocks
+    looped: bool = False  # parts are the rows a row reduction's blocks loop over
 
     def __str__(self) -> str:
+        if self.looped:
+            return (f"{self.node}: split in {self.parts} parts, the rows each block of the row reductions over "
+                    f"the same tensor shape loops over (partial sums carried by their kernel's grid loop)")
         if self.stitched:
             return (f"{self.node}: split in blocks of {STITCH_ROWS} rows, the rows of a block of the row "
                     f"reductions over the same tensor shape (partial sums stitched into their kernel)")
@@ -155,6 +159,27 @@ def stitched_rows(node: Node, row_shapes: set[tuple[int, ...]]) -> int | None:
     return STITCH_ROWS
 
 
+def row_loop_parts(node: Node, spec: GpuSpec) -> int | None:
+    """Parts of a column reduction beside row reductions whose rows are too long for a warp per row
+    (a block per row, ``WARP_ROW_MAX``): the partial is then carried by the row kernel's grid loop,
+    each block visiting ``parts`` rows and summing them in registers (``graph.transforms``' row
+    loops). The blocks are one wave of the GPU at half its threads (the rows' values and the partial
+    sums take registers); the parts, the fewest that divide the leading dims with no more blocks
+    than that, so the partial written and read back stays a small share of the rows' bytes."""
+    shape, dims = node.operands[0].shape, tuple(node.attrs["dims"])
+    rows = math.prod(shape[: len(dims)])
+    blocks = spec.sms * spec.max_threads_per_sm // (2 * THREADS)
+    for parts in range(2, rows // 2 + 1):
+        if rows % parts or rows // parts > blocks:
+            continue
+        try:
+            row_loop_dim(node, parts)
+        except ValueError:
+            continue
+        return parts
+    return None
+
+
 def split_underfilled_reductions(graph: Graph, spec: GpuSpec, memory: BandwidthModel, smem_limit: int = 48 * 1024
                                  ) -> tuple[Graph, list[SplitDecision]]:
     """Split every reduce that is faster as partial + final, then the partials that are still
@@ -178,12 +203,18 @@ def split_underfilled_reductions(graph: Graph, spec: GpuSpec, memory: BandwidthM
 def _split_round(graph: Graph, spec: GpuSpec, memory: BandwidthModel, only: set[str] | None,
                  smem_limit: int) -> tuple[Graph, list[SplitDecision]]:
     splitter = ReductionSplitter(spec, memory)
-    decisions, blocks = [], {}
+    decisions, blocks, loops = [], {}, {}
     row_shapes = _row_reduced_shapes(graph)
     for node in graph.nodes:
         if node.op != "reduce" or (only is not None and node.name not in only):
             continue
         rows = stitched_rows(node, row_shapes) if only is None else None
+        if rows is not None and node.operands[0].shape[-1] > WARP_ROW_MAX:
+            parts = row_loop_parts(node, spec)
+            if parts is not None:
+                loops[node.name] = parts
+                decisions.append(SplitDecision(node.name, parts, 0.0, 0.0, looped=True))
+                continue
         if rows is not None:
             blocks[node.name] = rows
             size = node.operands[0].shape[max(node.attrs["dims"])]
@@ -196,5 +227,5 @@ def _split_round(graph: Graph, spec: GpuSpec, memory: BandwidthModel, only: set[
             decisions.append(decision)
     if not decisions:
         return graph, []
-    parts = {d.node: d.parts for d in decisions if not d.stitched}
-    return split_reductions(graph, parts, blocks), decisions
+    parts = {d.node: d.parts for d in decisions if not d.stitched and not d.looped}
+    return split_reductions(graph, parts, blocks, loops), decisions

@@ -71,15 +71,21 @@ def split_reduction(graph: Graph, node: Node | str, parts: int) -> Graph:
 
 
 def split_reductions(graph: Graph, splits: Mapping[Node | str, int],
-                     row_blocks: Mapping[Node | str, int] | None = None) -> Graph:
+                     row_blocks: Mapping[Node | str, int] | None = None,
+                     row_loops: Mapping[Node | str, int] | None = None) -> Graph:
     """``split_reduction`` of several reduces in one rebuild of the graph (same rules, same names).
 
     ``row_blocks`` maps column reductions (over leading dims, keeping the innermost) to a number
     of rows ``r``: the last reduced dim is split into (size / r, r), the partial reduce sums only
     the ``r`` rows of each block and keeps every other dim, the final reduce sums the rest
     (``fusion/split.stitched_parts``: the partial then tiles its grid like a row reduction's
-    warp-per-row kernel over the same tensor)."""
-    targets: dict[int, tuple[Node, int, int, bool]] = {}
+    warp-per-row kernel over the same tensor).
+
+    ``row_loops`` maps such column reductions to a number of parts ``p``: the leading reduced
+    dims are split so that their outermost ``p`` slices are reduced by the partial (``row_loop_dim``),
+    which keeps rows ``r``, ``r + n / p``, ... of the ``n`` rows in one output row: the rows a block
+    visits in a grid-stride loop of ``n / p`` blocks (``codegen/compose.py``, carried partials)."""
+    targets: dict[int, tuple[Node, int, int, bool | str]] = {}
     for node, parts in splits.items():
         target = _find(graph, node)
         targets[id(target)] = (target, split_dim(target, parts), parts, False)
@@ -90,6 +96,10 @@ def split_reductions(graph: Graph, splits: Mapping[Node | str, int],
         if size % rows or size == rows:
             raise ValueError(f"split_reductions: {target.name}'s dim {dim} of size {size} is not blocks of {rows} rows")
         targets[id(target)] = (target, dim, size // rows, True)
+    for node, parts in (row_loops or {}).items():
+        target = _find(graph, node)
+        dim, outer = row_loop_dim(target, parts)
+        targets[id(target)] = (target, dim, outer, "loops")
     names = _Names(n.name for n in graph.nodes)
     copies: dict[int, Node] = {id(p): p for p in graph.parameters}
     for old in graph.nodes:
@@ -690,10 +700,46 @@ def _find(graph: Graph, node: Node | str) -> Node:
     return node
 
 
-def _split(reduce: Node, operand: Node, dim: int, parts: int, names: _Names, blocks: bool = False) -> Node:
+def row_loop_dim(node: Node, parts: int) -> tuple[int, int]:
+    """For ``split_reductions``' ``row_loops``: the dim ``j`` whose outer factor ``q`` completes
+    ``parts`` = (product of the dims before ``j``) x ``q``, and ``q``. ``node`` must reduce
+    its leading dims only (a column reduction), all of them past ``j``'s split kept in the
+    partial's output."""
+    if node.op != "reduce":
+        raise ValueError(f"split_reductions: node {node.name} is a {node.op}, not a reduce")
+    shape, dims = node.operands[0].shape, tuple(sorted(node.attrs["dims"]))
+    if not dims or dims != tuple(range(len(dims))) or len(dims) >= len(shape):
+        raise ValueError(f"split_reductions: {node.name} does not reduce leading dims only: {list(dims)}")
+    before = 1
+    for j in dims:
+        if parts % before == 0 and shape[j] % (parts // before) == 0 and parts // before < shape[j]:
+            return j, parts // before
+        before *= shape[j]
+    raise ValueError(f"split_reductions: {node.name}'s leading dims {list(shape[:len(dims)])} "
+                     f"have no split into {parts} outer parts")
+
+
+def _split(reduce: Node, operand: Node, dim: int, parts: int, names: _Names, blocks: bool | str = False) -> Node:
     """The nodes replacing ``reduce`` (whose operand copy is ``operand``); returns the replacement.
-    With ``blocks`` the partial reduces only the chunk dim (row blocks, see ``split_reductions``)."""
+    With ``blocks`` the partial reduces only the chunk dim (row blocks, see ``split_reductions``);
+    with ``blocks == "loops"`` it reduces the dims before ``dim`` and ``dim``'s outer ``parts``
+    (row loops)."""
     name, kind, dims = reduce.name, reduce.attrs["kind"], tuple(reduce.attrs["dims"])
+    if blocks == "loops":
+        accumulate = reduce.dtype.compute if kind in ("sum", "prod") else reduce.dtype
+        x = operand
+        if accumulate != x.dtype:
+            x = _make("convert", [x], names.new(f"{name}_{accumulate.value}"), dtype=accumulate)
+        split_shape = x.shape[:dim] + (parts, x.shape[dim] // parts) + x.shape[dim + 1:]
+        x = _make("reshape", [x], names.new(f"{name}_split"), shape=split_shape)
+        partial = _make("reduce", [x], names.new(f"{name}_partial"), dims=tuple(range(dim + 1)), kind=kind)
+        widened = accumulate != reduce.dtype
+        final_name = names.new(f"{name}_final") if widened else name
+        result = _make("reduce", [partial], final_name, dims=tuple(range(len(dims) - dim)), kind=kind,
+                       layout=None if widened else reduce.layout)
+        if widened:
+            result = _make("convert", [result], name, dtype=reduce.dtype, layout=reduce.layout)
+        return result
     accumulate = reduce.dtype.compute if kind in ("sum", "prod") else reduce.dtype
     x = operand
     if accumulate != x.dtype:

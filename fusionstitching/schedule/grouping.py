@@ -468,20 +468,70 @@ def is_stitched_partial(node: Node) -> bool:
     return len(shape) >= 3 and tuple(node.attrs["dims"]) == (len(shape) - 2,) and shape[-2] in (4, 8, 16, 32)
 
 
+def is_looped_partial(node: Node) -> bool:
+    """A partial column sum over the rows a block visits in a grid-stride loop: reduce dims
+    ``0..j`` of ``[d0, .., q, n, .., columns]``, a reshape of ``[d0, .., q * n, .., columns]``
+    (``graph.transforms`` row loops, ``fusion/split.row_loop_parts``), keeping at least a dim of
+    rows and the columns."""
+    if node.op != "reduce" or node.operands[0].op != "reshape":
+        return False
+    split, dims = node.operands[0].shape, tuple(sorted(node.attrs["dims"]))
+    j = len(dims) - 1
+    if not dims or dims != tuple(range(len(dims))) or len(split) < j + 3:
+        return False
+    source = node.operands[0].operands[0].shape
+    return source == split[:j] + (split[j] * split[j + 1],) + split[j + 2:]
+
+
 def _stitched_partials(pattern) -> list[Node]:
-    return [o for o in pattern.outputs if is_stitched_partial(o)]
+    return [o for o in pattern.outputs if is_stitched_partial(o) or is_looped_partial(o)]
 
 
-def row_partial_template(pattern) -> KernelSchedule:
+def _row_loop_template(pattern, partials: list[Node], rows: list[Node], threads: int) -> KernelSchedule:
+    """Row reductions of a block per row with partial column sums carried by the grid loop (an
+    RMSNorm backward over rows too long for a warp: dx and dw's partials in one kernel). Every
+    group tiles the rows' split dim ``GRID_q-GRID`` like the partials' reshape, and the launch has
+    one block per kept row of the partial: block ``b`` visits rows ``b``, ``b + n``, ... and sums
+    their columns in registers (``template.grid_carried``)."""
+    split, dims = partials[0].operands[0].shape, tuple(sorted(partials[0].attrs["dims"]))
+    if any(p.operands[0].shape != split or tuple(sorted(p.attrs["dims"])) != dims for p in partials):
+        raise ValueError("partials carried by the grid loop over different splits")
+    j = len(dims) - 1
+    base = composed_template(pattern, rows, threads, None)
+    lead = base.schedule(rows[0].name)
+    space = _space(rows[0])
+    if len(space) != len(split) - 1 or any(lead.dims[d] != (Tile(Level.GRID),) for d in range(len(space) - 1)):
+        raise ValueError(f"row reductions of {list(space)} are not a block per row: {lead}")
+    by_name = {n.name: n for n in pattern.nodes}
+    schedules = []
+    for sched in base.schedules:
+        if any(p.name == sched.root for p in partials):
+            dims_ = tuple((Tile(Level.GRID),) for _ in split[:-1]) + (lead.dims[-1],)
+            schedules.append(Schedule(sched.root, dims_))
+            continue
+        own = _space(by_name[sched.root])
+        if len(own) == len(space) and own[:-1] == space[:-1] and sched.dims[j] == (Tile(Level.GRID),):
+            sched = Schedule(sched.root, sched.dims[:j] + ((Tile(Level.GRID, split[j]), Tile(Level.GRID)),)
+                             + sched.dims[j + 1:], shared=sched.shared)
+        schedules.append(sched)
+    return KernelSchedule(tuple(schedules), Launch(math.prod(split[j + 1:-1]), base.launch.threads))
+
+
+def row_partial_template(pattern, threads: int = DEFAULT_THREADS) -> KernelSchedule:
     """Row reductions with partial column sums over the same rows in one kernel (LayerNorm
     backward: dx with its two row reductions, and dgamma/dbeta's per-block partials): a warp per
     row and a block per ``r`` rows (``GRID-WARP_r`` on the last kept dim); each partial sums its
     block of rows across the block's warps (``WARP_r``) with the row kernel's grid and column
-    tiling, so both read the same elements in the same block."""
+    tiling, so both read the same elements in the same block. Partials carried by a grid loop
+    take a block of ``threads`` per row instead (``_row_loop_template``)."""
     partials = _stitched_partials(pattern)
     rows = [r for r in _crossing(pattern) if not any(r is p for p in partials)]
     if not partials or not rows:
         raise ValueError("no row reductions with stitched partial column sums")
+    if all(is_looped_partial(p) for p in partials):
+        return _row_loop_template(pattern, partials, rows, threads)
+    if any(is_looped_partial(p) for p in partials):
+        raise ValueError("partials of row blocks and of row loops in one kernel")
     per_part = partials[0].operands[0].shape[-2]
     base = composed_template(pattern, rows, DEFAULT_THREADS, per_part, rows_per_warp=1)
     lead = base.schedule(rows[0].name)

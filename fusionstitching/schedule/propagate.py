@@ -50,7 +50,14 @@ from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.pattern import is_reduction, iteration_space, reduced_dims, resolve_pattern
 from fusionstitching.schedule.packing import needs_composition
 from fusionstitching.schedule.refusals import Reason
-from fusionstitching.schedule.template import WARP_SIZE, KernelSchedule, Level, Schedule, tile_extents
+from fusionstitching.schedule.template import (
+    WARP_SIZE,
+    KernelSchedule,
+    Level,
+    Schedule,
+    grid_carried,
+    tile_extents,
+)
 
 # -- A's view of a schedule ----------------------------------------------------------------------------------
 
@@ -426,6 +433,9 @@ class _Kernel:
                 raise ValueError(f"{root.name}: {len(sched.dims)} dims for an iteration space of {space}")
             reduced = frozenset(reduced_dims(root)) if is_reduction(root) else frozenset()
             dims, grid, warp, held, split, cross, by_warp, size = _schedule_info(sched.dims, space, reduced)
+            if split and root.name in self.outputs and not sched.shared and root.op == "reduce" \
+                    and grid_carried(sched, space, reduced, template.launch.blocks):
+                split = ()  # each block sums the points of its grid loop (template.grid_carried)
             grids.append(grid)
             warps.append(warp)
             read = "register" if cross else "shared" if sched.shared and not by_warp else None

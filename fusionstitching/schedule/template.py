@@ -410,3 +410,27 @@ class _Parser:
 
     def error(self, message: str, position: int | None = None) -> TemplateSyntaxError:
         return TemplateSyntaxError(message, self.text, self.pos if position is None else position)
+
+
+def grid_carried(sched: Schedule, space: Sequence[int], reduced: Sequence[int], blocks: int) -> bool:
+    """Whether a reduction's GRID-tiled reduced dims are summed by each block over the iterations
+    of the kernel's grid-stride loop: its reduced dims have GRID tiles only, every reduced GRID
+    factor is more significant in the grid index than every kept one (they come first in dim
+    order), and the launch has exactly as many blocks as the kept GRID factors have points. Block
+    ``b`` then visits the grid indices ``b + k * blocks``: the kept factors stay those of ``b``
+    and the reduced ones run through all their points."""
+    reduced = set(reduced)
+    order = []  # (dim, extent) of the GRID factors, most significant first
+    for d, (size, tiles) in enumerate(zip(space, sched.dims)):
+        extents = tile_extents(size, tiles)
+        if d in reduced and any(t.level != Level.GRID for t, e in zip(tiles, extents) if e > 1):
+            return False
+        order += [(d, e) for t, e in zip(tiles, extents) if t.level == Level.GRID and e > 1]
+    flags = [d in reduced for d, _ in order]
+    if not any(flags) or flags != sorted(flags, reverse=True):
+        return False
+    kept = 1
+    for d, e in order:
+        if d not in reduced:
+            kept *= e
+    return kept == blocks

@@ -56,6 +56,8 @@ from fusionstitching.schedule.grouping import (
     batched_template,
     column_template,
     composed_template,
+    is_looped_partial,
+    row_partial_template,
     thread_serial_template,
 )
 from fusionstitching.schedule.packing import (
@@ -100,6 +102,9 @@ def tuning_space(pattern) -> list[tuple[str, Callable[[], KernelSchedule]]]:
             makes += [("column warps", lambda w=w: column_template(pattern, sums, max_warps=w))
                       for w in _near(WARPS_PER_BLOCK[1:], 8)]
         return makes
+    if any(is_looped_partial(o) for o in pattern.outputs):  # rows of a block each, partials in registers
+        return makes + [("threads", lambda t=t: row_partial_template(pattern, threads=t))
+                        for t in _near(BLOCK_THREADS, DEFAULT_THREADS)]
     if _batched(pattern, reductions):
         return makes + [("threads", lambda t=t: batched_template(pattern, reductions, threads=t))
                         for t in _near(BLOCK_THREADS, DEFAULT_THREADS)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import pytest
 import torch
 
 from fusionstitching.bench.workloads import layernorm
@@ -87,3 +88,70 @@ def test_bf16_addmm_is_a_bf16_dot():
     got = reference.evaluate(graph, inputs)[0]
     want = linear(x).float().detach().numpy()
     assert _relative(got, want) < 2e-2
+
+
+def _wide_rmsnorm_backward(batch: int, hidden: int):
+    from fusionstitching.bench.workloads import rmsnorm
+
+    workload = rmsnorm(batch=batch, hidden=hidden, train=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(workload.fn, *workload.inputs, train=True, name="rms")
+    return captured.backward
+
+
+def test_rows_too_long_for_a_warp_carry_their_column_partials_in_the_grid_loop():
+    """RMSNorm backward over 1024 rows of 2048 (a block per row): dw's partial sums ride in the dx
+    kernel, each block summing the rows of its grid loop in registers, and the kernel computes
+    what the reference does."""
+    graph = _wide_rmsnorm_backward(1024, 2048)
+    plan = explore(graph)
+    assert any("carried by their kernel's grid loop" in note for note in plan.notes), plan.notes
+    big = max(plan.patterns, key=len)
+    template = str(big.schedule)
+    assert "GRID_2-GRID," in template and "_partial[GRID,GRID," in template, template
+    assert "launch(blocks=512," in template, template
+    assert sum(1 for n in big.nodes if plan.graph.node(n).op == "reduce") == 2, big.nodes
+    inputs = _inputs(graph)
+    compiled = compile_plan(plan)
+    kernel = next(k for k in compiled.kernels if "GRID_2-GRID" in str(k.template))
+    body = kernel.cuda_source.split("__global__")[1]
+    assert "acc" in body.split("for (")[0]  # the partial sums' registers precede the grid loop
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from fusionstitching.codegen.nvrtc import compile_cuda
+
+    compile_cuda(kernel.cuda_source, "sm_90")
+    got = compiled.run_numpy(inputs)
+    want = reference.evaluate(graph, inputs)
+    for g, w in zip(got, want):
+        assert _relative(g, w) < 2e-2  # bf16 outputs
+
+
+def test_a_carried_partial_sums_exactly_the_rows_of_its_blocks_grid_loop():
+    """The carried partial alone, against numpy: block b stores the sum of rows b, b + n, ... of
+    its columns (f32, every element checked), and lowering refuses a launch whose blocks are not
+    the kept GRID points (each block would then visit other rows)."""
+    from fusionstitching.codegen import generate
+    from fusionstitching.codegen.values import CodegenError
+    from fusionstitching.schedule.template import parse_template
+
+    b = GraphBuilder("carried")
+    x = b.parameter((64, 2048), DType.F32, "x")
+    w = b.parameter((64, 1), DType.F32, "w")
+    sq = b.binary("mul", x, x)
+    rows = b.reduce(sq, (1,), "sum")
+    scaled = b.binary("mul", x, b.broadcast(w, (64, 2048), (0, 1)))
+    split = b.reshape(scaled, (4, 16, 2048))
+    partial = b.reduce(split, (0,), "sum")
+    graph = b.build([rows, partial])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    text = (f"{rows.name}[GRID_4-GRID,CTA_256-THREAD_8]; {partial.name}[GRID,GRID,CTA_256-THREAD_8]; "
+            "launch(blocks=16,threads=256)")
+    kernel = generate(graph, nodes, parse_template(text))
+    inputs = _inputs(graph)
+    got_rows, got_partial = kernel.simulate(inputs)
+    xs, ws = inputs
+    np.testing.assert_allclose(got_rows, (xs * xs).sum(1), rtol=1e-5)
+    np.testing.assert_allclose(got_partial, (xs * ws).reshape(4, 16, 2048).sum(0), rtol=1e-5, atol=1e-5)
+    with pytest.raises(CodegenError, match="split across blocks"):
+        generate(graph, nodes, parse_template(text.replace("blocks=16", "blocks=8")))
