@@ -155,3 +155,28 @@ def test_a_carried_partial_sums_exactly_the_rows_of_its_blocks_grid_loop():
     np.testing.assert_allclose(got_partial, (xs * ws).reshape(4, 16, 2048).sum(0), rtol=1e-5, atol=1e-5)
     with pytest.raises(CodegenError, match="split across blocks"):
         generate(graph, nodes, parse_template(text.replace("blocks=16", "blocks=8")))
+
+
+def test_layernorm_backward_over_batched_wide_rows_carries_both_partials():
+    """LayerNorm backward on [4, 256, 2048] f32: dgamma and dbeta both ride in the dx kernel, their
+    split taking half of the batch dim, so the partials keep a batch dim and the final sums the rest."""
+    torch.manual_seed(0)
+    module = torch.nn.LayerNorm(2048)
+    with torch.no_grad():
+        module.weight.normal_()
+        module.bias.normal_()
+    x = torch.randn(4, 256, 2048, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(module, x, train=True, name="lnw")
+    graph = captured.backward
+    plan = explore(graph)
+    assert sum("carried by their kernel's grid loop" in note for note in plan.notes) == 2, plan.notes
+    big = max(plan.patterns, key=len)
+    template = str(big.schedule)
+    assert template.count("_partial[GRID,GRID,GRID,") == 2 and "[GRID_2-GRID,GRID," in template, template
+    inputs = _inputs(graph)
+    got = compile_plan(plan).run_numpy(inputs)
+    want = reference.evaluate(graph, inputs)
+    for g, w in zip(got, want):
+        assert _relative(g, w) < 1e-5

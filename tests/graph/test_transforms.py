@@ -509,3 +509,30 @@ def test_one_hot_sum_in_a_compiled_graph_simulates_like_the_reference():
     inputs = one_hot_inputs(graph, [3, 36, 0, 0, 5, 2, 1, 7])
     for expected, found in zip(evaluate(graph, inputs), compiled(*inputs)):
         np.testing.assert_array_equal(np.asarray(found), expected)
+
+
+@pytest.mark.parametrize("shape, parts, split_shape, partial_shape", [
+    ((64, 32), 4, (4, 16, 32), (16, 32)),  # rows r, r + 16, r + 32, r + 48 in one partial row
+    ((2, 64, 32), 4, (2, 2, 32, 32), (32, 32)),  # all of dim 0 and the outer half of dim 1
+    ((4, 8, 32), 4, (4, 1, 8, 32), (8, 32)),  # exactly dim 0
+])
+def test_row_loops_sum_the_outer_parts_of_the_leading_dims(shape, parts, split_shape, partial_shape):
+    from fusionstitching.graph.transforms import split_reductions
+
+    dims = tuple(range(len(shape) - 1))
+    graph = reduce_graph(shape, dims, dtype=DType.BF16)
+    split = split_reductions(graph, {}, row_loops={"r": parts})
+    partial = next(n for n in split.nodes if n.name == "r_partial")
+    assert partial.operands[0].shape == split_shape and partial.shape == partial_shape
+    assert tuple(partial.attrs["dims"]) == tuple(range(len(split_shape) - len(partial_shape)))
+    assert split.outputs[0].dtype == DType.BF16 and split.outputs[0].shape == (shape[-1],)
+    compare(graph, split, rtol=1e-2)
+
+
+def test_row_loops_refuse_parts_the_leading_dims_do_not_split_into():
+    from fusionstitching.graph.transforms import split_reductions
+
+    with pytest.raises(ValueError, match="no split into 3 outer parts"):
+        split_reductions(reduce_graph((64, 32), (0,)), {}, row_loops={"r": 3})
+    with pytest.raises(ValueError, match="leading dims only"):
+        split_reductions(reduce_graph((64, 32), (1,)), {}, row_loops={"r": 4})
