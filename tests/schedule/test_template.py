@@ -326,3 +326,19 @@ def test_tile_extents_cover_the_dim_minimally(dim_size, tiles):
     unsized = [e for t, e in zip(tiles, extents) if t.size is None]
     if unsized and unsized[0] > 1:
         assert given_product * (unsized[0] - 1) < dim_size
+
+
+@pytest.mark.parametrize("text, space, reduced, blocks, carried", [
+    ("p[GRID,GRID,CTA_256-THREAD_8]", (4, 16, 2048), (0,), 16, True),  # block b visits b, b + 16, ...
+    ("p[GRID,GRID,CTA_256-THREAD_8]", (4, 16, 2048), (0,), 8, False),  # blocks visit other kept points
+    ("p[GRID,GRID,CTA_256-THREAD_8]", (16, 4, 2048), (1,), 16, False),  # the reduced factor is not leading
+    ("p[GRID,GRID,GRID,CTA_256]", (2, 2, 8, 256), (0, 1), 8, True),
+    ("p[GRID-THREAD_2,GRID,CTA_256-THREAD_8]", (4, 16, 2048), (0,), 16, False),  # a THREAD tile on a reduced dim
+    ("p[GRID,CTA_256-THREAD_8]", (16, 2048), (), 16, False),  # nothing reduced
+])
+def test_grid_carried_needs_leading_reduced_grid_factors_and_one_block_per_kept_point(text, space, reduced, blocks,
+                                                                                   carried):
+    from fusionstitching.schedule.template import grid_carried
+
+    sched = parse_template(text + "; launch(blocks=1,threads=256)").schedules[0]
+    assert grid_carried(sched, space, reduced, blocks) is carried
