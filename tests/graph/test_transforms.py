@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -536,3 +538,29 @@ def test_row_loops_refuse_parts_the_leading_dims_do_not_split_into():
         split_reductions(reduce_graph((64, 32), (0,)), {}, row_loops={"r": 3})
     with pytest.raises(ValueError, match="leading dims only"):
         split_reductions(reduce_graph((64, 32), (1,)), {}, row_loops={"r": 4})
+
+
+def test_row_loops_property_every_split_the_leading_dims_allow_sums_the_same():
+    """Every number of parts that ``row_loop_dim`` accepts, over leading dims of random sizes: the
+    split graph sums what the original does, and its partial keeps the rows past the split."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from fusionstitching.graph.transforms import row_loop_dim, split_reductions
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.sampled_from([1, 2, 3, 4, 6, 8]), min_size=1, max_size=3), st.integers(2, 48))
+    def check(leading, parts):
+        shape = (*leading, 8)
+        graph = reduce_graph(shape, tuple(range(len(leading))))
+        try:
+            dim, outer = row_loop_dim(graph.node("r"), parts)
+        except ValueError:
+            return
+        assert math.prod(leading[:dim]) * outer == parts
+        split = split_reductions(graph, {}, row_loops={"r": parts})
+        partial = next(n for n in split.nodes if n.name == "r_partial")
+        assert math.prod(partial.shape[:-1]) * parts == math.prod(leading)
+        compare(graph, split, rtol=1e-5)
+
+    check()
