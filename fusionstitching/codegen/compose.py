@@ -14,7 +14,11 @@ roots; a group whose result other groups read is a sub-root:
   holds the result (block composition). Consumers read that register;
 - a group marked ``S`` stores its block footprint in shared memory, a barrier follows, and
   consumers read the cell of the element they need (a tiled transpose is this with a transposed
-  consumer).
+  consumer);
+- an output whose reduced dims are GRID-tiled only, where those tiles are the iterations of each
+  block's grid-stride loop (``template.grid_carried``), is summed in registers across the loop: set
+  before it, added to in the register body, stored after it (``registers._carry``; a norm's weight
+  gradient beside the rows of a block each).
 
 [Note: shared-memory tiles and the tiled transpose]
 An ``S`` group's buffer holds its block footprint row-major over the kept dims (``_tile_layout``).
