@@ -725,21 +725,6 @@ def _split(reduce: Node, operand: Node, dim: int, parts: int, names: _Names, blo
     with ``blocks == "loops"`` it reduces the dims before ``dim`` and ``dim``'s outer ``parts``
     (row loops)."""
     name, kind, dims = reduce.name, reduce.attrs["kind"], tuple(reduce.attrs["dims"])
-    if blocks == "loops":
-        accumulate = reduce.dtype.compute if kind in ("sum", "prod") else reduce.dtype
-        x = operand
-        if accumulate != x.dtype:
-            x = _make("convert", [x], names.new(f"{name}_{accumulate.value}"), dtype=accumulate)
-        split_shape = x.shape[:dim] + (parts, x.shape[dim] // parts) + x.shape[dim + 1:]
-        x = _make("reshape", [x], names.new(f"{name}_split"), shape=split_shape)
-        partial = _make("reduce", [x], names.new(f"{name}_partial"), dims=tuple(range(dim + 1)), kind=kind)
-        widened = accumulate != reduce.dtype
-        final_name = names.new(f"{name}_final") if widened else name
-        result = _make("reduce", [partial], final_name, dims=tuple(range(len(dims) - dim)), kind=kind,
-                       layout=None if widened else reduce.layout)
-        if widened:
-            result = _make("convert", [result], name, dtype=reduce.dtype, layout=reduce.layout)
-        return result
     accumulate = reduce.dtype.compute if kind in ("sum", "prod") else reduce.dtype
     x = operand
     if accumulate != x.dtype:
@@ -748,13 +733,17 @@ def _split(reduce: Node, operand: Node, dim: int, parts: int, names: _Names, blo
     split_shape = x.shape[:dim] + (parts, size // parts) + x.shape[dim + 1 :]
     x = _make("reshape", [x], names.new(f"{name}_split"), shape=split_shape)
     # In the reshaped operand, dims after ``dim`` move up by one; ``dim`` itself is the parts dim.
-    partial_dims = (dim + 1,) if blocks else tuple(d if d < dim else d + 1 for d in dims)
+    if blocks == "loops":  # the leading dims and the parts; the final sums what the partial keeps of them
+        partial_dims, final_dims = tuple(range(dim + 1)), tuple(range(len(dims) - dim))
+    elif blocks:
+        partial_dims, final_dims = (dim + 1,), dims
+    else:
+        partial_dims = tuple(d if d < dim else d + 1 for d in dims)
+        final_dims = (dim - sum(1 for d in dims if d < dim),)  # the parts' position in the partial
     partial = _make("reduce", [x], names.new(f"{name}_partial"), dims=partial_dims, kind=kind)
-    parts_position = dim - sum(1 for d in dims if d < dim)
     widened = accumulate != reduce.dtype
     final_name = names.new(f"{name}_final") if widened else name
     final_layout = None if widened else reduce.layout
-    final_dims = dims if blocks else (parts_position,)
     result = _make("reduce", [partial], final_name, dims=final_dims, kind=kind, layout=final_layout)
     if widened:
         result = _make("convert", [result], name, dtype=reduce.dtype, layout=reduce.layout)
