@@ -151,6 +151,11 @@ class SubstitutionFusion:
         parts = {p: _elementwise_part(p, fusable) for p in partials}
         part_reads = {p: {o for n in part for o in n.operands} for p, part in parts.items()}
         position = self.graph.index.position
+        # Most such unions close a cycle (a partial of another layer, or one that reads what the
+        # candidate's reduction feeds): the union's closure, the OR of its parts', says so before
+        # the union is built, ordered and checked node by node.
+        cycles = self.legality.cycles
+        part_closures = {p: cycles.closure(part) for p, part in parts.items()}
         origin = "substitution fusion, row reductions stitched with partial column sums"
         for candidate in list(self.candidates):
             rows = [n for n in candidate.nodes if _row_reduction(n)]
@@ -158,6 +163,7 @@ class SubstitutionFusion:
                 continue
             union = set(candidate.nodes)
             reads: set[Node] | None = None  # what the union computes or reads, made when first asked
+            closure = None  # the union's, made when first asked
             for partial, part in parts.items():
                 if partial in union or not any(_same_rows(partial, r) for r in rows):
                     continue
@@ -165,6 +171,10 @@ class SubstitutionFusion:
                     reads = {o for n in union for o in n.operands} | union
                 if part_reads[partial].isdisjoint(reads) and not (part & union):
                     continue
+                if part_closures[partial] is not None:
+                    closure = closure or cycles.closure(union)
+                    if (closure | part_closures[partial]).contracts_cycle():
+                        continue
                 grown_set = union | part
                 if frozenset(grown_set) in self.seen:  # proposed before: no need to order it
                     continue
@@ -172,7 +182,7 @@ class SubstitutionFusion:
                 found = _propose_union(grown, self.seen, self.legality, origin)
                 if found is not None:
                     self.candidates.append(found)
-                    union, reads = set(grown), None
+                    union, reads, closure = set(grown), None, None
 
     # -- Algorithm 1 ----------------------------------------------------------------------------
     def _segments(self, partition: Sequence[Callable[[Node], bool]], closing: bool) -> list[list[Node]]:
@@ -314,6 +324,26 @@ def _connected_parts(group: Sequence[Node]) -> list[list[Node]]:
     return list(parts.values())
 
 
+class _Seed:
+    """A pattern of the selected plan as ``NeighbourMerging``'s helpers ask about it: its nodes (as
+    given and in graph order), their set, what they read, the nodes whose values leave it, and its
+    connected parts with their node and operand sets."""
+
+    def __init__(self, nodes: Sequence[Node], graph: Graph) -> None:
+        users, outputs = graph.index.users, graph.index.output_ids
+        self.nodes = nodes
+        self.ordered = sorted(nodes, key=graph.index.position.__getitem__)
+        self.members = set(nodes)
+        self.reads = {x for n in nodes for x in n.operands}
+        self.escaping = [n for n in nodes if id(n) in outputs or any(u not in self.members for u in users[n])]
+        # the nodes only the seed reads, last first
+        escaping = set(self.escaping)
+        self.internal = [n for n in reversed(self.ordered) if users[n] and n not in escaping]
+        self.parts = _connected_parts(nodes)
+        self.part_sets = [set(part) for part in self.parts]
+        self.part_reads = [{x for n in part for x in n.operands} for part in self.parts]
+
+
 MERGE_MAX_OPS = 64
 MERGE_SMALL_OPS = 4
 
@@ -379,37 +409,40 @@ class NeighbourMerging(PlanSeeded):
             candidate = _propose_union(union, self.seen, self.legality, "exploratory fusion of neighbouring patterns")
             if candidate is not None:
                 found.append(candidate)
-        parts: dict[int, list[list[Node]]] = {}  # seed -> its connected parts: a seed meets many neighbours
+        # A seed meets many neighbours: what the helpers ask of it is made once.
+        known: dict[int, _Seed] = {}
+
+        def seed(k: int) -> _Seed:
+            if k not in known:
+                known[k] = _Seed(seeds[k], self.graph)
+            return known[k]
+
         for a, b in pairs:
             if (a, b) in edges:
-                found += self._evicting(seeds[a], seeds[b])
-                found += self._moving(seeds[a], seeds[b])
-                for k in (a, b):
-                    if k not in parts:
-                        parts[k] = _connected_parts(seeds[k])
-                found += self._unpacking(seeds[a], seeds[b], parts[a], parts[b])
+                producer, consumer = seed(a), seed(b)
+                found += self._evicting(producer, consumer)
+                found += self._moving(producer, consumer)
+                found += self._unpacking(producer, consumer)
         return found
 
-    def _unpacking(self, producer: Sequence[Node], consumer: Sequence[Node], producer_parts: list[list[Node]],
-                   consumer_parts: list[list[Node]]) -> list[Candidate]:
+    def _unpacking(self, producer: _Seed, consumer: _Seed) -> list[Candidate]:
         """The parts of two packed patterns that the edge joins merged, each pattern's other parts
         left packed as they were. A pattern can be a packing of unconnected parts (a softmax's
         division packed with a weight's cast); merged whole with its neighbour, the unconnected part
         can make the union illegal or slow, and the connected parts (a softmax split in two, its
         exponentials written in f32 and read back) stay apart."""
-        if len(producer_parts) == len(consumer_parts) == 1:
+        if len(producer.parts) == len(consumer.parts) == 1:
             return []  # nothing to leave packed
         joined, rest = [], []
-        for parts, other in ((producer_parts, consumer), (consumer_parts, producer)):
-            if len(parts) == 1:
-                joined += parts[0]
+        for mine, other in ((producer, consumer), (consumer, producer)):
+            if len(mine.parts) == 1:
+                joined += mine.parts[0]
                 if len(joined) > MERGE_MAX_OPS:
                     return []
                 continue
-            read = {x for n in other for x in n.operands}
-            members = set(other)
-            for part in parts:
-                if any(n in read or any(x in members for x in n.operands) for n in part):
+            for part, members, reads in zip(mine.parts, mine.part_sets, mine.part_reads):
+                # the part reads the other pattern's nodes or the other pattern reads the part's
+                if not reads.isdisjoint(other.members) or not members.isdisjoint(other.reads):
                     joined.extend(part)
                     if len(joined) > MERGE_MAX_OPS:
                         return []
@@ -426,23 +459,27 @@ class NeighbourMerging(PlanSeeded):
                 found.append(candidate)
         return found
 
-    def _moving(self, producer: Sequence[Node], consumer: Sequence[Node]) -> list[Candidate]:
+    def _moving(self, producer: _Seed, consumer: _Seed) -> list[Candidate]:
         """The producer's nodes that only the consumer reads (with the nodes that only feed them)
         moved into the consumer: their values are then never written to memory. A selected plan
         can hold such a node in a pattern packed for another reason (ResNet's backward packed the
         ReLU masks of several layers into one kernel, which wrote each mask as bytes its layer's
         kernel read back); then merging producer and consumer whole is too large or makes a cycle,
         and only moving the nodes lets the consumer compute them."""
+        # Moving starts from a node that only the consumer reads: none without an edge between them,
+        # and none small enough with a consumer of MERGE_MAX_OPS nodes.
+        if len(consumer.nodes) >= MERGE_MAX_OPS or consumer.reads.isdisjoint(producer.members):
+            return []
         users = self.graph.index.users
         outputs = self.graph.index.output_ids
         position = self.graph.index.position
-        reader = set(consumer)
+        reader = consumer.members
         moved: set[Node] = set()
-        for node in sorted(producer, key=position.__getitem__, reverse=True):
+        for node in reversed(producer.ordered):
             if id(node) not in outputs and users[node] and all(u in reader or u in moved for u in users[node]):
                 moved.add(node)
-        rest = [n for n in producer if n not in moved]
-        if not moved or not rest or len(moved) + len(consumer) > MERGE_MAX_OPS:
+        rest = [n for n in producer.nodes if n not in moved]
+        if not moved or not rest or len(moved) + len(consumer.nodes) > MERGE_MAX_OPS:
             return []
         found = []
         for nodes in (rest, sorted(moved | reader, key=position.__getitem__)):
@@ -452,36 +489,31 @@ class NeighbourMerging(PlanSeeded):
                 found.append(candidate)
         return found
 
-    def _evicting(self, producer: Sequence[Node], consumer: Sequence[Node]) -> list[Candidate]:
+    def _evicting(self, producer: _Seed, consumer: _Seed) -> list[Candidate]:
         """The producer's side outputs of another shape than what the consumer reads, with the
         nodes that only feed them, moved to a pattern of their own, so that the rest of the producer
         can merge with the consumer. BERT's attention mask [b, 1, s, s] is computed in the first
         layer's scores kernel and kept for the later layers: with it, that kernel's grid differs
         from the softmax's and the first layer's softmax ran as two thread-serial kernels."""
         users = self.graph.index.users
-        outputs = self.graph.index.output_ids
-        members, reader = set(producer), set(consumer)
-        read_by_consumer = {n for n in producer if any(u in reader for u in users[n])}
-        if len(read_by_consumer) + len(consumer) > MERGE_MAX_OPS:
+        read_by_consumer = producer.members & consumer.reads
+        if len(read_by_consumer) + len(consumer.nodes) > MERGE_MAX_OPS:
             return []  # what the consumer reads always stays with it: the union would be too large
         read = {n.shape for n in read_by_consumer}
-        side = {n for n in producer if n.shape not in read and n not in read_by_consumer
-                and (id(n) in outputs or any(u not in members for u in users[n]))}
+        side = {n for n in producer.escaping if n.shape not in read and n not in read_by_consumer}
         if not side:
             return []
         evicted = set(side)
-        for node in sorted(producer, key=self.graph.index.position.__getitem__, reverse=True):
-            if node not in evicted and all(u in evicted for u in users[node] if u in members) \
-                    and any(u in evicted for u in users[node]) and id(node) not in outputs \
-                    and all(u in members for u in users[node]):
+        for node in producer.internal:  # evicted with what it feeds, when that is all evicted
+            if node not in evicted and all(u in evicted for u in users[node]):
                 evicted.add(node)
-        rest = [n for n in producer if n not in evicted]
-        if not rest or len(rest) + len(consumer) > MERGE_MAX_OPS:
+        rest = [n for n in producer.nodes if n not in evicted]
+        if not rest or len(rest) + len(consumer.nodes) > MERGE_MAX_OPS:
             return []
         position = self.graph.index.position
         found = []
         for nodes in (sorted(evicted, key=position.__getitem__),
-                      sorted(set(rest) | reader, key=position.__getitem__)):
+                      sorted(consumer.members.union(rest), key=position.__getitem__)):
             candidate = _propose_union(nodes, self.seen, self.legality,
                                        "exploratory fusion of neighbouring patterns, side outputs evicted")
             if candidate is not None:

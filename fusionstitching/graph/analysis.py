@@ -34,6 +34,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import networkx as nx
 import numpy as np
@@ -166,6 +167,23 @@ def post_dominators(graph: Graph) -> dict[Node, Node | None]:
 # ----------------------------------------------------------------------------------------------
 
 
+class Closure(NamedTuple):
+    """Bit sets over a graph's topological positions (``CycleChecker.closure``): a node set, its
+    descendants and its ancestors. The closure of a union is the OR of its parts' closures."""
+
+    inside: int
+    below: int
+    above: int
+
+    def __or__(self, other: Closure) -> Closure:  # type: ignore[override]
+        return Closure(self.inside | other.inside, self.below | other.below, self.above | other.above)
+
+    def contracts_cycle(self) -> bool:
+        """Whether contracting the set into one node creates a cycle: some node outside it both
+        descends from it and leads to it."""
+        return bool(self.below & self.above & ~self.inside)
+
+
 class CycleChecker:
     """Answers "would contracting this node set into one node create a cycle?" for one graph.
 
@@ -225,6 +243,12 @@ class CycleChecker:
             inside, below, above = self._masks(nodes)
             return bool(below & above & ~inside)
         return self._search(self._members(nodes)) is not None
+
+    def closure(self, nodes: Iterable[Node]) -> Closure | None:
+        """The bit sets of ``nodes``, of their descendants and of their ancestors, for asking
+        ``Closure.contracts_cycle`` about unions of several sets without walking their nodes again;
+        ``None`` for a graph over ``BITSET_NODES`` nodes."""
+        return Closure(*self._masks(nodes)) if self._below is not None else None
 
     def witness(self, nodes: Iterable[Node]) -> list[Node] | None:
         """A path ``[inside, outside..., inside]`` that leaves the set and returns, or ``None``."""

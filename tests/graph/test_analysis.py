@@ -236,6 +236,25 @@ def test_creates_cycle_matches_brute_force(case):
 
 
 @settings(max_examples=300, deadline=None)
+@given(dags_and_sets(), st.integers(0, 6))
+def test_the_closure_of_a_union_is_the_or_of_its_parts(case, cut):
+    """``Closure``: split a node set in two; the OR of the halves' closures is the whole set's, and
+    it contracts into a cycle exactly when the contracted graph has one. No closure for a graph
+    too large for bit sets."""
+    graph, chosen = case
+    checker = analysis.CycleChecker(graph)
+    whole = checker.closure(chosen)
+    assert (checker.closure(chosen[:cut]) | checker.closure(chosen[cut:])) == whole
+    assert whole.contracts_cycle() == _brute_force_cycle(graph, chosen)
+    original = analysis.CycleChecker.BITSET_NODES
+    try:
+        analysis.CycleChecker.BITSET_NODES = 0
+        assert analysis.CycleChecker(graph).closure(chosen) is None
+    finally:
+        analysis.CycleChecker.BITSET_NODES = original
+
+
+@settings(max_examples=300, deadline=None)
 @given(dags_and_sets())
 def test_the_bit_sets_answer_as_the_search_does(case):
     """Graphs above ``BITSET_NODES`` nodes are searched every time: both ways give the same answer
