@@ -15,7 +15,11 @@ again): packs of independent kernels can close many cycles at once, and one per 
 as many solves. A cycle's constraint is tightened to the pairs of its patterns that close a cycle by
 themselves ("not both" cuts many more plans than "not all k"), and the cycles found by an earlier
 selection over the same first candidates are constraints from the first solve (``known_cycles``),
-which saves most of the solves on graphs of many layers (CHANGELOG.md has the figures). HiGHS
+which saves most of the solves on graphs of many layers (CHANGELOG.md has the figures). Most cycles
+close through two patterns, and a solution shows only the few it holds: after the first solve that
+closes a cycle, every pair of candidates that closes one (``closing_pairs``, from the candidates'
+descendant and ancestor bit sets) becomes a constraint at once. A selection whose first solution
+is acyclic pays nothing for that scan. HiGHS
 is deterministic for a given model, the model is built in candidate order, and cycles are walked in
 a fixed order, so the plan is the same on every run.
 
@@ -29,6 +33,7 @@ graphs of many small independent chains can take dozens.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -74,21 +79,29 @@ def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequenc
         for node in patterns[i]:
             covering.setdefault(node, []).append(k)
     row = 0
-    for ks in covering.values():
-        if len(ks) > 1:
-            rows += [row] * len(ks)
-            cols += ks
-            row += 1
+    # nodes covered by the same candidates give the same row: one of them is enough
+    for ks in dict.fromkeys(tuple(ks) for ks in covering.values() if len(ks) > 1):
+        rows += [row] * len(ks)
+        cols += ks
+        row += 1
     upper = [1.0] * row
     cycles: list[tuple[int, ...]] = []
     position = {i: k for k, i in enumerate(usable)}
-    for known in known_cycles:
-        if all(i in position for i in known):  # a pattern with no positive score is never chosen
-            members = tuple(position[i] for i in known)
+    constrained: set[tuple[int, ...]] = set()
+
+    def constrain(members: tuple[int, ...]) -> None:
+        """At most ``len(members) - 1`` of these (positions in ``usable``) are chosen."""
+        if members not in constrained:
+            constrained.add(members)
             cycles.append(members)
             rows.extend([len(upper)] * len(members))
             cols.extend(members)
             upper.append(float(len(members) - 1))
+
+    for known in known_cycles:
+        if all(i in position for i in known):  # a pattern with no positive score is never chosen
+            constrain(tuple(position[i] for i in known))
+    scanned = False  # whether every pair of candidates that closes a cycle is a constraint
     objective = -np.asarray([scores[i] for i in usable], dtype=float)
     pairs = _PairCycles(graph)
     for rounds in range(1, MAX_CYCLE_ROUNDS + 1):
@@ -109,14 +122,42 @@ def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequenc
             kept, _ = break_cycles(graph, patterns, scores, [usable[k] for k in chosen])
             return Selection(sorted(kept), sum(scores[i] for i in kept), rounds,
                              [tuple(usable[k] for k in c) for c in cycles], len(chosen) - len(kept))
+        if not scanned:
+            # Cycles through two patterns are the usual kind, and each round of solving finds only
+            # the few the last solution holds: once there is one, every pair is constrained.
+            for pair in closing_pairs(graph, [patterns[i] for i in usable], pairs.checker):
+                constrain(pair)
+            scanned = True
         for cycle in found:
-            members = tuple(sorted(chosen[j] for j in cycle))
-            cycles.append(members)
-            for k in members:
-                rows.append(len(upper))
-                cols.append(k)
-            upper.append(float(len(members) - 1))
+            constrain(tuple(sorted(chosen[j] for j in cycle)))
     raise AssertionError("unreachable: the last round breaks the cycles left")
+
+
+def closing_pairs(graph: Graph, patterns: Sequence[Sequence[Node]], checker: CycleChecker | None = None
+                  ) -> list[tuple[int, int]]:
+    """The pairs of disjoint patterns (positions in ``patterns``, ascending) that close a cycle when
+    both are contracted: each reaches the other. Such a pair needs each pattern's nodes both before
+    and after some of the other's, so only patterns whose spans of graph positions overlap are
+    tested, by their closures (``CycleChecker.closure``). Empty for a graph too large for bit sets:
+    the solve rounds find those cycles instead. ``checker``: the graph's, if made already."""
+    checker = checker or CycleChecker(graph)
+    closures = [checker.closure(p) for p in patterns]
+    if any(c is None for c in closures):
+        return []
+    position = graph.index.position
+    inside = [c.inside for c in closures]
+    below = [c.below for c in closures]
+    last = [max(position[n] for n in p) for p in patterns]
+    first = [min(position[n] for n in p) for p in patterns]
+    order = sorted(range(len(patterns)), key=first.__getitem__)
+    starts = [first[k] for k in order]
+    found = []
+    for x, a in enumerate(order):
+        # the patterns after ``a`` in this order that start before it ends
+        for b in order[x + 1:bisect.bisect_left(starts, last[a], x + 1)]:
+            if below[a] & inside[b] and below[b] & inside[a] and not inside[a] & inside[b]:
+                found.append((a, b) if a < b else (b, a))
+    return sorted(found)
 
 
 def break_cycles(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequence[float], chosen: list[int]
@@ -142,10 +183,14 @@ class _PairCycles:
         self.graph = graph
         self._checker: CycleChecker | None = None
 
-    def __call__(self, a: Sequence[Node], b: Sequence[Node]) -> bool:
+    @property
+    def checker(self) -> CycleChecker:
         if self._checker is None:
             self._checker = CycleChecker(self.graph)
-        return self._checker.reaches(a, b) and self._checker.reaches(b, a)
+        return self._checker
+
+    def __call__(self, a: Sequence[Node], b: Sequence[Node]) -> bool:
+        return self.checker.reaches(a, b) and self.checker.reaches(b, a)
 
 
 def _cycles(graph: Graph, patterns: Sequence[Sequence[Node]], pairs: _PairCycles) -> list[list[int]]:

@@ -14,7 +14,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fusionstitching.fusion.select import Selection, _PairCycles, _tightest, contracted_cycle, select_ilp
+from fusionstitching.fusion.select import (
+    CYCLES_PER_ROUND,
+    Selection,
+    _PairCycles,
+    _tightest,
+    closing_pairs,
+    contracted_cycle,
+    select_ilp,
+)
 from fusionstitching.graph.graph import GraphBuilder
 from fusionstitching.graph.ops import DType
 
@@ -288,3 +296,58 @@ def test_contracted_cycle_answers_as_networkx_and_names_patterns_on_a_cycle(data
     assert (found is None) == nx.is_directed_acyclic_graph(contracted)
     if found is not None:
         assert found and contracted_cycle(graph, [patterns[k] for k in found]) is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_closing_pairs_are_the_disjoint_acyclic_pairs_whose_contraction_has_a_cycle(data):
+    """On random DAGs and random patterns, each acyclic alone: ``closing_pairs`` names exactly the
+    disjoint pairs whose contraction has a cycle, and none for a graph too large for bit sets."""
+    from fusionstitching.graph import analysis
+
+    graph = _drawn_dag(data, 14)
+    patterns = []
+    for _ in range(data.draw(st.integers(2, 7))):
+        nodes = data.draw(st.lists(st.sampled_from(graph.nodes), min_size=1, max_size=4, unique_by=id))
+        if not analysis.creates_cycle(graph, nodes):
+            patterns.append(nodes)
+    expected = [(a, b) for a, b in itertools.combinations(range(len(patterns)), 2)
+                if not {id(n) for n in patterns[a]} & {id(n) for n in patterns[b]}
+                and contracted_cycle(graph, [patterns[a], patterns[b]]) is not None]
+    assert closing_pairs(graph, patterns) == expected
+    original = analysis.CycleChecker.BITSET_NODES
+    try:
+        analysis.CycleChecker.BITSET_NODES = 0
+        assert closing_pairs(graph, patterns) == []
+    finally:
+        analysis.CycleChecker.BITSET_NODES = original
+
+
+def _crossed_layers(count: int):
+    """``count`` copies of Figure 3's shape side by side: each copy's P and Q close a cycle."""
+    b = GraphBuilder("layers")
+    x = b.parameter(SHAPE, DType.F32, "x")
+    outputs, patterns = [], []
+    for k in range(count):
+        a1 = b.node("exp", [x], name=f"a1_{k}")
+        b2 = b.node("neg", [x], name=f"b2_{k}")
+        b1 = b.node("abs", [a1], name=f"b1_{k}")
+        a2 = b.node("tanh", [b2], name=f"a2_{k}")
+        outputs += [b1, a2]
+        patterns += [[a1, a2], [b1, b2]]
+    graph = b.build(outputs)
+    return graph, [[graph.node(n.name) for n in p] for p in patterns]
+
+
+def test_once_a_solve_closes_a_cycle_every_closing_pair_is_a_constraint():
+    """More independent copies of a cycle-closing pair than a round's cycle search reports
+    (``CYCLES_PER_ROUND``): the first solution holds all of them, the second round has a constraint
+    per pair and is acyclic."""
+    count = CYCLES_PER_ROUND + 4
+    graph, patterns = _crossed_layers(count)
+    scores = [5.0, 4.0] * count
+    selection = select_ilp(graph, patterns, scores)
+    assert selection.rounds == 2
+    assert sorted(selection.cycle_constraints) == [(2 * k, 2 * k + 1) for k in range(count)]
+    assert selection.chosen == [2 * k for k in range(count)]
+    assert contracted_cycle(graph, [patterns[i] for i in selection.chosen]) is None
