@@ -626,11 +626,15 @@ def duplicate_broadcasts(graph: Graph, computed: bool = False) -> Graph:
     (``_duplicated``; with ``computed``, a widening convert of any value) with k > 1 users is k
     nodes, one per user (repeated until no such node is left: the copies of an outer broadcast
     share the inner one)."""
+    changed = False
     while True:
         result = _duplicate_once(graph, computed)
         if result is graph:
-            return graph
-        graph = result
+            break
+        graph, changed = result, True
+    if changed:  # the rounds only copy nodes: verifying the last graph verifies them all
+        verify(graph)
+    return graph
 
 
 def _duplicate_once(graph: Graph, computed: bool) -> Graph:
@@ -657,14 +661,16 @@ def _duplicate_once(graph: Graph, computed: bool) -> Graph:
                 copy = per_user[key]
             operands.append(copy)
         copies[id(old)] = dataclasses.replace(old, operands=tuple(operands))
-    return _rebuilt(graph, copies)
+    return _rebuilt(graph, copies, verified=False)
 
 
-def _rebuilt(graph: Graph, copies: Mapping[int, Node]) -> Graph:
-    """The graph whose outputs are the copies (by id of the original) of ``graph``'s, verified."""
+def _rebuilt(graph: Graph, copies: Mapping[int, Node], verified: bool = True) -> Graph:
+    """The graph whose outputs are the copies (by id of the original) of ``graph``'s, verified
+    unless the caller verifies it later."""
     result = Graph(graph.parameters, [None if out is None else copies[id(out)] for out in graph.outputs],
                    name=graph.name, mutations=graph.mutations, output_layouts=graph.output_layouts)
-    verify(result)
+    if verified:
+        verify(result)
     result.origins, result.checks = graph.origins, graph.checks
     return result
 
