@@ -57,7 +57,10 @@ class Options:
     # The one cache root: the NVRTC cache and any later plan or performance caches live under it.
     # None: ``$XDG_CACHE_HOME/fusionstitching`` (``~/.cache/fusionstitching``). Created 0700.
     cache_dir: str | None = None
-    cache_max_bytes: int = 1 << 30  # the NVRTC cache is pruned, oldest entries first, above this size
+    cache_max_bytes: int = 1 << 30  # the NVRTC and plan caches are each pruned, oldest entries first, above this size
+    # Plans are kept under the cache root and read back by a later process that plans the same
+    # graph with the same options and code, which then skips exploration (``fusion/plan_cache.py``).
+    cache_plans: bool = True
     # Shape specializations compiled per graph; a graph called with more distinct shapes runs the
     # others in PyTorch (one FallbackWarning).
     max_specializations: int = 16

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from fusionstitching._host import collector_paused, timed
 from fusionstitching.codegen.generate import GeneratedKernel, generate
-from fusionstitching.fusion import explore
+from fusionstitching.fusion import explore, plan_cache
 from fusionstitching.fusion.explore import DEFAULT_GENERATORS
 from fusionstitching.fusion.plan import FusionPlan
 from fusionstitching.graph.analysis import in_place_outputs, pattern_structure
@@ -53,9 +53,12 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
     ``output_devices``: where the graph runs and where its outputs go (``CompiledGraph``)."""
     options = options or Options()
     start = time.perf_counter()
+    generators = options.generators or DEFAULT_GENERATORS
     with timed("exploration"):
-        plan = explore(graph, solver=options.solver, options=options,
-                       generators=options.generators or DEFAULT_GENERATORS)
+        plan = plan_cache.load(graph, options.solver, generators, options)
+        if plan is None:
+            plan = explore(graph, solver=options.solver, options=options, generators=generators)
+            plan_cache.store(graph, options.solver, generators, options, plan)
     with timed("code generation"):
         compiled = compile_plan(plan, mode=mode, options=options, device=device, output_devices=output_devices)
     compiled.compile_seconds = time.perf_counter() - start

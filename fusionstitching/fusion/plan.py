@@ -153,6 +153,21 @@ def finalize(graph: Graph, roles: Roles, legality: Legality, scorer: Scorer | No
     return FusionPlan(graph, fused, library, views, edge_reasons, strategy, notes=list(notes))
 
 
+def edge_reasons_of(graph: Graph, options, patterns: Sequence[FusedPattern], library: dict[str, str],
+                    views: dict[str, str]) -> Callable[[], tuple[UnfusedEdge, ...]]:
+    """``FusionPlan.edge_reasons`` for a plan not made by ``finalize`` here (one read from the plan
+    cache): the roles, legality and scorer it asks are made when the reasons are first asked for."""
+    def edge_reasons() -> tuple[UnfusedEdge, ...]:
+        roles = Roles.of(graph, options)
+        chosen = [Chosen(tuple(graph.node(n) for n in p.nodes), p.schedule, p.score, p.origin) for p in patterns]
+        group = {node: k for k, p in enumerate(chosen) for node in p.nodes}
+        library_nodes = {graph.node(n) for n in library}
+        return _unfused_edges(graph, roles, Legality(graph, options), Scorer(graph, options), chosen, group,
+                              library_nodes, views)
+
+    return edge_reasons
+
+
 def _views(graph: Graph, roles: Roles, group: dict[Node, int], library: set[Node]) -> dict[str, str]:
     """Leftover shape nodes that need no kernel (see the module docstring): first the chains that only
     feed library calls (users first), then reshapes of contiguous tensors (operands first)."""
