@@ -342,6 +342,7 @@ class _Seed:
         self.parts = _connected_parts(nodes)
         self.part_sets = [set(part) for part in self.parts]
         self.part_reads = [{x for n in part for x in n.operands} for part in self.parts]
+        self.proposed: set[int] = set()  # parts ``_unpacking`` proposed alone already
 
 
 MERGE_MAX_OPS = 64
@@ -440,20 +441,25 @@ class NeighbourMerging(PlanSeeded):
                 if len(joined) > MERGE_MAX_OPS:
                     return []
                 continue
-            for part, members, reads in zip(mine.parts, mine.part_sets, mine.part_reads):
+            for k, (part, members, reads) in enumerate(zip(mine.parts, mine.part_sets, mine.part_reads)):
                 # the part reads the other pattern's nodes or the other pattern reads the part's
                 if not reads.isdisjoint(other.members) or not members.isdisjoint(other.reads):
                     joined.extend(part)
                     if len(joined) > MERGE_MAX_OPS:
                         return []
                 else:
-                    rest.append(part)
+                    rest.append((mine, k))
         if not rest or len(joined) > MERGE_MAX_OPS:
             return []
         position = self.graph.index.position
+        unions = [sorted(joined, key=position.__getitem__)]
+        for seed, k in rest:  # a part left packed is the same for every neighbour: proposed once
+            if k not in seed.proposed:
+                seed.proposed.add(k)
+                unions.append(sorted(seed.parts[k], key=position.__getitem__))
         found = []
-        for nodes in [joined, *rest]:
-            candidate = _propose_union(sorted(nodes, key=position.__getitem__), self.seen, self.legality,
+        for nodes in unions:
+            candidate = _propose_union(nodes, self.seen, self.legality,
                                        "exploratory fusion of neighbouring patterns, unconnected parts left packed")
             if candidate is not None:
                 found.append(candidate)
