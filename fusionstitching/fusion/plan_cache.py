@@ -69,6 +69,17 @@ def plan_key(graph: Graph, solver: str, generators: Sequence[str], options: Opti
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+def _key_or_none(graph: Graph, solver: str, generators: Sequence[str], options: Options) -> str | None:
+    """``plan_key``, or None (with a warning) for a graph the JSON encoding refuses: such a graph is
+    planned every time, never keyed by less than all of it."""
+    try:
+        return plan_key(graph, solver, generators, options)
+    except Exception as err:  # noqa: BLE001 -- the cache is an optimisation: it never fails a compile
+        warnings.warn(f"plan cache: {graph.name} cannot be keyed ({type(err).__name__}: {err}); it is planned "
+                      "every time", PlanCacheWarning, stacklevel=4)
+        return None
+
+
 def _directory(options: Options) -> Path:
     from fusionstitching.codegen.nvrtc import cache_root
 
@@ -83,7 +94,9 @@ def load(graph: Graph, solver: str, generators: Sequence[str], options: Options)
     """The stored plan of ``graph`` with these settings, or None (not stored, or unusable: warned)."""
     if not options.cache_plans:
         return None
-    key = plan_key(graph, solver, generators, options)
+    key = _key_or_none(graph, solver, generators, options)
+    if key is None:
+        return None
     path = _path(key, options)
     try:
         if path.stat().st_uid != os.getuid():  # what another user wrote decides no kernel of ours
@@ -117,10 +130,17 @@ def store(graph: Graph, solver: str, generators: Sequence[str], options: Options
     warned about, never raised."""
     if not options.cache_plans:
         return
-    key = plan_key(graph, solver, generators, options)
+    key = _key_or_none(graph, solver, generators, options)
+    if key is None:
+        return
     path = _path(key, options)
     try:
         text = json.dumps(_encode(plan, key))
+    except Exception as err:  # noqa: BLE001 -- a plan that cannot be written is planned again next time
+        warnings.warn(f"plan cache: the plan of {graph.name} cannot be stored ({type(err).__name__}: {err})",
+                      PlanCacheWarning, stacklevel=3)
+        return
+    try:
         path.parent.parent.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # the cache root
         for directory in (path.parent.parent, path.parent):  # plans/, plans/xx/
             directory.mkdir(exist_ok=True, mode=0o700)

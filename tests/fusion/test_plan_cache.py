@@ -155,3 +155,13 @@ def test_the_directories_are_private_and_an_entry_of_another_user_is_not_read(gr
     monkeypatch.setattr(os, "getuid", lambda: entry.stat().st_uid + 1)
     with pytest.warns(plan_cache.PlanCacheWarning, match="not owned"):
         assert plan_cache.load(graph, options.solver, _generators(), options) is None
+
+
+def test_a_graph_that_cannot_be_keyed_is_planned_and_compiled_all_the_same(graph, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise ValueError("not encodable")
+
+    monkeypatch.setattr(plan_cache, "plan_key", refuse)
+    with pytest.warns(plan_cache.PlanCacheWarning, match="cannot be keyed"):
+        compiled = compile_graph(graph, Options(cache_dir=str(tmp_path), strict=True))
+    assert compiled.kernels and not (tmp_path / "plans").exists()
