@@ -76,17 +76,20 @@ class CompileFailure(RuntimeError):
 def stats() -> dict[str, Any]:
     """Counts since the process started: compiled graphs, kernels, library calls, views, fallbacks,
     shape specializations and cache hits; ``"tuned"`` (patterns whose schedules were measured) and
-    ``"perflib hits"`` (patterns whose schedule came from the performance library); ``"surveyed"``
+    ``"perflib hits"`` (patterns whose schedule came from the performance library); ``"plan cache
+    hits"`` (graphs whose plan was read from the plan cache, ``fusion/plan_cache.py``); ``"surveyed"``
     (patterns whose plan kernel a first call timed to spend its tuning budget); ``"padded
     GEMMs"`` (library GEMMs of unaligned sizes measured faster on zero-padded operands). Every value
     is an int but ``"compile seconds"``: a dict from compile phase (``_host.PHASES``) to the seconds
     spent in it (``_host.timed``)."""
+    from fusionstitching.fusion import plan_cache
     from fusionstitching.runtime.program import PADDING_CHOICES
     from fusionstitching.runtime.tuner import COUNTS
 
     result: dict[str, Any] = dict(_STATS)
     result["tuned"] = COUNTS["tuned"]
     result["perflib hits"] = COUNTS["perflib hits"]
+    result["plan cache hits"] = plan_cache.COUNTS["hits"]
     result["surveyed"] = COUNTS["surveyed"]
     result["padded GEMMs"] = PADDING_CHOICES["padded"]
     result["compile seconds"] = {phase: float(COMPILE_SECONDS[phase]) for phase in PHASES}
@@ -94,11 +97,13 @@ def stats() -> dict[str, Any]:
 
 
 def reset_stats() -> None:
+    from fusionstitching.fusion import plan_cache
     from fusionstitching.runtime.program import PADDING_CHOICES
     from fusionstitching.runtime.tuner import COUNTS
 
     _STATS.clear()
     COUNTS.clear()
+    plan_cache.COUNTS.update(hits=0, stored=0)
     COMPILE_SECONDS.clear()
     PADDING_CHOICES.update(measured=0, padded=0)
 
