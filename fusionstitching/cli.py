@@ -224,8 +224,8 @@ def _tune_command(args: argparse.Namespace) -> int:
 
 def _perflib_command(args: argparse.Namespace) -> int:
     """``fusionstitching perflib``: list the performance library's entries, or prune them."""
-    from fusionstitching.codegen.nvrtc import cache_root
     from fusionstitching.cost.perflib import FILE_NAME, PerfLib
+    from fusionstitching.options import cache_root
     from fusionstitching.runtime.tuner import generator
 
     library = PerfLib(cache_root(args.cache_dir) / FILE_NAME)

@@ -9,7 +9,9 @@ library (cuBLAS through PyTorch).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -95,3 +97,16 @@ class Options:
             raise ValueError(f"Options.tune_candidates must be an int >= 1, got {self.tune_candidates!r}")
         if self.score not in ("delta", "model"):
             raise ValueError(f"Options.score: unknown score {self.score!r}; known: 'delta', 'model'")
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The root of the package's disk caches: ``cache_dir`` if given, else
+    ``$XDG_CACHE_HOME/fusionstitching`` (``~/.cache/fusionstitching`` where ``XDG_CACHE_HOME`` is
+    unset or, against the XDG spec, relative). The NVRTC cache is its ``nvrtc/``
+    subdirectory, the plan cache its ``plans/`` (``Options.cache_dir``)."""
+    if cache_dir is not None and os.fspath(cache_dir) != "":
+        return Path(cache_dir).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = Path.home() / ".cache"
+    return Path(base) / "fusionstitching"

@@ -81,7 +81,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fusionstitching.options import Options
+from fusionstitching.options import Options, cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -303,18 +303,6 @@ _HEADER_TYPES = {
     "format": int, "key": str, "arch": str, "log": str, "resources": dict, "cubin_size": int, "cubin_sha256": str,
 }
 _REPORT_FIELDS = frozenset(f.name for f in dataclasses.fields(ResourceReport))
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The root of the package's disk caches: ``cache_dir`` if given, else
-    ``$XDG_CACHE_HOME/fusionstitching`` (``~/.cache/fusionstitching`` where ``XDG_CACHE_HOME`` is
-    unset or, against the XDG spec, relative). The NVRTC cache is its ``nvrtc/`` subdirectory."""
-    if cache_dir is not None and os.fspath(cache_dir) != "":
-        return Path(cache_dir).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    if not os.path.isabs(base):
-        base = Path.home() / ".cache"
-    return Path(base) / "fusionstitching"
 
 
 @functools.cache

@@ -81,7 +81,7 @@ def _key_or_none(graph: Graph, solver: str, generators: Sequence[str], options: 
 
 
 def _directory(options: Options) -> Path:
-    from fusionstitching.codegen.nvrtc import cache_root
+    from fusionstitching.options import cache_root
 
     return cache_root(options.cache_dir) / "plans"
 

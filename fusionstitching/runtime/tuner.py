@@ -400,7 +400,7 @@ def gpu_tuner(graph: Graph, options: Options, device: Any, budget_s: float | Non
     compiling a kernel cost for this graph, per character of CUDA C."""
     import torch
 
-    from fusionstitching.codegen.nvrtc import cache_root
+    from fusionstitching.options import cache_root
     from fusionstitching.runtime.kernel_call import device_arch
 
     arch = device_arch(device)
