@@ -55,10 +55,11 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
     start = time.perf_counter()
     generators = options.generators or DEFAULT_GENERATORS
     with timed("exploration"):
-        plan = plan_cache.load(graph, options.solver, generators, options)
+        key = plan_cache.key(graph, options.solver, generators, options)
+        plan = plan_cache.load(key, graph, options)
         if plan is None:
             plan = explore(graph, solver=options.solver, options=options, generators=generators)
-            plan_cache.store(graph, options.solver, generators, options, plan)
+            plan_cache.store(key, graph, options, plan)
     with timed("code generation"):
         compiled = compile_plan(plan, mode=mode, options=options, device=device, output_devices=output_devices)
     compiled.compile_seconds = time.perf_counter() - start

@@ -2,7 +2,7 @@
 
 Exploration is the largest part of a first call (seconds to tens of seconds for a model's
 training graphs), and its result depends only on the graph, the options and the planner's code.
-``compile_graph`` asks ``load`` before exploring and ``store``s what exploration found, so a
+``compile_graph`` makes the ``key``, asks ``load`` before exploring and ``store``s what exploration found, so a
 second process (a restarted training job, another rank, the next run of a script) skips
 exploration; with the NVRTC cache (``codegen/nvrtc.py``) and the performance library
 (``cost/perflib.py``) it then compiles nothing and measures nothing either.
@@ -69,14 +69,16 @@ def plan_key(graph: Graph, solver: str, generators: Sequence[str], options: Opti
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def _key_or_none(graph: Graph, solver: str, generators: Sequence[str], options: Options) -> str | None:
-    """``plan_key``, or None (with a warning) for a graph the JSON encoding refuses: such a graph is
-    planned every time, never keyed by less than all of it."""
+def key(graph: Graph, solver: str, generators: Sequence[str], options: Options) -> str | None:
+    """``plan_key`` where the cache is on, else None. None too (with a warning) for a graph the JSON
+    encoding refuses: such a graph is planned every time, never keyed by less than all of it."""
+    if not options.cache_plans:
+        return None
     try:
         return plan_key(graph, solver, generators, options)
     except Exception as err:  # noqa: BLE001 -- the cache is an optimisation: it never fails a compile
         warnings.warn(f"plan cache: {graph.name} cannot be keyed ({type(err).__name__}: {err}); it is planned "
-                      "every time", PlanCacheWarning, stacklevel=4)
+                      "every time", PlanCacheWarning, stacklevel=3)
         return None
 
 
@@ -90,11 +92,9 @@ def _path(key: str, options: Options) -> Path:
     return _directory(options) / key[:2] / f"{key}.json"
 
 
-def load(graph: Graph, solver: str, generators: Sequence[str], options: Options) -> FusionPlan | None:
-    """The stored plan of ``graph`` with these settings, or None (not stored, or unusable: warned)."""
-    if not options.cache_plans:
-        return None
-    key = _key_or_none(graph, solver, generators, options)
+def load(key: str | None, graph: Graph, options: Options) -> FusionPlan | None:
+    """The plan stored under ``key`` (``key(graph, ...)``), or None (no key, not stored, or
+    unusable: warned)."""
     if key is None:
         return None
     path = _path(key, options)
@@ -125,12 +125,9 @@ def load(graph: Graph, solver: str, generators: Sequence[str], options: Options)
     return plan
 
 
-def store(graph: Graph, solver: str, generators: Sequence[str], options: Options, plan: FusionPlan) -> None:
-    """Keep ``plan`` (``graph``'s with these settings) for later processes; a failure to write is
-    warned about, never raised."""
-    if not options.cache_plans:
-        return
-    key = _key_or_none(graph, solver, generators, options)
+def store(key: str | None, graph: Graph, options: Options, plan: FusionPlan) -> None:
+    """Keep ``plan``, ``graph``'s, under ``key`` for later processes (nothing without a key); a
+    failure to write is warned about, never raised."""
     if key is None:
         return
     path = _path(key, options)
@@ -228,4 +225,4 @@ def _prune(directory: Path, limit: int) -> None:
             continue
 
 
-__all__ = ["COUNTS", "PlanCacheWarning", "load", "plan_key", "planner_version", "store"]
+__all__ = ["COUNTS", "PlanCacheWarning", "key", "load", "plan_key", "planner_version", "store"]

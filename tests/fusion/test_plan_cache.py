@@ -112,7 +112,7 @@ def test_a_damaged_entry_is_planned_again_and_replaced(graph, tmp_path):
             again = compile_graph(graph, options)
         _same_plans(first.plan, again.plan)
         assert "plan cache" not in again.plan.notes[-1]
-        assert plan_cache.load(graph, options.solver, options.generators or _generators(), options) is not None
+        assert plan_cache.load(plan_cache.key(graph, options.solver, _generators(), options), graph, options) is not None
 
 
 def _generators():
@@ -156,7 +156,7 @@ def test_the_directories_are_private_and_an_entry_of_another_user_is_not_read(gr
         assert directory.stat().st_mode & 0o777 == 0o700
     monkeypatch.setattr(os, "getuid", lambda: entry.stat().st_uid + 1)
     with pytest.warns(plan_cache.PlanCacheWarning, match="not owned"):
-        assert plan_cache.load(graph, options.solver, _generators(), options) is None
+        assert plan_cache.load(plan_cache.key(graph, options.solver, _generators(), options), graph, options) is None
 
 
 def test_a_graph_that_cannot_be_keyed_is_planned_and_compiled_all_the_same(graph, tmp_path, monkeypatch):
