@@ -12,8 +12,9 @@
 ``compile_graph`` runs explore, generate and order for one graph and returns the ``CompiledGraph``,
 which only runs what it is given (CUBINs are compiled on its first GPU call); ``compile_plan`` starts
 from a plan. With ``dump_dir`` (or the ``FUSIONSTITCHING_DUMP_DIR`` environment variable, which only
-switches on this debug dump) every stage's output is written as text: the graph, the plan with its
-reasons, and each kernel's template, shared-memory plan and CUDA C. ``explain(fn, *example_inputs,
+switches on this debug dump) every stage's output is written as text: the graph (also as JSON, which
+``graph.serialize.from_json`` reads back), the plan with its reasons, and each kernel's template,
+shared-memory plan and CUDA C. ``explain(fn, *example_inputs,
 out=DIR)`` (``fusionstitching.explain``) writes the same for any callable's graphs, and
 ``fusionstitching explain WORKLOAD --out DIR`` for a workload's, both with ptxas's resource report
 of every kernel (the compile stage).
@@ -146,7 +147,7 @@ def dump(compiled: CompiledGraph, graph: Graph, directory: Path, arch: str | Non
     safe = "".join(ch if ch.isascii() and (ch.isalnum() or ch in "_-") else "_" for ch in graph.name)
     root = directory / (safe or "graph")
     root.mkdir(parents=True, exist_ok=True)
-    files = {"1-graph.txt": str(graph), "2-explore.txt": compiled.plan.explain()}
+    files = {"1-graph.txt": str(graph), "1-graph.json": graph.to_json(), "2-explore.txt": compiled.plan.explain()}
     for k, kernel in enumerate(compiled.kernels):
         plan = f"// shared memory plan:\n// {str(kernel.smem_plan).replace(chr(10), chr(10) + '// ')}\n" \
             if kernel.smem_plan is not None else ""

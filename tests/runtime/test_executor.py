@@ -386,7 +386,9 @@ def test_pipeline_dumps_every_stage_as_text(tmp_path):
     _, captured = capture_workload("layernorm")
     compiled = compile_graph(captured.forward, dump_dir=tmp_path)
     files = sorted(p.name for p in (tmp_path / captured.forward.name).iterdir())
-    assert files[0] == "1-graph.txt" and files[1] == "2-explore.txt"
+    assert files[:3] == ["1-graph.json", "1-graph.txt", "2-explore.txt"]
+    from fusionstitching.graph.serialize import from_json
+    assert str(from_json((tmp_path / captured.forward.name / "1-graph.json").read_text())) == str(captured.forward)
     kernels = [f for f in files if f.startswith("3-kernel")]
     assert len(kernels) == compiled.plan.kernel_count == 1
     source = (tmp_path / captured.forward.name / kernels[0]).read_text()
