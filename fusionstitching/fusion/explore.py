@@ -68,7 +68,7 @@ from fusionstitching.fusion.plan import Chosen, FusionPlan, finalize
 from fusionstitching.fusion.remote import RemoteFusion
 from fusionstitching.fusion.score import Scorer
 from fusionstitching.fusion.select import Selection, select_ilp
-from fusionstitching.fusion.split import split_underfilled_reductions
+from fusionstitching.fusion.split import part_kernels, split_underfilled_reductions
 from fusionstitching.graph.analysis import in_place_outputs, pattern_structure
 from fusionstitching.graph.collapse import collapse_reduced_runs
 from fusionstitching.graph.graph import Graph, Node
@@ -124,6 +124,21 @@ class _Context:
             generator = PatternReduction(self.graph, self.roles, self.legality, self.seen, self.scorer)
         found = generator.run()
         self.rejected += len(getattr(generator, "rejections", ()))
+        return found
+
+    def split_seeded(self, kernels: Sequence[Sequence[Node]]) -> list[Candidate]:
+        """The kernels the reduction split built to be one (``split.part_kernels``), as candidates
+        where legal: the fusable ones of their nodes."""
+        found, fusable = [], set(self.roles.fusable)
+        for nodes in kernels:
+            members = frozenset(n for n in nodes if n in fusable)
+            if not members or members in self.seen:
+                continue
+            self.seen.add(members)
+            ordered = tuple(n for n in self.graph.nodes if n in members)
+            verdict = self.legality.check(ordered)
+            if verdict.legal:
+                found.append(Candidate(ordered, verdict, "a variance's partial sums in one pass (split.py)"))
         return found
 
     def plan_seeded(self, name: str) -> Callable[[Sequence[Sequence[Node]]], list[Candidate]]:
@@ -258,6 +273,7 @@ def _explore(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Opti
     for name in GRAPH_SEEDED:
         if name in generators:
             candidates += context.graph_seeded(name)
+    candidates += context.split_seeded(part_kernels(graph, splits) if options.split_reductions else [])
     scores = [scorer.score(c.nodes, c.verdict.schedule).value for c in candidates]
     selections = _select(solver, graph, candidates, scores)
     plans = [_finalize(graph, roles, legality, scorer, candidates, scores, s, solver, options) for s in selections]

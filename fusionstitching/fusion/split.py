@@ -20,6 +20,7 @@ to a scalar, and a thread per output element when the last dim is kept (column r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from fusionstitching.cost.bandwidth import BandwidthModel
 from fusionstitching.cost.gpu_spec import GpuSpec
 from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us
 from fusionstitching.graph.graph import Graph, Node
-from fusionstitching.graph.transforms import row_loop_dim, split_dim, split_reductions
+from fusionstitching.graph.transforms import row_loop_dim, split_dim, split_reductions, variance_pairs
 
 THREADS = 256
 MIN_CHUNK = 8
@@ -48,6 +49,7 @@ class SplitDecision:
     after_us: float
     stitched: bool = False  # parts aligned with a row reduction's blocks
     looped: bool = False  # parts are the rows a row reduction's blocks loop over
+    variance: str | None = None  # a variance split with this reduce, from its partial sums
 
     def __str__(self) -> str:
         if self.looped:
@@ -56,8 +58,9 @@ class SplitDecision:
         if self.stitched:
             return (f"{self.node}: split in blocks of {STITCH_ROWS} rows, the rows of a block of the row "
                     f"reductions over the same tensor shape (partial sums stitched into their kernel)")
+        paired = f"; {self.variance} summed per part around the part's mean" if self.variance else ""
         return (f"{self.node}: split in {self.parts} parts (estimated {self.before_us:.1f} us as one kernel, "
-                f"{self.after_us:.1f} us as partial + final)")
+                f"{self.after_us:.1f} us as partial + final){paired}")
 
 
 def reduction_threads(node: Node) -> int:
@@ -196,8 +199,22 @@ def split_underfilled_reductions(graph: Graph, spec: GpuSpec, memory: BandwidthM
         if not made:
             break
         decisions += made
-        fresh = {n.name for n in graph.nodes if n.op == "reduce" and n.name not in before}
+        held = _variance_partials(graph, [d for d in made if d.variance])
+        fresh = {n.name for n in graph.nodes if n.op == "reduce" and n.name not in before and n.name not in held}
     return graph, decisions
+
+
+def _variance_partials(graph: Graph, decisions: list[SplitDecision]) -> set[str]:
+    """The new reduces of the variances split with their partners, and the partners' partials: one
+    kernel must read each part for both partial sums (``graph.transforms._split_variance``), so no
+    later round splits them."""
+    held = set()
+    for decision in decisions:
+        total = graph.node(decision.node).operands[0]  # the partner's partial sums, shifted back
+        held |= {n.name for n in total.operands[0:1] if n.op == "reduce"}
+        total, weighted = graph.node(decision.variance).operands  # within + c * between
+        held |= {total.name, total.operands[0].name, weighted.operands[0].name}
+    return held
 
 
 def _split_round(graph: Graph, spec: GpuSpec, memory: BandwidthModel, only: set[str] | None,
@@ -228,4 +245,34 @@ def _split_round(graph: Graph, spec: GpuSpec, memory: BandwidthModel, only: set[
     if not decisions:
         return graph, []
     parts = {d.node: d.parts for d in decisions if not d.stitched and not d.looped}
-    return split_reductions(graph, parts, blocks, loops), decisions
+    variances = {}
+    if only is None:  # a variance split as its partner: both partial sums from one read of each part
+        for variance, partner in variance_pairs(graph).items():
+            if partner in parts and variance not in blocks and variance not in loops:
+                variances[variance] = partner
+                parts.pop(variance, None)
+        decisions = [dataclasses.replace(d, variance=next((v for v, p in variances.items() if p == d.node), None))
+                     for d in decisions if d.node not in variances]
+    return split_reductions(graph, parts, blocks, loops, variances), decisions
+
+
+def part_kernels(graph: Graph, decisions: list[SplitDecision]) -> list[list[Node]]:
+    """For each variance split with its partner: the nodes of the kernel meant to read each part
+    once for both partial sums (every ancestor of the variance's partial up to the graph's inputs
+    and library calls), a candidate pattern for exploration to check and score like any other."""
+    kernels = []
+    for decision in decisions:
+        if not decision.variance:
+            continue
+        total = graph.node(decision.variance).operands[0]
+        stack, seen = [total.operands[0]], set()
+        while stack:
+            node = stack.pop()
+            if id(node) in seen or node.op in ("parameter", "constant", "library"):
+                continue
+            seen.add(id(node))
+            stack.extend(node.operands)
+        members = [n for n in graph.nodes if id(n) in seen]
+        kernels.append(members)
+    return kernels
+

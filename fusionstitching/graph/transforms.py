@@ -72,7 +72,8 @@ def split_reduction(graph: Graph, node: Node | str, parts: int) -> Graph:
 
 def split_reductions(graph: Graph, splits: Mapping[Node | str, int],
                      row_blocks: Mapping[Node | str, int] | None = None,
-                     row_loops: Mapping[Node | str, int] | None = None) -> Graph:
+                     row_loops: Mapping[Node | str, int] | None = None,
+                     variances: Mapping[Node | str, Node | str] | None = None) -> Graph:
     """``split_reduction`` of several reduces in one rebuild of the graph (same rules, same names).
 
     ``row_blocks`` maps column reductions (over leading dims, keeping the innermost) to a number
@@ -84,8 +85,22 @@ def split_reductions(graph: Graph, splits: Mapping[Node | str, int],
     ``row_loops`` maps such column reductions to a number of parts ``p``: the leading reduced
     dims are split so that their outermost ``p`` slices are reduced by the partial (``row_loop_dim``),
     which keeps rows ``r``, ``r + n / p``, ... of the ``n`` rows in one output row: the rows a block
-    visits in a grid-stride loop of ``n / p`` blocks (``codegen/compose.py``, carried partials)."""
+    visits in a grid-stride loop of ``n / p`` blocks (``codegen/compose.py``, carried partials).
+
+    ``variances`` maps a reduce summing squared deviations to the reduce of shifted values it is
+    paired with (``variance_pairs``), which must be in ``splits``; the first is split as the second: the
+    squares are summed per part around the part's own mean, from the partner's partial sums, and
+    the parts' sums combined (``_split_variance``), so both partials read the data in one pass."""
     targets: dict[int, tuple[Node, int, int, bool | str]] = {}
+    paired: dict[int, Node] = {}
+    pairs = variance_pairs(graph) if variances else {}
+    split_names = {(n if isinstance(n, str) else n.name) for n in splits}
+    for node, partner in (variances or {}).items():
+        target, mate = _find(graph, node), _find(graph, partner)
+        if pairs.get(target.name) != mate.name or mate.name not in split_names or target.name in split_names:
+            raise ValueError(f"split_reductions: {target.name} is no variance paired with {mate.name}, "
+                             f"which is split and it not")
+        paired[id(target)] = mate
     for node, parts in splits.items():
         target = _find(graph, node)
         targets[id(target)] = (target, split_dim(target, parts), parts, False)
@@ -102,13 +117,21 @@ def split_reductions(graph: Graph, splits: Mapping[Node | str, int],
         targets[id(target)] = (target, dim, outer, "loops")
     names = _Names(n.name for n in graph.nodes)
     copies: dict[int, Node] = {id(p): p for p in graph.parameters}
+    partials: dict[int, list[Node]] = {}
+    partners = {id(mate) for mate in paired.values()}
     for old in graph.nodes:
         if id(old) in copies:
             continue
         operands = tuple(copies[id(x)] for x in old.operands)
-        if id(old) in targets:
+        if id(old) in paired:
+            mate = paired[id(old)]
+            copies[id(old)] = _split_variance(old, copies, partials[id(mate)], targets[id(mate)][1], names)
+        elif id(old) in partners:
+            _, dim, parts, _ = targets[id(old)]
+            copies[id(old)] = _split_shifted(old, dim, parts, copies, names, partials.setdefault(id(old), []))
+        elif id(old) in targets:
             _, dim, parts, blocks = targets[id(old)]
-            copies[id(old)] = _split(old, operands[0], dim, parts, names, blocks)
+            copies[id(old)] = _split(old, operands[0], dim, parts, names, blocks, partials.setdefault(id(old), []))
         else:
             copies[id(old)] = dataclasses.replace(old, operands=operands)
     return _rebuilt(graph, copies)
@@ -725,11 +748,12 @@ def row_loop_dim(node: Node, parts: int) -> tuple[int, int]:
                      f"have no split into {parts} outer parts")
 
 
-def _split(reduce: Node, operand: Node, dim: int, parts: int, names: _Names, blocks: bool | str = False) -> Node:
+def _split(reduce: Node, operand: Node, dim: int, parts: int, names: _Names, blocks: bool | str = False,
+           made: list[Node] | None = None) -> Node:
     """The nodes replacing ``reduce`` (whose operand copy is ``operand``); returns the replacement.
     With ``blocks`` the partial reduces only the chunk dim (row blocks, see ``split_reductions``);
     with ``blocks == "loops"`` it reduces the dims before ``dim`` and ``dim``'s outer ``parts``
-    (row loops)."""
+    (row loops). ``made`` receives the reshaped operand and the partial."""
     name, kind, dims = reduce.name, reduce.attrs["kind"], tuple(reduce.attrs["dims"])
     accumulate = reduce.dtype.compute if kind in ("sum", "prod") else reduce.dtype
     x = operand
@@ -747,6 +771,8 @@ def _split(reduce: Node, operand: Node, dim: int, parts: int, names: _Names, blo
         partial_dims = tuple(d if d < dim else d + 1 for d in dims)
         final_dims = (dim - sum(1 for d in dims if d < dim),)  # the parts' position in the partial
     partial = _make("reduce", [x], names.new(f"{name}_partial"), dims=partial_dims, kind=kind)
+    if made is not None:
+        made[:] = [x, partial]
     widened = accumulate != reduce.dtype
     final_name = names.new(f"{name}_final") if widened else name
     final_layout = None if widened else reduce.layout
@@ -754,6 +780,176 @@ def _split(reduce: Node, operand: Node, dim: int, parts: int, names: _Names, blo
     if widened:
         result = _make("convert", [result], name, dtype=reduce.dtype, layout=reduce.layout)
     return result
+
+
+def _value_key(node: Node, depth: int = 3) -> tuple:
+    """Equal for nodes that compute the same value up to ``depth`` levels of operands (copies made
+    per user by ``duplicate_broadcasts`` and its kind); beyond, or for a node never merged, identity."""
+    if depth == 0 or node.op in UNMERGED_OPS:
+        return ("node", id(node))
+    attrs = tuple((name, repr(value)) for name, value in sorted(node.attrs.items()))
+    return (node.op, node.dtype, node.shape, node.layout, attrs, tuple(_value_key(x, depth - 1) for x in node.operands))
+
+
+def _deviation(node: Node, dims: Sequence[int]) -> tuple[Node, Node] | None:
+    """``(x, b)`` for ``node = x - b`` where ``b`` broadcasts a value constant along ``dims``."""
+    if node.op != "sub":
+        return None
+    x, b = node.operands
+    if b.op != "broadcast_in_dim":
+        return None
+    source = b.operands[0].shape
+    if any(source[i] != 1 for i, d in enumerate(b.attrs["broadcast_dimensions"]) if d in dims):
+        return None
+    return x, b
+
+
+def _kept_source(broadcast: Node, dims: Sequence[int], names: _Names) -> tuple[Node, list[int]]:
+    """The value ``broadcast`` spreads (constant along ``dims``), without the size-1 dims it maps
+    onto ``dims`` (a keepdim mean), and the dims of the broadcast's result its dims map to."""
+    source, mapped = broadcast.operands[0], list(broadcast.attrs["broadcast_dimensions"])
+    keep = [i for i, d in enumerate(mapped) if d not in dims]
+    if len(keep) < len(mapped):
+        source = _make("reshape", [source], names.new(f"{source.name}_kept"), shape=[source.shape[i] for i in keep])
+    return source, [mapped[i] for i in keep]
+
+
+def variance_pairs(graph: Graph) -> dict[str, str]:
+    """The reduces that sum squared deviations, ``sum((x - m)^2)`` over dims D with ``m`` constant
+    along D (the variance of frontend ``_var_mean``), each mapped to a reduce summing ``x - s`` over
+    the same D, ``s`` constant along D (the shifted sum its mean is made of), by name. Both must be
+    float sums that split without widening. ``_split_variance`` computes the first from the
+    second's partial sums; the centres ``m`` and ``s`` may be any values."""
+    shifted: dict[tuple, Node] = {}
+    pairs: dict[str, str] = {}
+    for node in graph.nodes:  # the partner comes first (rebuilding the graph copies it first)
+        if node.op != "reduce" or node.attrs["kind"] != "sum" or not node.dtype.is_float \
+                or node.dtype.compute != node.dtype:
+            continue
+        dims = tuple(sorted(node.attrs["dims"]))
+        operand = node.operands[0]
+        if len(dims) != 1:  # a split of one of several dims leaves partials that later rounds split
+            continue
+        if operand.op == "mul":
+            a, b = operand.operands
+            found = _deviation(a, dims)
+            if found is not None and (a is b or _value_key(a) == _value_key(b)):
+                partner = shifted.get((dims, _value_key(found[0])))
+                if partner is not None:
+                    pairs[node.name] = partner.name
+                continue
+        found = _deviation(operand, dims)
+        if found is not None:
+            shifted.setdefault((dims, _value_key(found[0])), node)
+    return pairs
+
+
+def _split_shifted(reduce: Node, dim: int, parts: int, copies: Mapping[int, Node], names: _Names,
+                   made: list[Any]) -> Node:
+    """The nodes replacing ``reduce`` = sum over D of (x - s), the partner of a variance, split in
+    ``parts`` along ``dim``: each part is shifted by its own first element s_p, so that its partial
+    needs nothing from outside the part (the variance's partial is summed in the same kernel):
+
+        sum over D of (x - s) = sum over parts p of [ sum over p of (x - s_p) + c (s_p - s) ]
+
+    with c the part's length. A part of equal values sums to exactly 0, so the mean of equal values
+    is still exactly their value. ``made`` receives the shifted parts, a maker of the parts' shifts
+    (a fresh slice per reader) and the parts' sums."""
+    name = reduce.name
+    data = copies[id(reduce.operands[0].operands[0])]
+    shift = copies[id(reduce.operands[0].operands[1])]
+    size = data.shape[dim]
+    split_shape = data.shape[:dim] + (parts, size // parts) + data.shape[dim + 1:]
+    dims = tuple(reduce.attrs["dims"])
+    partial_dims = tuple(d if d < dim else d + 1 for d in dims)
+    kept = [j for j in range(len(split_shape)) if j not in partial_dims]
+    partial_shape = tuple(split_shape[j] for j in kept)
+    x = _make("reshape", [data], names.new(f"{name}_split"), shape=split_shape)
+
+    def part_shift() -> Node:
+        # each reader outside the part kernel slices the shifts again (P x C values) from its own
+        # copy of the data's view: the kernel keeps both to itself, as it could not write them
+        copy = data
+        if data.op in VIEW_COPIED_OPS:
+            copy = dataclasses.replace(data, name=names.new(f"{data.name}_{name}"))
+        parts_view = _make("reshape", [copy], names.new(f"{name}_split"), shape=split_shape)
+        first = _make("slice", [parts_view], names.new(f"{name}_part_first"), start=[0] * len(split_shape),
+                      limit=[1 if j in partial_dims else n for j, n in enumerate(split_shape)],
+                      stride=[1] * len(split_shape))
+        return _make("reshape", [first], names.new(f"{name}_part_shift"), shape=partial_shape)
+
+    first = part_shift()
+    shifted = _make("sub", [x, _make("broadcast_in_dim", [first], names.new(f"{name}_part_shift_b"),
+                                     shape=split_shape, broadcast_dimensions=kept)],
+                    names.new(f"{name}_part_shifted"))
+    sums = _make("reduce", [shifted], names.new(f"{name}_partial"), dims=partial_dims, kind="sum")
+    source = shift.operands[0]
+    if source.op in VIEW_COPIED_OPS:
+        source = dataclasses.replace(source, name=names.new(f"{source.name}_{name}"))
+    source, spread = _kept_source(dataclasses.replace(shift, operands=(source,)), dims, names)
+    mapped = [kept.index(k if k < dim else k + 1) for k in spread]
+    apart = _make("sub", [part_shift(), _make("broadcast_in_dim", [source], names.new(f"{name}_s_b"), shape=partial_shape,
+                                       broadcast_dimensions=mapped)], names.new(f"{name}_part_apart"))
+    length = _constant(size // parts, partial_shape, reduce.dtype, f"{name}_length", names)
+    total = _make("add", [sums, _make("mul", [apart, length], names.new(f"{name}_part_apart_c"))],
+                  names.new(f"{name}_part_total"))
+    made[:] = [shifted, part_shift, sums]
+    position = kept.index(dim)
+    return _make("reduce", [total], name, dims=(position,), kind="sum", layout=reduce.layout)
+
+
+# Ops whose node the variance split copies rather than share (cheap views of the data): a shared one
+# would be an output of a kernel that cannot write a value of its shape.
+VIEW_COPIED_OPS = ("reshape", "slice", "convert", "transpose")
+
+
+def _constant(value: float, shape: Sequence[int], dtype: DType, label: str, names: _Names) -> Node:
+    scalar = _make("constant", (), names.new(label), shape=(), dtype=dtype, value=np.asarray(value).astype(dtype.numpy))
+    return _make("broadcast_in_dim", [scalar], names.new(f"{label}_b"), shape=shape, broadcast_dimensions=())
+
+
+def _split_variance(reduce: Node, copies: Mapping[int, Node], made: Sequence[Any], dim: int,
+                    names: _Names) -> Node:
+    """The nodes replacing ``reduce`` = sum over D of (x - m)^2, given its partner's split
+    (``_split_shifted``'s ``made``). Each part's squares are summed around the part's own mean
+    (Chan et al.'s parallel variance), from the partner's partial sums, so one kernel reads each part
+    once for both sums:
+
+        sum (x - m)^2 = sum over parts p of [ sum over p of (t - d_p)^2 + c (m_p - m)^2 ]
+
+    with t = x - s_p, d_p = (sum over p of t) / c and m_p = s_p + d_p, the part's mean. Exact in
+    real arithmetic for any m; each part's deviations are taken from its own mean, as in a two-pass
+    variance, and m_p - m rounds as the two-pass x - m does."""
+    shifted, part_shift, sums = made
+    name = reduce.name
+    partial_dims = tuple(sums.attrs["dims"])
+    kept = [j for j in range(len(shifted.shape)) if j not in partial_dims]
+    position = kept.index(dim)
+    length = shifted.shape[dim + 1]
+    means = _make("div", [sums, _constant(length, sums.shape, reduce.dtype, f"{name}_length", names)],
+                  names.new(f"{name}_part_mean"))
+    spread = _make("broadcast_in_dim", [means], names.new(f"{name}_part_mean_b"), shape=shifted.shape,
+                   broadcast_dimensions=kept)
+    deviation = _make("sub", [shifted, spread], names.new(f"{name}_part_dev"))
+    within = _make("reduce", [_make("mul", [deviation, deviation], names.new(f"{name}_part_sq"))],
+                   names.new(f"{name}_partial"), dims=partial_dims, kind="sum")
+    # the parts' means again, from the partial sums, for the sums over parts: the part kernel keeps
+    # its means to itself (a value of the reduced shape is no output a column kernel writes)
+    again = _make("div", [sums, _constant(length, sums.shape, reduce.dtype, f"{name}_length", names)],
+                  names.new(f"{name}_part_mean"))
+    centre, spread = _kept_source(copies[id(reduce.operands[0].operands[0].operands[1])],  # broadcast of m
+                                  tuple(reduce.attrs["dims"]), names)
+    mapped = [kept.index(k if k < dim else k + 1) for k in spread]
+    part_mean = _make("add", [part_shift(), again], names.new(f"{name}_part_centre"))
+    apart = _make("sub", [part_mean, _make("broadcast_in_dim", [centre], names.new(f"{name}_m_b"),
+                                           shape=sums.shape, broadcast_dimensions=mapped)],
+                  names.new(f"{name}_apart"))
+    between = _make("reduce", [_make("mul", [apart, apart], names.new(f"{name}_apart_sq"))],
+                    names.new(f"{name}_between"), dims=(position,), kind="sum")
+    total = _make("reduce", [within], names.new(f"{name}_within"), dims=(position,), kind="sum")
+    weight = _constant(length, between.shape, reduce.dtype, f"{name}_weight", names)
+    weighted = _make("mul", [between, weight], names.new(f"{name}_between_c"))
+    return _make("add", [total, weighted], name, layout=reduce.layout)
 
 
 def _make(

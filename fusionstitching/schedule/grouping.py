@@ -264,6 +264,14 @@ def _column_pattern(pattern, reductions: list[Node]) -> bool:
     return (len(space) - 1) not in set(reduced_dims(reductions[0])) and space[-1] % WARP_SIZE == 0
 
 
+def _columns(reductions: list[Node]) -> bool:
+    """Reduces of one space over dims that exclude the innermost, which fills a warp's lanes."""
+    if any(r.op != "reduce" for r in reductions) or len({_space(r) for r in reductions}) != 1:
+        return False
+    space = _space(reductions[0])
+    return (len(space) - 1) not in set(reduced_dims(reductions[0])) and space[-1] % WARP_SIZE == 0
+
+
 def _wide_columns(reductions: list[Node]) -> bool:
     """Column reductions (the innermost dim kept) with an epilogue and at least
     ``SERIAL_COLUMNS_MIN`` columns each: a thread per column, looping over the reduced rows, keeps
@@ -565,6 +573,10 @@ def _candidate_templates(pattern):
     reductions = _crossing(pattern)
     if reductions and _batched(pattern, reductions):
         yield lambda: batched_template(pattern, reductions, cache_operands=False)  # recompute instead
+    if reductions and not _batched(pattern, reductions) and _columns(reductions):
+        # columns whose sums other groups read (a variance summed around its parts' means): the
+        # warps' sums meet in shared memory, where every warp reads its lanes' columns back
+        yield lambda: column_template(pattern, reductions)
     if reductions and not _batched(pattern, reductions):
         for warps in (8, 16, 32):  # more rows per block: a column reduction over few rows fits in one
             yield lambda w=warps: composed_template(pattern, reductions, DEFAULT_THREADS, w)

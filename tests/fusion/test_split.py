@@ -360,3 +360,91 @@ def test_a_reduce_with_a_short_innermost_run_reduces_its_other_dims_first(dtype,
     _close(graph, rewritten, rtol=1e-2 if dtype == DType.BF16 else 1e-5)
     plan = explore(graph)
     assert not plan.library and any("dims [1] first" in note for note in plan.notes)
+
+
+# ----------------------------------------------------------------------------------------------
+# A variance split with its mean: both partial sums from one read of each part
+# ----------------------------------------------------------------------------------------------
+
+
+def _variance_graph(rows: int = 8192, columns: int = 64) -> Graph:
+    """The frontend's two-pass variance over dim 0 (``_var_mean``): the mean of the data shifted by
+    its first row, then the sum of squared deviations from that mean."""
+    b = GraphBuilder("variance")
+    x = b.parameter((rows, columns), DType.F32, "x")
+    shift = b.reshape(b.node("slice", [x], start=(0, 0), limit=(1, columns), stride=(1, 1)), (columns,))
+    shifted = b.reduce(b.binary("sub", x, b.broadcast(shift, (rows, columns), (1,))), (0,), "sum")
+    mean = b.binary("add", b.binary("div", shifted, b.constant(rows, DType.F32, (columns,))), shift)
+    deviation = b.binary("sub", x, b.broadcast(mean, (rows, columns), (1,)))
+    squares = b.reduce(b.binary("mul", deviation, deviation), (0,), "sum")
+    return b.build([mean, b.binary("div", squares, b.constant(rows, DType.F32, (columns,)))])
+
+
+def _variance_inputs(rows: int, columns: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((rows, columns)) * rng.uniform(0.01, 10, columns) + rng.uniform(-1e3, 1e3, columns)
+    x[:, 0] = 2.5  # equal values: mean exactly 2.5, variance exactly 0
+    x[: rows // 2, 1] += 50.0  # two populations: the parts' means differ
+    x[rows // 3, 2] = 1e4  # an outlier
+    x[:, 3] = np.sort(x[:, 3])  # sorted: each part has its own mean
+    return [x.astype(np.float32)]
+
+
+def test_a_variance_is_split_with_its_mean_and_keeps_its_value():
+    graph = _variance_graph()
+    split, decisions = _split(graph)
+    (decision,) = decisions
+    squares = graph.outputs[1].operands[0].name
+    assert decision.variance == squares and "around the part's mean" in str(decision)
+    arrays = _variance_inputs(8192, 64)
+    mean, var = reference.evaluate(split, arrays)
+    x = arrays[0].astype(np.float64)
+    np.testing.assert_allclose(mean, x.mean(0), rtol=1e-6, atol=1e-6 * np.abs(x).max())
+    np.testing.assert_allclose(var, x.var(0), rtol=5e-6, atol=0)
+    assert mean[0] == np.float32(2.5) and var[0] == 0.0
+    _, unsplit = reference.evaluate(graph, arrays)  # the two passes over all rows: no more accurate
+    assert np.abs(var - x.var(0)).max() <= np.abs(unsplit - x.var(0)).max()
+
+
+def test_the_parts_are_read_once_for_both_partial_sums():
+    graph = _variance_graph()
+    plan = explore(graph)
+    split = plan.graph
+    x = split.node("x")
+    readers = [p for p in plan.patterns if any(x in split.node(n).operands for n in p.nodes)]
+    partials = [n.name for n in split.nodes if n.op == "reduce" and n.name.endswith("_partial")]
+    assert len(partials) == 2
+    together = [p for p in plan.patterns if set(partials) <= set(p.nodes)]
+    assert len(together) == 1 and "variance" in together[0].origin
+    # besides the part kernel, only the shifts' slices (a row per part) read x
+    for pattern in readers:
+        if pattern is not together[0]:
+            assert all(split.node(n).op != "reduce" or split.node(n).operands[0].size <= 64 * 8192 // 8
+                       for n in pattern.nodes)
+
+
+def test_no_variance_pair_without_a_shifted_sum_over_the_same_dims():
+    b = GraphBuilder("squares")
+    x = b.parameter((8192, 64), DType.F32, "x")
+    m = b.reduce(x, (0,), "max")  # a centre that is no mean
+    d = b.binary("sub", x, b.broadcast(m, (8192, 64), (1,)))
+    graph = b.build([b.reduce(b.binary("mul", d, d), (0,), "sum")])
+    split, decisions = _split(graph)
+    assert decisions and not any(d.variance for d in decisions)
+    _close(graph, split)
+
+
+def test_batchnorm_training_at_a_split_size_matches_eager():
+    import torch
+
+    torch.manual_seed(0)
+    module = torch.nn.BatchNorm1d(64).train()
+    reference_module = torch.nn.BatchNorm1d(64).train()
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend="fusionstitching")
+    x = (torch.randn(8192, 64) * 3 + 100).requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    want, got = reference_module(x), compiled(x2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(module.running_var, reference_module.running_var, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(module.running_mean, reference_module.running_mean, rtol=1e-5, atol=1e-5)
