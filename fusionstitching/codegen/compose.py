@@ -191,17 +191,48 @@ class Composer:
                 raise CodegenError(f"{group.root.name}: a reduction carried by the grid loop takes its elements "
                                    "from a register body, and these groups do not share one")
         out: list[K.Stmt] = []
-        for group in self.groups:
+        for k, group in enumerate(self.groups):
             self.em.stmts = []
             self.em.current = group.root.name
             out.append(K.Comment(f"group {group.root.name}: {group.sched}"))
             if group.cross_thread:
                 out.extend(self.reductions.cross_thread(group))
             elif group.cross_warp:
-                out.extend(self.reductions.cross_warp(group))
+                tile = self._cross_warp_tile(group) if self._read_later(k) else None
+                out.extend(self.reductions.cross_warp(group, tile))
+                if tile is not None:
+                    self.register_shared_reader(group, tile[0])
             else:
                 out.extend(self._parallel(group))
         return out
+
+    def _read_later(self, k: int) -> bool:
+        """Whether a later group of the kernel reads group ``k``'s root (through the nodes it
+        computes, not through other groups' roots)."""
+        root = self.groups[k].root
+        roots = {id(g.root) for g in self.groups}
+        for later in self.groups[k + 1:]:
+            stack, seen = [later.root], set()
+            while stack:
+                for operand in stack.pop().operands:
+                    if operand is root:
+                        return True
+                    if id(operand) in self.em.pattern and id(operand) not in roots and id(operand) not in seen:
+                        seen.add(id(operand))
+                        stack.append(operand)
+        return False
+
+    def _cross_warp_tile(self, group: Group) -> tuple[K.Buffer, list[int]]:
+        """A shared tile for a cross-warp reduction's block results that later groups read (each
+        thread would otherwise recompute the column sums it needs), laid out as an S sub-root's."""
+        if register_type(group.root.dtype) != "f32":
+            raise CodegenError(f"{group.root.name}: a reduction across warps read by other groups must be f32, "
+                               f"not {group.root.dtype.value}")
+        layout, size = self._tile_layout(group)
+        buffer = K.Buffer(f"xr_{group.root.name}", "f32", size, space="shared")
+        self.shared.append(buffer)
+        self.em.shared_buffers.add(buffer.name)
+        return buffer, [stride for _, stride in layout]
 
     # -- per-thread loops ----------------------------------------------------------------------------
     def thread_loops(self, group: Group, body, skip_dims: frozenset[int] = frozenset()) -> list[K.Stmt]:

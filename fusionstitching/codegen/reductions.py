@@ -85,9 +85,11 @@ class Reductions:
             return em.let("v", K.Cast(K.Cast(acc, root.dtype.value), "f32"))
         return acc
 
-    def cross_warp(self, group: Group) -> list[K.Stmt]:
+    def cross_warp(self, group: Group, tile: tuple[K.Buffer, Sequence[int]] | None = None) -> list[K.Stmt]:
         """Each warp folds its slice of the reduced dims for every kept element its lanes hold and
-        writes it to shared memory; after a barrier the block's threads sum the warps' slices."""
+        writes it to shared memory; after a barrier the block's threads sum the warps' slices.
+        With ``tile`` (a shared buffer and its strides per kept dim), the sums are also kept there
+        for the kernel's later groups, which read them after the closing barrier."""
         em = self.em
         buffer, count, warp_index = self.cross_warp_slots(group)
         kept = [d for d in range(len(group.space)) if d not in group.reduced]
@@ -104,7 +106,7 @@ class Reductions:
             em.stmts.extend([K.If(guard, tuple(stmts))] if guard is not None else stmts)
 
         stmts = self.nest.thread_loops(group, body, frozenset(group.reduced))
-        return stmts + self.sum_cross_warp(group, buffer, count)
+        return stmts + self.sum_cross_warp(group, buffer, count, tile)
 
     def cross_warp_slots(self, group: Group) -> tuple[K.Buffer, int, K.Expr]:
         """The shared buffer of a reduction across warps, the slots of one warp (the kept elements
@@ -145,14 +147,15 @@ class Reductions:
         of 4, and consecutive slots stay in distinct banks for the readers."""
         return K.add(slot, K.Binary("shr", slot, self.em.idx(WARP.bit_length() - 1), slot.dtype))  # slot / 32, slots >= 0
 
-    def sum_cross_warp(self, group: Group, buffer: K.Buffer, count: int) -> list[K.Stmt]:
+    def sum_cross_warp(self, group: Group, buffer: K.Buffer, count: int,
+                       tile: tuple[K.Buffer, Sequence[int]] | None = None) -> list[K.Stmt]:
         footprint = self.nest.footprint(group)
         local_extents = [math.prod(f.extent for f in local) for _, local in footprint]
         stmts: list[K.Stmt] = [K.Barrier()]
-        stmts += self._sum_slots(group, buffer, self.threads // WARP, count, footprint, local_extents)
+        stmts += self._sum_slots(group, buffer, self.threads // WARP, count, footprint, local_extents, tile)
         return stmts + [K.Barrier()]
 
-    def _sum_slots(self, group, buffer, slots, count, footprint, local_extents) -> list[K.Stmt]:
+    def _sum_slots(self, group, buffer, slots, count, footprint, local_extents, tile=None) -> list[K.Stmt]:
         em = self.em
         root = group.root
         kind, rtype = reduction_kind(root), register_type(root.dtype)
@@ -188,6 +191,12 @@ class Reductions:
         name, layout = group.output
         store = K.Store(name, em.linear(index, layout.strides), value)
         body.append(K.If(guard, (store,)) if guard is not None else store)
+        if tile is not None:  # every slot, tails too: readers past the tail are guarded themselves
+            cells, strides = tile
+            at: K.Expr = em.idx(0)
+            for offset, stride in zip(offsets, strides):
+                at = K.add(at, K.mul(offset, em.idx(stride)))
+            body.append(K.Store(cells.name, at, acc))
         return [K.For(j, self.nest.special("tid"), em.idx(count), self.nest.special("ntid"), tuple(body), "block_stride")]
 
     def _cross_warp_buffer(self, size: int, rtype: str) -> K.Buffer:

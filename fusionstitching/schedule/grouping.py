@@ -264,6 +264,21 @@ def _column_pattern(pattern, reductions: list[Node]) -> bool:
     return (len(space) - 1) not in set(reduced_dims(reductions[0])) and space[-1] % WARP_SIZE == 0
 
 
+def _read_columns(pattern) -> list[Node]:
+    """The pattern's reductions (sub-roots and reduced outputs), when they are column sums of one
+    space of which some other node of the pattern reads one and the pattern's outputs are all among
+    them (the column template schedules reductions only); otherwise none."""
+    if not all(is_reduction(o) for o in pattern.outputs):
+        return []
+    inside = {id(n) for n in pattern.nodes}
+    read = {id(o) for n in pattern.nodes for o in n.operands if id(o) in inside}
+    reductions = [n for n in pattern.nodes if is_reduction(n)
+                  and (id(n) in read or any(n is o for o in pattern.outputs))]
+    if not any(id(r) in read for r in reductions) or not _columns(reductions):
+        return []
+    return reductions
+
+
 def _columns(reductions: list[Node]) -> bool:
     """Reduces of one space over dims that exclude the innermost, which fills a warp's lanes."""
     if any(r.op != "reduce" for r in reductions) or len({_space(r) for r in reductions}) != 1:
@@ -568,15 +583,17 @@ def _candidate_templates(pattern):
     on the kept dim, which register composition needs to be exact), then block mode."""
     if _stitched_partials(pattern):
         yield lambda: row_partial_template(pattern)
+    columns = _read_columns(pattern)
+    if columns:
+        # column sums that other nodes of the pattern read (a variance summed around its parts'
+        # means): the warps' sums meet in shared memory and stay there for the readers, where a
+        # thread-serial template would sum them again for every point that reads them
+        yield lambda: column_template(pattern, columns)
     yield lambda: choose_template(pattern)
     yield lambda: transpose_smem_template(pattern, DEFAULT_THREADS)  # transposed reads: tiles through shared memory
     reductions = _crossing(pattern)
     if reductions and _batched(pattern, reductions):
         yield lambda: batched_template(pattern, reductions, cache_operands=False)  # recompute instead
-    if reductions and not _batched(pattern, reductions) and _columns(reductions):
-        # columns whose sums other groups read (a variance summed around its parts' means): the
-        # warps' sums meet in shared memory, where every warp reads its lanes' columns back
-        yield lambda: column_template(pattern, reductions)
     if reductions and not _batched(pattern, reductions):
         for warps in (8, 16, 32):  # more rows per block: a column reduction over few rows fits in one
             yield lambda w=warps: composed_template(pattern, reductions, DEFAULT_THREADS, w)

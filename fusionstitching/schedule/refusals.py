@@ -1,5 +1,6 @@
 """Why ``grouping.feasible`` refuses a template before lowering it: too little parallelism,
-a reduction folded inline once per element that reads the same result, or a column-sum sub-kernel
+a reduction folded inline once per element that reads the same result, a serially summed root
+that another reduction root would sum again for each of its points, or a column-sum sub-kernel
 recomputing another sub-kernel's work. Each check returns a ``Reason`` (falsy, printable) or None.
 """
 
@@ -34,7 +35,7 @@ class Reason:
 
 def refusal(pattern, template: KernelSchedule) -> Reason | None:
     """The first of the checks below that refuses ``template``, or None."""
-    for check in (crowded, recomputed, refolded):
+    for check in (crowded, recomputed, refolded, resummed):
         reason = check(pattern, template)
         if reason is not None:  # a Reason is falsy: no `or`
             return reason
@@ -113,6 +114,39 @@ def _packed_nests(pattern, template: KernelSchedule, by_name: dict[str, Node]) -
 def recomputed(pattern, template: KernelSchedule) -> Reason | None:
     why = recomputed_work(pattern, template)
     return None if why is None else Reason(why)
+
+
+def resummed(pattern, template: KernelSchedule) -> Reason | None:
+    """A reduce root that each thread sums serially (THREAD tiles on all its reduced dims) keeps
+    its result in no register or shared cell another root's threads can read, so a root that reads
+    it computes it again per point; inside another reduction's loop that costs the product of the
+    two reduced lengths (a variance's part sums read by its squares' sums: 392 x 392 loads per
+    column, at 1 % of a copy's bandwidth). Refused above ``REFOLD_POINTS`` points."""
+    by_name = {n.name: n for n in pattern.nodes}
+    roots = {s.root for s in template.schedules}
+    serial = set()
+    for sched in template.schedules:
+        root = by_name.get(sched.root)
+        if root is None or root.op != "reduce" or sched.shared or len(sched.dims) != len(_space(root)):
+            continue  # an S sub-root's result is kept in shared memory; a batched dot's, by its template
+        if all(t.level == Level.THREAD for d in reduced_dims(root) for t in sched.dims[d]):
+            serial.add(root.name)
+    for sched in template.schedules:
+        root = by_name.get(sched.root)
+        if root is None or not is_reduction(root):
+            continue
+        stack, seen = list(root.operands), set()
+        while stack:
+            node = stack.pop()
+            if id(node) in seen or by_name.get(node.name) is not node:
+                continue
+            seen.add(id(node))
+            if node.name in serial and node is not root and _reduced_points(node) > REFOLD_POINTS:
+                return Reason(f"{root.name} would sum {node.name} ({_reduced_points(node)} points, summed serially "
+                              "by another root's threads) again for each of its points")
+            if node.name not in roots:
+                stack.extend(node.operands)
+    return None
 
 
 def _inline_reductions(root: Node, roots: set[str], by_name: dict[str, Node]) -> Iterator[Node]:

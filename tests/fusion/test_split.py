@@ -448,3 +448,29 @@ def test_batchnorm_training_at_a_split_size_matches_eager():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(module.running_var, reference_module.running_var, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(module.running_mean, reference_module.running_mean, rtol=1e-5, atol=1e-5)
+
+
+def test_the_part_kernel_keeps_its_column_sums_in_shared_memory_and_computes_the_variance():
+    """The part kernel's second sum reads each part's mean from the shared cells the first sum's
+    warps left it (``codegen/reductions.py``), not by summing the part again per point; the whole
+    program, simulated, gives the graph's values."""
+    import torch
+
+    from fusionstitching.options import Options
+    from fusionstitching.pipeline import compile_graph
+
+    graph = _variance_graph(rows=4096, columns=64)
+    compiled = compile_graph(graph, Options(strict=True))
+    (part,) = [k for k in compiled.kernels if "part_dev" in k.cuda_source or "xr_" in k.cuda_source]
+    assert "__shared__ float xr_" in part.cuda_source
+    second = part.cuda_source.split("// group ")[2]
+    assert " = xr_" in second  # the part's mean, read from the first sum's shared cells
+    # its loop over the part's rows, the block's loop over the columns and the warps' fold: no sum
+    # of the part inside the row loop
+    assert second.count("for (") == 3
+    arrays = _variance_inputs(4096, 64)
+    got = compiled.run([torch.from_numpy(a) for a in arrays])
+    x = arrays[0].astype(np.float64)
+    np.testing.assert_allclose(got[0].numpy(), x.mean(0), rtol=1e-6, atol=1e-6 * np.abs(x).max())
+    np.testing.assert_allclose(got[1].numpy(), x.var(0), rtol=5e-6, atol=0)
+    assert got[1][0] == 0.0 and got[0][0] == np.float32(2.5)

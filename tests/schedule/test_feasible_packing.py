@@ -375,3 +375,27 @@ def test_an_nhwc_value_read_as_nchw_is_tiled_over_channels_and_width():
     data = [rng.standard_normal(p.shape).astype(np.float32) for p in graph.parameters]
     (got,) = kernel.simulate(data)
     np.testing.assert_allclose(got, reference.evaluate(graph, data)[0], rtol=1e-6)
+
+
+def test_a_serially_summed_root_is_not_summed_again_by_another_reduction_root():
+    """Column sums of parts read by a second sum over the same parts: a thread-serial template
+    would have each point of the second sum the first again (``refusals.resummed``); the column
+    template, whose warps leave their sums in shared memory, is the one offered."""
+    from fusionstitching.graph.pattern import resolve_pattern
+    from fusionstitching.schedule.grouping import thread_serial_template
+    from fusionstitching.schedule.refusals import resummed
+
+    b = GraphBuilder("parts")
+    x = b.parameter((64, 392, 256), DType.F32, "x")
+    sums = b.reduce(x, [1], "sum")
+    mean = b.binary("div", sums, b.constant(392.0, DType.F32, (64, 256)))
+    deviation = b.binary("sub", x, b.broadcast(mean, (64, 392, 256), (0, 2)))
+    squares = b.reduce(b.binary("mul", deviation, deviation), [1], "sum")
+    graph = b.build([sums, squares])
+    nodes = [n for n in graph.nodes if n.op not in ("parameter", "constant")]
+    pattern = resolve_pattern(graph, nodes)
+    serial = thread_serial_template(pattern, [sums, squares])
+    assert "392 points" in str(resummed(pattern, serial))
+    answer = feasible(graph, nodes)
+    assert answer, answer
+    assert all(any(t.level.value == "WARP" for t in s.dims[1]) for s in answer.schedules)
