@@ -474,3 +474,21 @@ def test_the_part_kernel_keeps_its_column_sums_in_shared_memory_and_computes_the
     np.testing.assert_allclose(got[0].numpy(), x.mean(0), rtol=1e-6, atol=1e-6 * np.abs(x).max())
     np.testing.assert_allclose(got[1].numpy(), x.var(0), rtol=5e-6, atol=0)
     assert got[1][0] == 0.0 and got[0][0] == np.float32(2.5)
+
+
+@pytest.mark.parametrize("rows,columns", [(6144, 96), (4096, 40), (3000, 128)])
+def test_variances_of_other_shapes_compute_their_values(rows, columns):
+    """Columns that fill no whole warp (40), rows that split in parts of odd lengths (3000): the
+    compiled program, simulated, gives the variance whether or not the pair was split together."""
+    import torch
+
+    from fusionstitching.options import Options
+    from fusionstitching.pipeline import compile_graph
+
+    graph = _variance_graph(rows=rows, columns=columns)
+    arrays = _variance_inputs(rows, columns)
+    got = compile_graph(graph, Options(strict=True)).run([torch.from_numpy(a) for a in arrays])
+    x = arrays[0].astype(np.float64)
+    np.testing.assert_allclose(got[0].numpy(), x.mean(0), rtol=1e-6, atol=1e-6 * np.abs(x).max())
+    np.testing.assert_allclose(got[1].numpy(), x.var(0), rtol=3e-5, atol=0)
+    assert got[1][0] == 0.0 and got[0][0] == np.float32(2.5)
