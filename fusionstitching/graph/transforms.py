@@ -131,7 +131,7 @@ def split_reductions(graph: Graph, splits: Mapping[Node | str, int],
             copies[id(old)] = _split_shifted(old, dim, parts, copies, names, partials.setdefault(id(old), []))
         elif id(old) in targets:
             _, dim, parts, blocks = targets[id(old)]
-            copies[id(old)] = _split(old, operands[0], dim, parts, names, blocks, partials.setdefault(id(old), []))
+            copies[id(old)] = _split(old, operands[0], dim, parts, names, blocks)
         else:
             copies[id(old)] = dataclasses.replace(old, operands=operands)
     return _rebuilt(graph, copies)
@@ -748,12 +748,11 @@ def row_loop_dim(node: Node, parts: int) -> tuple[int, int]:
                      f"have no split into {parts} outer parts")
 
 
-def _split(reduce: Node, operand: Node, dim: int, parts: int, names: _Names, blocks: bool | str = False,
-           made: list[Node] | None = None) -> Node:
+def _split(reduce: Node, operand: Node, dim: int, parts: int, names: _Names, blocks: bool | str = False) -> Node:
     """The nodes replacing ``reduce`` (whose operand copy is ``operand``); returns the replacement.
     With ``blocks`` the partial reduces only the chunk dim (row blocks, see ``split_reductions``);
     with ``blocks == "loops"`` it reduces the dims before ``dim`` and ``dim``'s outer ``parts``
-    (row loops). ``made`` receives the reshaped operand and the partial."""
+    (row loops)."""
     name, kind, dims = reduce.name, reduce.attrs["kind"], tuple(reduce.attrs["dims"])
     accumulate = reduce.dtype.compute if kind in ("sum", "prod") else reduce.dtype
     x = operand
@@ -771,8 +770,6 @@ def _split(reduce: Node, operand: Node, dim: int, parts: int, names: _Names, blo
         partial_dims = tuple(d if d < dim else d + 1 for d in dims)
         final_dims = (dim - sum(1 for d in dims if d < dim),)  # the parts' position in the partial
     partial = _make("reduce", [x], names.new(f"{name}_partial"), dims=partial_dims, kind=kind)
-    if made is not None:
-        made[:] = [x, partial]
     widened = accumulate != reduce.dtype
     final_name = names.new(f"{name}_final") if widened else name
     final_layout = None if widened else reduce.layout
