@@ -583,14 +583,13 @@ def _candidate_templates(pattern):
     on the kept dim, which register composition needs to be exact), then block mode."""
     if _stitched_partials(pattern):
         yield lambda: row_partial_template(pattern)
-    yield lambda: choose_template(pattern)
     columns = _read_columns(pattern)
     if columns:
         # column sums that other nodes of the pattern read (a variance summed around its parts'
         # means): the warps' sums meet in shared memory and stay there for the readers, where a
         # thread-serial template would sum them again for every point that reads them
-        # (``refusals.resummed``)
         yield lambda: column_template(pattern, columns)
+    yield lambda: choose_template(pattern)
     yield lambda: transpose_smem_template(pattern, DEFAULT_THREADS)  # transposed reads: tiles through shared memory
     reductions = _crossing(pattern)
     if reductions and _batched(pattern, reductions):

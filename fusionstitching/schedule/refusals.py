@@ -119,8 +119,8 @@ def recomputed(pattern, template: KernelSchedule) -> Reason | None:
 def resummed(pattern, template: KernelSchedule) -> Reason | None:
     """A reduce root that each thread sums serially (THREAD tiles on all its reduced dims) keeps
     its result in no register or shared cell another root's threads can read, so a root that reads
-    it computes it again per point; where another reduction reads it broadcast (the same value
-    for many of its points) that costs the product of the two reduced lengths (a variance's part sums read by its squares' sums: 392 x 392 loads per
+    it computes it again per point; inside another reduction's loop that costs the product of the
+    two reduced lengths (a variance's part sums read by its squares' sums: 392 x 392 loads per
     column, at 1 % of a copy's bandwidth). Refused above ``REFOLD_POINTS`` points."""
     by_name = {n.name: n for n in pattern.nodes}
     roots = {s.root for s in template.schedules}
@@ -135,19 +135,17 @@ def resummed(pattern, template: KernelSchedule) -> Reason | None:
         root = by_name.get(sched.root)
         if root is None or not is_reduction(root):
             continue
-        # (node, whether the path from the root broadcasts it): a value read once per point costs
-        # its sum once more, which the score charges; a broadcast one is summed again per point
-        stack, seen = [(x, False) for x in root.operands], set()
+        stack, seen = list(root.operands), set()
         while stack:
-            node, spread = stack.pop()
-            if (id(node), spread) in seen or by_name.get(node.name) is not node:
+            node = stack.pop()
+            if id(node) in seen or by_name.get(node.name) is not node:
                 continue
-            seen.add((id(node), spread))
-            if spread and node.name in serial and node is not root and _reduced_points(node) > REFOLD_POINTS:
+            seen.add(id(node))
+            if node.name in serial and node is not root and _reduced_points(node) > REFOLD_POINTS:
                 return Reason(f"{root.name} would sum {node.name} ({_reduced_points(node)} points, summed serially "
                               "by another root's threads) again for each of its points")
             if node.name not in roots:
-                stack.extend((x, spread or node.op == "broadcast_in_dim") for x in node.operands)
+                stack.extend(node.operands)
     return None
 
 
