@@ -8,7 +8,10 @@ every node one role:
 - *library*: a GEMM above the small-dot threshold or a library op, run by PyTorch (cuBLAS), and
   any node no kernel can be built for (counted, with the reason, never hidden);
 - *view*: a ``reshape`` of contiguous memory, or a transpose/broadcast/reshape chain that only
-  feeds library calls (passed to the library as a strided tensor): no kernel runs for it;
+  feeds library calls (passed to the library as a strided tensor): no kernel runs for it. A
+  pattern that would write both a value and a reshape of it (a ResNet block's output, flat for
+  the next convolution and unflattened as the activation the backward saves) writes the value
+  once and the reshape is a view of it (``_written_once``);
 - *input*: parameters and constants.
 
 ``finalize`` turns the patterns a selector chose into a plan: every fusable node left over
@@ -125,7 +128,7 @@ def finalize(graph: Graph, roles: Roles, legality: Legality, scorer: Scorer | No
     library = {n.name: why for n, why in roles.library.items()}
     library_nodes = set(roles.library)
     group: dict[Node, int] = {}
-    patterns: list[Chosen] = list(chosen)
+    patterns: list[Chosen] = [_written_once(graph, legality, c) for c in chosen]
     for k, pattern in enumerate(patterns):
         for node in pattern.nodes:
             group[node] = k
@@ -151,6 +154,34 @@ def finalize(graph: Graph, roles: Roles, legality: Legality, scorer: Scorer | No
         return _unfused_edges(graph, roles, legality, scorer, patterns, group, library_nodes, views)
 
     return FusionPlan(graph, fused, library, views, edge_reasons, strategy, notes=list(notes))
+
+
+def _written_once(graph: Graph, legality: Legality, chosen: Chosen) -> Chosen:
+    """``chosen`` without the reshapes that would be second copies of its own outputs: a reshape
+    of a value the kernel writes anyway, read by no node of the kernel, both contiguous, and the
+    value no graph output (two graph outputs sharing storage could surprise their user). Left
+    out, the reshape becomes a view of the written value (``_views``) and the kernel writes its
+    bytes once. The smaller pattern gets its own schedule; where none builds it stays as chosen."""
+    inside = {id(n) for n in chosen.nodes}
+    users = graph.index.users
+    outputs = graph.index.output_ids
+    written = {id(n) for n in chosen.nodes if id(n) in outputs or any(id(u) not in inside for u in users[n])}
+    copies = {id(n) for n in chosen.nodes
+              if n.op == "reshape" and id(n) in written and id(n.operands[0]) in written
+              and id(n.operands[0]) not in outputs and not any(id(u) in inside for u in users[n])
+              and _plain(n) and _plain(n.operands[0])}
+    if not copies:
+        return chosen
+    nodes = tuple(n for n in chosen.nodes if id(n) not in copies)
+    verdict = legality.buildable(list(nodes))
+    if not verdict:
+        return chosen
+    return Chosen(nodes, verdict.schedule, chosen.score, chosen.origin)
+
+
+def _plain(node: Node) -> bool:
+    """Whether ``node``'s value is stored row-major (no layout asked, or a contiguous one)."""
+    return node.layout is None or node.layout.is_contiguous(node.shape)
 
 
 def edge_reasons_of(graph: Graph, options, patterns: Sequence[FusedPattern], library: dict[str, str],

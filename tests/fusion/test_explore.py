@@ -383,3 +383,45 @@ def test_the_split_and_unsplit_explorations_share_their_schedule_checks(monkeypa
     assert with_cache < without_cache
     split, unsplit = alone
     assert same_plan(shared, split if split.estimated_us < unsplit.estimated_us else unsplit)
+
+
+def test_a_kernel_writes_a_value_once_and_its_reshape_is_a_view():
+    """A ResNet block's output was written twice by its kernel: flat for the next convolution and
+    unflattened as the activation the backward saves (257 MB a training step). A selected pattern
+    holding a value it writes anyway and a reshape of it read by nothing inside leaves the reshape
+    out (``plan._written_once``): it is a view of the written value, and the values are right."""
+    from fusionstitching.fusion.legality import Legality, Roles
+    from fusionstitching.fusion.plan import Chosen, finalize
+
+    b = GraphBuilder("block_output")
+    x = b.parameter((4096, 256), DType.F32, "x")
+    w = b.parameter((256, 256), DType.F32, "w")
+    y = b.binary("max", b.binary("mul", x, x), x)
+    product = _dot(b, y, w)
+    saved = b.reshape(y, (16, 16, 16, 256))
+    graph = b.build([product, saved])
+    options = Options(small_dot_max_flops=0)
+    legality = Legality(graph, options)
+    nodes = [n for n in graph.nodes if n.op in ("mul", "max", "reshape")]
+    verdict = legality.buildable(nodes)
+    assert verdict, verdict
+    plan = finalize(graph, Roles.of(graph, options), legality, None,
+                    [Chosen(tuple(nodes), verdict.schedule, 0.0, "the block's kernel")], "test")
+    check_plan(plan)
+    assert plan.library_count == 1 and plan.kernel_count == 1, plan.explain()
+    assert saved.name in plan.views and plan.pattern_of(saved.name) is None, plan.explain()
+    (pattern,) = plan.patterns
+    kernel = generate(plan.graph, [plan.graph.node(n) for n in pattern.nodes], pattern.schedule)
+    assert kernel.outputs == [y.name]
+    arrays = random_arrays(plan.graph)
+    got = compile_plan(plan).run_numpy(arrays)
+    for value, want, label in zip(got, reference.evaluate(plan.graph, arrays), ("product", "saved")):
+        assert_close(value, want, label)
+    # a reshape read inside the kernel, or of a value that is itself a graph output, stays
+    kept = b.binary("add", saved, saved)
+    graph = b.build([product, kept])
+    legality = Legality(graph, options)
+    nodes = [n for n in graph.nodes if n.op in ("mul", "max", "reshape", "add")]
+    plan = finalize(graph, Roles.of(graph, options), legality, None,
+                    [Chosen(tuple(nodes), legality.buildable(nodes).schedule, 0.0, "read inside")], "test")
+    assert plan.pattern_of(saved.name) is not None
