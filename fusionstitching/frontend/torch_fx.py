@@ -399,7 +399,15 @@ def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[
     """The min-cut rematerialization partitioner, except that a forward value the backward tests for
     equality (the gradient of amax, amin and max routes to the elements equal to the saved result)
     is saved, not recomputed, when recomputing it could round otherwise: a softmax recomputed by a
-    kernel that sums in another order equals its saved minimum nowhere, and the gradient is 0/0."""
+    kernel that sums in another order equals its saved minimum nowhere, and the gradient is 0/0.
+    Max pooling may be recomputed in the backward (the partitioner's list of recomputable ops
+    lacks it): its backward reads the pooled input anyway, and from it the indices are elementwise
+    work in the backward's kernel, where saving them cost 8 bytes per output, written by the
+    forward, plus the nine windows the forward wrote to compute them (ResNet-50's stem: 166 MB
+    written and 115 MB read per training step, against the input's 51 MB read again). The pooled
+    values are recomputed with them (the partitioner recomputes an op's outputs together). The
+    recomputed indices are the forward's: the same windows of the same saved input, in the same
+    order."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -416,6 +424,9 @@ def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[
         elif not _order_free(node) or any(x in ordered for x in inputs):
             ordered.add(node)
     for node in joint.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.max_pool2d_with_indices.default \
+                and node not in backward:
+            node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
         if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in (
                 torch.ops.aten.eq, torch.ops.aten.ne):
             for x in node.all_input_nodes:
