@@ -169,6 +169,9 @@ def evaluations(pattern, template: KernelSchedule) -> dict[int, float]:
     another way (slices, gathers, reductions and what they read) keep the factor 1."""
     by_name = {n.name: n for n in pattern.nodes}
     inside = {id(n) for n in pattern.nodes}
+    # a reduction with a schedule of its own is summed once by its threads; the roots that read it
+    # read its result (a register, or shared memory), they do not sum it again
+    reduced_roots = {s.root for s in template.schedules if s.root in by_name and is_reduction(by_name[s.root])}
     factors: dict[int, float] = {}
     for sched in template.schedules:
         root = by_name.get(sched.root)
@@ -180,7 +183,7 @@ def evaluations(pattern, template: KernelSchedule) -> dict[int, float]:
                 if tile.level == Level.THREAD and extent > 1:
                     shared_by.append((d, extent))
         for node, varying in _varying_dims(root, inside).items():
-            if node.size == 0:
+            if node.size == 0 or (node.name in reduced_roots and node is not root):
                 continue
             reuse = math.prod(extent for d, extent in shared_by if d not in varying)
             factors[id(node)] = factors.get(id(node), 0.0) + root.size / reuse / node.size
