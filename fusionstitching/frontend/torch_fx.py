@@ -402,12 +402,10 @@ def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[
     kernel that sums in another order equals its saved minimum nowhere, and the gradient is 0/0.
     Max pooling may be recomputed in the backward (the partitioner's list of recomputable ops
     lacks it): its backward reads the pooled input anyway, and from it the indices are elementwise
-    work in the backward's kernel, where saving them cost 8 bytes per output, written by the
-    forward, plus the nine windows the forward wrote to compute them (ResNet-50's stem: 166 MB
-    written and 115 MB read per training step, against the input's 51 MB read again). The pooled
-    values are recomputed with them (the partitioner recomputes an op's outputs together). The
-    recomputed indices are the forward's: the same windows of the same saved input, in the same
-    order."""
+    work in the backward's kernel, where saving them cost 8 bytes per output written by the
+    forward, plus the windows the forward wrote to compute them. The pooled values are recomputed
+    with them (the partitioner recomputes an op's outputs together). The recomputed indices are
+    the forward's: the same windows of the same saved input, in the same order."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.utils.checkpoint import CheckpointPolicy
 

@@ -425,3 +425,9 @@ def test_a_kernel_writes_a_value_once_and_its_reshape_is_a_view():
     plan = finalize(graph, Roles.of(graph, options), legality, None,
                     [Chosen(tuple(nodes), legality.buildable(nodes).schedule, 0.0, "read inside")], "test")
     assert plan.pattern_of(saved.name) is not None
+    graph = b.build([product, saved, y])
+    legality = Legality(graph, options)
+    nodes = [n for n in graph.nodes if n.op in ("mul", "max", "reshape")]
+    plan = finalize(graph, Roles.of(graph, options), legality, None,
+                    [Chosen(tuple(nodes), legality.buildable(nodes).schedule, 0.0, "graph output")], "test")
+    assert plan.pattern_of(saved.name) is not None  # the kernel writes both
