@@ -574,20 +574,22 @@ def _max_pool2d(cx: LoweringContext, x: Node, kernel_size: Sequence[int], stride
     if not any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in cx.fx_node.users):
         return result, cx.constant(0, DType.I64, values_shape)  # the indices: nothing reads them
 
+    kind = _position_dtype((h + ph + high_h + 1) * (w + pw + high_w + 1))  # bounds |row · W + col|
+
     def position(dim: int, step: int, offset: int) -> Node:  # the input row (column) of each output
-        iota = cx.b.iota(values_shape, dim, DType.I64)
-        return cx.b.binary("add", cx.b.binary("mul", iota, cx.lift(step, DType.I64, values_shape)),
-                           cx.lift(offset, DType.I64, values_shape))
+        iota = cx.b.iota(values_shape, dim, kind)
+        return cx.b.binary("add", cx.b.binary("mul", iota, cx.lift(step, kind, values_shape)),
+                           cx.lift(offset, kind, values_shape))
 
     def inside(at: Node, size: int) -> Node:
-        return cx.b.binary("and", cx.b.compare("GE", at, cx.lift(0, DType.I64, values_shape)),
-                           cx.b.compare("LT", at, cx.lift(size, DType.I64, values_shape)))
+        return cx.b.binary("and", cx.b.compare("GE", at, cx.lift(0, kind, values_shape)),
+                           cx.b.compare("LT", at, cx.lift(size, kind, values_shape)))
 
-    best, index, seen = None, cx.constant(0, DType.I64, values_shape), None
+    best, index, seen = None, cx.constant(0, kind, values_shape), None
     for i, j, window in windows:
         row, col = position(rank - 2, sh, i * dh - ph), position(rank - 1, sw, j * dw - pw)
         valid = cx.b.binary("and", inside(row, h), inside(col, w))
-        at = cx.b.binary("add", cx.b.binary("mul", row, cx.lift(w, DType.I64, values_shape)), col)
+        at = cx.b.binary("add", cx.b.binary("mul", row, cx.lift(w, kind, values_shape)), col)
         if best is None:
             take = valid
         else:
@@ -596,7 +598,15 @@ def _max_pool2d(cx: LoweringContext, x: Node, kernel_size: Sequence[int], stride
         best = window if best is None else cx.b.select(take, window, best)
         index = cx.b.select(take, at, index)
         seen = valid if seen is None else cx.b.binary("or", seen, valid)
-    return result, index
+    return result, cx.b.convert(index, DType.I64)
+
+
+def _position_dtype(bound: int) -> DType:
+    """The integer type of max pooling's positions ``h · W + w`` inside the pooling lowerings, whose
+    arithmetic stays below ``bound`` in magnitude: i32 where that fits (the indices a backward in
+    the same graph recomputes are then written and read at half the bytes), i64 otherwise; torch's
+    indices are i64, converted from these where they leave the lowering."""
+    return DType.I32 if bound < 2 ** 31 else DType.I64
 
 
 @lowers("aten.max_pool2d_with_indices_backward.default")
@@ -618,6 +628,10 @@ def _max_pool2d_backward(cx: LoweringContext, grad: Node, x: Node, kernel_size: 
     sh, sw = _pair(stride, (kh, kw))
     rank, (h, w), (ho, wo) = len(x.shape), x.shape[-2:], grad.shape[-2:]
     lead = tuple(x.shape[:-2])
+    kind = DType.I64
+    source = indices.operands[0] if indices.op == "convert" else None
+    if source is not None and source.dtype == DType.I32 and _position_dtype((h + 1) * (w + 1)) == DType.I32:
+        indices, kind = source, DType.I32  # computed by ``_max_pool2d`` in this graph
     wide = DType.F32 if grad.dtype in (DType.F16, DType.BF16) else grad.dtype  # torch accumulates in float
 
     def taps(remainder: int, step: int, pad: int, dil: int, k: int) -> list[int]:
@@ -641,11 +655,11 @@ def _max_pool2d_backward(cx: LoweringContext, grad: Node, x: Node, kernel_size: 
                 pads = {"low": (0,) * len(lead) + low, "high": (0,) * len(lead) + high, "interior": (0,) * rank}
                 g = cx.node("pad", cx.b.convert(grad, wide), value=0.0, **pads)
                 at = cx.node("pad", indices, value=-1.0, **pads)
-                row = cx.b.binary("add", cx.b.binary("mul", cx.b.iota(shape, rank - 2, DType.I64),
-                                                     cx.lift(sh, DType.I64, shape)), cx.lift(a, DType.I64, shape))
-                col = cx.b.binary("add", cx.b.binary("mul", cx.b.iota(shape, rank - 1, DType.I64),
-                                                     cx.lift(sw, DType.I64, shape)), cx.lift(b, DType.I64, shape))
-                target = cx.b.binary("add", cx.b.binary("mul", row, cx.lift(w, DType.I64, shape)), col)
+                row = cx.b.binary("add", cx.b.binary("mul", cx.b.iota(shape, rank - 2, kind),
+                                                     cx.lift(sh, kind, shape)), cx.lift(a, kind, shape))
+                col = cx.b.binary("add", cx.b.binary("mul", cx.b.iota(shape, rank - 1, kind),
+                                                     cx.lift(sw, kind, shape)), cx.lift(b, kind, shape))
+                target = cx.b.binary("add", cx.b.binary("mul", row, cx.lift(w, kind, shape)), col)
                 zero = cx.constant(0, wide, shape)
                 for t in row_taps:
                     for u in col_taps:

@@ -400,15 +400,19 @@ def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[
     equality (the gradient of amax, amin and max routes to the elements equal to the saved result)
     is saved, not recomputed, when recomputing it could round otherwise: a softmax recomputed by a
     kernel that sums in another order equals its saved minimum nowhere, and the gradient is 0/0.
-    Max pooling may be recomputed in the backward (the partitioner's list of recomputable ops
-    lacks it): its backward reads the pooled input anyway, and from it the indices are elementwise
-    work in the backward's kernel, where saving them cost 8 bytes per output written by the
-    forward, plus the windows the forward wrote to compute them. The pooled values are recomputed
-    with them (the partitioner recomputes an op's outputs together). The recomputed indices are
-    the forward's: the same windows of the same saved input, in the same order."""
+    Max pooling's indices may be recomputed in the backward (the partitioner's list of
+    recomputable ops lacks it): its backward reads the pooled input anyway, and from it the indices
+    are elementwise work in the backward's kernel, where saving them cost 8 bytes per output written
+    by the forward, plus the windows the forward wrote to compute them. The pooled values stay
+    saved: the forward writes them anyway. The recomputed indices are the forward's: the same
+    windows of the same saved input, in the same order."""
+    from torch._functorch import config as functorch_config
+    from torch._functorch.compile_utils import fx_graph_cse
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.utils.checkpoint import CheckpointPolicy
 
+    if functorch_config.cse:  # before the copies below, which the partitioner's own CSE would merge
+        joint.graph = fx_graph_cse(joint.graph)
     backward: set[fx.Node] = set()
     ordered: set[fx.Node] = set()  # forward values that depend on an order-dependent op
     for node in joint.graph.nodes:
@@ -421,16 +425,40 @@ def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[
             backward.add(node)
         elif not _order_free(node) or any(x in ordered for x in inputs):
             ordered.add(node)
-    for node in joint.graph.nodes:
+    for node in list(joint.graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.aten.max_pool2d_with_indices.default \
                 and node not in backward:
-            node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+            _recompute_indices(joint.graph, node, backward)
         if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in (
                 torch.ops.aten.eq, torch.ops.aten.ne):
             for x in node.all_input_nodes:
                 if x in ordered:
                     x.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    with functorch_config.patch(cse=False):
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def _recompute_indices(graph: fx.Graph, pool: fx.Node, backward: set[fx.Node]) -> None:
+    """Let the backward recompute max pooling's indices from the input it saves, while the pooled
+    values, which the forward writes for its own readers, stay saved: the indices' readers move to
+    a copy of the pooling op that the partitioner prefers to recompute, with the indices taken from
+    it (the partitioner recomputes all outputs of one op or none). Indices the forward also returns
+    stay saved."""
+    import operator
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    readers = [u for u in pool.users if u.target is operator.getitem and u.args[1] == 1 and u.users
+               and all(r in backward for r in u.users)]
+    if not readers:
+        return
+    with graph.inserting_after(pool):
+        twin = graph.call_function(pool.target, pool.args, pool.kwargs)
+    twin.meta.update(pool.meta)
+    twin.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+    for reader in readers:
+        reader.replace_input_with(pool, twin)
+        reader.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _stand_in(gm: fx.GraphModule) -> Callable[..., Any]:

@@ -85,7 +85,8 @@ def test_capture_lays_out_the_saved_tensors_as_the_backend_does():
 def test_a_max_poolings_indices_run_nhwc():
     """The indices of a training max pooling (``h · W + w`` from iotas, chosen window by window)
     are recomputed by the backward from the saved input (``torch_fx.partition``: the forward saves
-    neither them nor the windows), where they sink like the values: the backward computes them NHWC
+    neither them nor the windows, but the pooled values it writes anyway, which the backward does
+    not compute again), where they sink like the values: the backward computes them NHWC
     and compares them NHWC with its positions (iotas), and the laid-out graphs compute what the
     NCHW ones do."""
     torch.manual_seed(0)
@@ -101,6 +102,9 @@ def test_a_max_poolings_indices_run_nhwc():
         if n.op == "transpose":  # of the inputs and weights, or leaving NHWC as an output
             assert n.operands[0].op == "parameter" or any(n is o for o in forward.outputs), n.name
     assert all(n.shape[-1] == 8 for n in forward.nodes if n.op == "iota")  # NHWC: channels last
+    assert not any(n.op == "max" for n in captured.backward.nodes)
+    assert [p for p in captured.backward.parameters if p.shape == (2, 8, 5, 5)]  # the pooled values, saved
+    assert all(n.dtype == DType.I32 for n in captured.backward.nodes if n.op == "iota")  # positions fit i32
     backward = laid_out_convolutions(captured.backward)
     assert not [n for n in backward.nodes if n.op == "library" and "max_pool" in n.attrs["target"]]
     assert any(n.op == "iota" for n in backward.nodes)
