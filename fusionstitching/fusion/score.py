@@ -37,7 +37,7 @@ from fusionstitching.graph.ops import OPS, Category
 from fusionstitching.graph.pattern import is_reduction, iteration_space
 from fusionstitching.options import Options
 from fusionstitching.schedule.grouping import SECTOR_BYTES
-from fusionstitching.schedule.packing import serial_rounds
+from fusionstitching.schedule.packing import loop_rounds, serial_rounds
 from fusionstitching.schedule.template import KernelSchedule, Level, Schedule, tile_extents
 
 
@@ -218,9 +218,17 @@ class Scorer:
         return Score(memory + calls - penalty, memory, calls, penalty, unfused - fused, kernels)
 
     def penalty_us(self, nodes: Sequence[Node], schedule: KernelSchedule | None, fused_bytes: int) -> float:
+        """The fused kernel's latency beyond its memory time: its launch's N_wave × L_warp, or the
+        round trips its threads make one after another in their loops (``loop_rounds``: a few
+        threads walking a long loop), whichever is longer."""
         if schedule is None:
             return 0.0
-        return max(0.0, self._launch_latency_us(nodes, schedule) - self.memory.time_us(fused_bytes))
+        latency = self._launch_latency_us(nodes, schedule)
+        rounds = loop_rounds(schedule, nodes, kernel_outputs(self.graph, nodes))
+        if rounds:
+            blocks, threads = schedule.launch.blocks, schedule.launch.threads
+            latency = max(latency, waves(self.spec, blocks, threads) * rounds * self.spec.memory_latency_us)
+        return max(0.0, latency - self.memory.time_us(fused_bytes))
 
     def recomputation_us(self, nodes: Sequence[Node], schedule: KernelSchedule | None) -> float:
         """The time the memory round trips of a packed kernel's recomputed reductions add, one after
@@ -245,9 +253,11 @@ class Scorer:
     def latency_us(self, nodes: Sequence[Node], schedule: KernelSchedule) -> float:
         """L(P) of ``nodes`` run with ``schedule``: N_wave × L_warp of its launch (``cost/latency.py``),
         and at least N_wave × the round trips to memory the busiest block of a packed kernel makes
-        one after another (``schedule.packing.serial_rounds``)."""
+        one after another (``schedule.packing.serial_rounds``) or a thread makes in its loops
+        (``schedule.packing.loop_rounds``)."""
         latency = self._launch_latency_us(nodes, schedule)
-        rounds = serial_rounds(schedule, nodes, kernel_outputs(self.graph, nodes))
+        outputs = kernel_outputs(self.graph, nodes)
+        rounds = max(serial_rounds(schedule, nodes, outputs), loop_rounds(schedule, nodes, outputs))
         if rounds:
             blocks, threads = schedule.launch.blocks, schedule.launch.threads
             latency = max(latency, waves(self.spec, blocks, threads) * rounds * self.spec.memory_latency_us)

@@ -31,6 +31,9 @@ MAX_BLOCKS = 65535
 # Loads one thread keeps in flight in a serial loop: the code generator unrolls long serial loops
 # by this many iterations (``codegen.cuda_c.NESTED_SERIAL_UNROLL``).
 LOADS_IN_FLIGHT = 16
+# Loads a thread has in flight in a loop the code generator leaves rolled: NVCC unrolls a
+# constant-trip loop by about four, as the code generator does with a CTA tile's rounds.
+LOOP_LOADS_IN_FLIGHT = 4
 
 
 def _packed_template(pattern, threads: int, rows: int = 1, columns: int = 1, row_loop: bool = False) -> KernelSchedule:
@@ -375,6 +378,45 @@ def serial_rounds(schedule: KernelSchedule, nodes: Sequence[Node], outputs: dict
         loads = thread * (_recomputed_reads(members, in_pattern) if recomputed else 1)
         rounds = max(rounds, math.ceil(grid / max(1, stop - start)) * math.ceil(loads / LOADS_IN_FLIGHT))
     return rounds
+
+
+def loop_rounds(schedule: KernelSchedule, nodes: Sequence[Node], outputs: dict[str, Node]) -> int:
+    """The memory round trips a thread makes one after another in its loops over the points of the
+    template's roots: per root, the points one thread takes (its THREAD extent, times the rounds
+    by which the CTA tiles exceed the block's threads, times the grid iterations of a block: a CTA
+    tile smaller than the block leaves threads idle, and the others take every point) over the
+    loads it has in flight, the unrolled
+    points (sized THREAD tiles, at most ``LOADS_IN_FLIGHT``) or ``LOOP_LOADS_IN_FLIGHT`` for a loop
+    the compiler unrolls itself. The groups of a composed template run one after another in each
+    block, so their rounds add; packed roots run in their own threads, so the longest counts. A
+    kernel whose few threads each walk a long loop (a block per normalization group and a thread
+    per 1024 points) is bound by these round trips, not by the bytes it moves."""
+    by_name = {n.name: n for n in nodes}
+    if any(s.root not in by_name for s in schedule.schedules):
+        return 0
+    threads = schedule.launch.threads
+    per_root = []
+    for sched in schedule.schedules:
+        space = iteration_space(by_name[sched.root])
+        if len(space) != len(sched.dims):
+            continue
+        unrolled = 1
+        try:
+            for size, tiles in zip(space, sched.dims):
+                for tile, extent in zip(tiles, tile_extents(size, tiles)):
+                    if tile.level == Level.THREAD and tile.size is not None:
+                        unrolled *= extent
+            cta, grid = level_extent(sched, space, Level.CTA), level_extent(sched, space, Level.GRID)
+        except ValueError:  # tiles that do not cover the dim: no template the code generator builds
+            continue
+        points = level_extent(sched, space, Level.THREAD) * max(1, math.ceil(cta / threads)) \
+            * max(1, math.ceil(grid / schedule.launch.blocks))
+        in_flight = min(LOADS_IN_FLIGHT, max(LOOP_LOADS_IN_FLIGHT, unrolled))
+        per_root.append(math.ceil(points / in_flight))
+    if not per_root:
+        return 0
+    composed = needs_composition(schedule.schedules, outputs, by_name)
+    return sum(per_root) if composed else max(per_root)
 
 
 def _recomputed_reads(members: Sequence[Node], in_pattern: set[int]) -> int:

@@ -64,6 +64,7 @@ from fusionstitching.schedule.packing import (
     _column_sum,
     _packed_template,
     invariant_work,
+    loop_rounds,
     row_invariant_work,
     serial_rounds,
 )
@@ -136,7 +137,8 @@ def _near(values: Sequence[int], centre: int) -> list[int]:
 def model_estimate_us(pattern, template: KernelSchedule, spec: GpuSpec, bandwidth: BandwidthModel) -> float:
     """The latency evaluator's time for ``template``: the largest of L = N_wave × L_warp of its launch
     (``cost.latency``), the memory round trips the busiest block of a packed template makes one
-    after another (``packing.serial_rounds``, as ``fusion/estimate.py`` counts them), the time to
+    after another (``packing.serial_rounds``) or a thread makes in its loops (``packing.loop_rounds``),
+    as ``fusion/estimate.py`` counts them, the time to
     issue every thread's instructions (``issue_bound_us``) and M(V) the pattern's DRAM traffic
     (inputs read once, outputs written once). The instructions count each node as often as the
     template evaluates it (``evaluations``): a value broadcast into a root is computed again by
@@ -145,7 +147,8 @@ def model_estimate_us(pattern, template: KernelSchedule, spec: GpuSpec, bandwidt
     computed = evaluations(pattern, template)
     cycles = instructions_per_thread(pattern.nodes, launch.blocks, launch.threads, computed)
     latency = kernel_latency_us(spec, launch.blocks, launch.threads, cycles)
-    rounds = serial_rounds(template, pattern.nodes, {n.name: n for n in pattern.outputs})
+    outputs = {n.name: n for n in pattern.outputs}
+    rounds = max(serial_rounds(template, pattern.nodes, outputs), loop_rounds(template, pattern.nodes, outputs))
     if rounds:
         latency = max(latency, waves(spec, launch.blocks, launch.threads) * rounds * spec.memory_latency_us)
     issue = issue_bound_us(spec, cycles * launch.blocks * launch.threads)

@@ -218,10 +218,11 @@ def test_a_widened_computed_value_and_its_centred_copy_are_recomputed_by_each_us
     f32 (``x.float() - mean``). Written by one kernel in f32 and read back by the variance's and
     the normalization's kernels, the centred copy moved twice the bytes of the bf16 ``x`` it comes
     from; each user now recomputes it from ``x``, and no f32 tensor of ``x``'s size crosses a kernel
-    boundary."""
+    boundary. At a size where the bytes count: with 4096 rows the kernels are bound by launches and
+    loop round trips, and the plans with and without the copy tie within 0.5 %."""
     from fusionstitching.fusion import explore
 
-    rows, channels = 4096, 64
+    rows, channels = 65536, 64
     b = GraphBuilder("batchnorm_bf16")
     a = b.parameter((rows, channels), DType.BF16, "a")
     c = b.parameter((rows, channels), DType.BF16, "c")

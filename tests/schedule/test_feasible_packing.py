@@ -340,7 +340,8 @@ def test_a_packed_kernel_costs_the_round_trips_of_its_busiest_block():
     assert serial_rounds(spread, graph.nodes, outputs) < 64
     scorer = Scorer(graph, Options())
     slow, fast = (kernel_time_us(scorer, graph.nodes, s) for s in (schedule, spread))
-    assert slow >= 288 * gpu_spec("H100").memory_latency_us > fast
+    # spread over more blocks, each thread still walks 512 points of its row (``loop_rounds``)
+    assert slow >= 288 * gpu_spec("H100").memory_latency_us and fast < slow / 2
 
     r = GraphBuilder("recomputed")
     sums = r.reduce(r.parameter((64, 256), DType.F32, "z"), [1], "sum")
@@ -399,3 +400,37 @@ def test_a_serially_summed_root_is_not_summed_again_by_another_reduction_root():
     answer = feasible(graph, nodes)
     assert answer, answer
     assert all(any(t.level.value == "WARP" for t in s.dims[1]) for s in answer.schedules)
+
+
+def test_a_thread_walking_a_long_loop_costs_its_round_trips():
+    """``loop_rounds``: the groups of a composed template run one after another in a block, and
+    each thread walks its share of a group's points with a few loads in flight. A block per row of
+    65536 points: the sum's 256 threads take 256 points each, the elementwise root tiled over 64
+    lanes leaves 192 threads idle and gives the others 1024 points each; vectors of 8 unrolled
+    points cut the round trips by 8 (a normalization group as one block, 8x slower on an H200 than
+    the estimate without these round trips)."""
+    from fusionstitching.cost.gpu_spec import gpu_spec
+    from fusionstitching.fusion.estimate import kernel_time_us
+    from fusionstitching.fusion.score import Scorer
+    from fusionstitching.options import Options
+    from fusionstitching.schedule.packing import LOOP_LOADS_IN_FLIGHT, loop_rounds
+    from fusionstitching.schedule.template import KernelSchedule, Launch, Level, Schedule, Tile
+
+    b = GraphBuilder("group")
+    x = b.parameter((512, 65536), DType.F32, "x")
+    total = b.reduce(x, [1], "sum")
+    centred = b.binary("sub", x, b.broadcast(total, (512, 65536), (0,)))
+    graph = b.build([centred])
+    grid = (Tile(Level.GRID),)
+    walked = KernelSchedule((Schedule(total.name, (grid, (Tile(Level.CTA),))),
+                             Schedule(centred.name, (grid, (Tile(Level.THREAD), Tile(Level.CTA, 64))))),
+                            Launch(512, 256))
+    outputs = {centred.name: centred}
+    assert loop_rounds(walked, graph.nodes, outputs) == (256 + 1024) // LOOP_LOADS_IN_FLIGHT
+    vectors = KernelSchedule((walked.schedules[0], Schedule(centred.name, (
+        grid, (Tile(Level.THREAD), Tile(Level.CTA, 256), Tile(Level.THREAD, 8))))), Launch(512, 256))
+    assert loop_rounds(vectors, graph.nodes, outputs) == 256 // LOOP_LOADS_IN_FLIGHT + 256 // 8
+    scorer = Scorer(graph, Options())
+    latency = gpu_spec("H100").memory_latency_us
+    assert kernel_time_us(scorer, graph.nodes, walked) >= 320 * latency
+    assert kernel_time_us(scorer, graph.nodes, vectors) < kernel_time_us(scorer, graph.nodes, walked)
