@@ -223,12 +223,8 @@ class Scorer:
         threads walking a long loop), whichever is longer."""
         if schedule is None:
             return 0.0
-        latency = self._launch_latency_us(nodes, schedule)
         rounds = loop_rounds(schedule, nodes, kernel_outputs(self.graph, nodes))
-        if rounds:
-            blocks, threads = schedule.launch.blocks, schedule.launch.threads
-            latency = max(latency, waves(self.spec, blocks, threads) * rounds * self.spec.memory_latency_us)
-        return max(0.0, latency - self.memory.time_us(fused_bytes))
+        return max(0.0, self._latency_with_rounds_us(nodes, schedule, rounds) - self.memory.time_us(fused_bytes))
 
     def recomputation_us(self, nodes: Sequence[Node], schedule: KernelSchedule | None) -> float:
         """The time the memory round trips of a packed kernel's recomputed reductions add, one after
@@ -255,9 +251,13 @@ class Scorer:
         and at least N_wave × the round trips to memory the busiest block of a packed kernel makes
         one after another (``schedule.packing.serial_rounds``) or a thread makes in its loops
         (``schedule.packing.loop_rounds``)."""
-        latency = self._launch_latency_us(nodes, schedule)
         outputs = kernel_outputs(self.graph, nodes)
         rounds = max(serial_rounds(schedule, nodes, outputs), loop_rounds(schedule, nodes, outputs))
+        return self._latency_with_rounds_us(nodes, schedule, rounds)
+
+    def _latency_with_rounds_us(self, nodes: Sequence[Node], schedule: KernelSchedule, rounds: int) -> float:
+        """The launch's N_wave × L_warp, or N_wave × ``rounds`` memory round trips if longer."""
+        latency = self._launch_latency_us(nodes, schedule)
         if rounds:
             blocks, threads = schedule.launch.blocks, schedule.launch.threads
             latency = max(latency, waves(self.spec, blocks, threads) * rounds * self.spec.memory_latency_us)
