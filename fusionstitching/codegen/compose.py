@@ -60,9 +60,13 @@ from fusionstitching.codegen.values import (
     register_type,
     shared_value,
 )
-from fusionstitching.codegen.vectorize import affine
+from fusionstitching.codegen.vectorize import affine, pack_lanes
 from fusionstitching.schedule.template import WARP_SIZE as WARP
 from fusionstitching.schedule.template import Level, grid_carried
+
+# THREAD extents of an innermost serial tile written out point by point for the vectorizer (a
+# 16-byte access holds 8 halves; larger tiles stay loops)
+VECTOR_LANES = (2, 4, 8)
 
 
 @dataclass
@@ -92,6 +96,7 @@ class Composer:
         self.guard_tails = guard_tails
         self.warp_mode = any(_level_extents(g, Level.WARP) for g in groups)
         self.ranges: dict[str, int] = {}  # register → exclusive upper bound (factor registers)
+        em.factor_ranges = self.ranges  # reshapes read them too (``ValueEmitter.index_bounds``)
         self.shared: list[K.Buffer] = []
         self.placement: dict[str, K.Buffer] = {}  # S sub-root → its (possibly shared) buffer
         self._layouts: dict[int, tuple] = {}  # id(group) → (footprint, tile layout): factors never change
@@ -258,6 +263,15 @@ class Composer:
         if f.extent == 1:
             f.var = self.em.idx(0)
             return self.serial(fs[1:], body)
+        if len(fs) == 1 and self.vectorize and f.extent in VECTOR_LANES:
+            # the innermost THREAD tile's points written out one after another, as the loop would
+            # run them, so that the vectorizer merges their accesses (the elementwise roots and the
+            # loads of a reduction's serial loop, whose accumulation keeps its order)
+            stmts = []
+            for lane in range(f.extent):
+                f.var = self.em.idx(lane)
+                stmts += self.serial([], body)
+            return pack_lanes(stmts, self.em.definitions, f.extent)
         var = self.em.fresh("t", self.em.index_type)
         f.var = var
         self.ranges[var.name] = f.extent

@@ -227,8 +227,9 @@ def _element(em: ValueEmitter, stores, factors: list[Factor], space, reduced, re
             for root, buffer, layout in stores:
                 mine = at  # the lead's index, or the same element in this root's shape (``_nest_key``)
                 if root.shape != stores[0][0].shape:
+                    em.bound(at, stores[0][0].shape)
                     mine = [em.let("i", i) for i in reshape_index(at, stores[0][0].shape, root.shape, em.idx,
-                                                                   em.definitions)]
+                                                                   em.definitions, em.index_bounds)]
                 value = em.value(root, tuple(mine))
                 em.stmts.append(K.Store(buffer, em.linear(mine, layout.strides), em.stored(value, root.dtype)))
 

@@ -16,6 +16,7 @@ simulated kernels match the reference bit for bit up to transcendental ulps.
 from __future__ import annotations
 
 import math
+from collections import ChainMap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -103,12 +104,14 @@ class _Guard:
 
     stmts: list
     depth: int
-    guarded: frozenset
+    guarded: frozenset | None  # None: a branch that is not a pad's (a concatenation's piece)
     inside: set
 
     def reaches(self, index: Sequence[K.Expr]) -> bool:
-        """Whether an index reads a guarded position or a register defined inside the guard."""
-        return any(_mentions(e, self.guarded, self.inside) for e in index)
+        """Whether an index reads a guarded position or a register defined inside the guard. Every
+        index reaches a branch that is not a pad's: its condition keeps in bounds index expressions
+        made inside it (a concatenation's piece reads ``i - offset``), which no hoist may leave."""
+        return self.guarded is None or any(_mentions(e, self.guarded, self.inside) for e in index)
 
 
 def _mentions(e: K.Expr, exprs: frozenset, names: set) -> bool:
@@ -133,6 +136,10 @@ class ValueEmitter:
     index_type: str
     stmts: list[K.Stmt] = field(default_factory=list)
     definitions: dict[str, K.Expr] = field(default_factory=dict)  # register → its defining expression
+    # register → exclusive bound, for registers that index a reshape's dims (a valid index is below
+    # its dim's size; ``reshape.reshape_index`` proves splits of merges exact with them)
+    index_bounds: dict[str, int] = field(default_factory=dict)
+    factor_ranges: dict[str, int] = field(default_factory=dict)  # the loop nest's factor registers' extents
     sub_roots: dict[int, InRegisters | InShared] = field(default_factory=dict)  # earlier groups' results
     reader: Callable | None = None  # reads a sub-root's result: reader(result, index, consumer)
     current: str = ""  # the group being emitted, for error messages
@@ -148,8 +155,8 @@ class ValueEmitter:
     _consts: dict = field(default_factory=dict)  # index constants by value, built once
     affine_forms: dict = field(default_factory=dict)  # register → its affine form (``vectorize.affine``'s memo)
     _counter: int = 0
-    # Open guards of padded reads, outermost first (``_Guard``): values that do not depend on the
-    # padded positions are computed before the guard (``_hoisted``).
+    # Open guarded branches, outermost first (``_Guard``): values that depend on no padded position
+    # of a pad's guard, nor on anything inside it, are computed before the guard (``_hoisted``).
     _guards: list = field(default_factory=list)
 
     # -- statement plumbing -------------------------------------------------------------------
@@ -256,7 +263,11 @@ class ValueEmitter:
         if result is not None:
             return result
         if self._guards and not is_reduction(node) and id(node) not in self.sub_roots:
-            outermost = next((k for k, guard in enumerate(self._guards) if not guard.reaches(index)), None)
+            outermost = None  # the outermost guard that neither it nor any guard inside it reaches
+            for k in range(len(self._guards) - 1, -1, -1):
+                if self._guards[k].reaches(index):
+                    break
+                outermost = k
             if outermost is not None:
                 return self._hoisted(outermost, node, index)
         entry = self.sub_roots.get(id(node))
@@ -311,10 +322,33 @@ class ValueEmitter:
         return K.Cast(value, dtype.value)
 
     def linear(self, index: Sequence[K.Expr], strides: Sequence[int]) -> K.Expr:
+        """``sum(index[d] * strides[d])``, with a pair ``x / n``, ``x % n`` over strides ``n * s``, ``s``
+        (a dim split by a reshape and read from memory where the two dims are contiguous) summed as
+        ``x * s``: the vectorizer then sees the index as affine in ``x``'s lanes."""
+        terms = list(zip(index, strides))
+        merged: list[tuple[K.Expr, int]] = []
+        for i, s in terms:
+            if merged and s and merged[-1][1] % s == 0:
+                whole = self._split_pair(merged[-1][0], i, merged[-1][1] // s)
+                if whole is not None:
+                    merged[-1] = (whole, s)
+                    continue
+            merged.append((i, s))
         total: K.Expr = self.idx(0)
-        for i, s in zip(index, strides):
+        for i, s in merged:
             total = K.add(total, K.mul(i, self.idx(s)))
         return total
+
+    def _split_pair(self, high: K.Expr, low: K.Expr, n: int) -> K.Expr | None:
+        """``x`` when ``high`` is ``x / n`` and ``low`` is ``x % n`` (through their registers)."""
+        a = self.definitions.get(high.name, high) if type(high) is K.Var else high
+        b = self.definitions.get(low.name, low) if type(low) is K.Var else low
+        if (type(a) is K.Binary and a.op == "div" and type(b) is K.Binary and b.op == "rem" and a.a == b.a
+                and type(a.b) is K.Const and a.b == b.b and a.b.value == n and n > 1
+                and not (type(high) is K.Var and high.name in self.mutable)
+                and not (type(low) is K.Var and low.name in self.mutable)):
+            return a.a
+        return None
 
     def _load_input(self, buf: InputBuffer, index: tuple[K.Expr, ...]) -> K.Expr:
         node = buf.node
@@ -396,8 +430,18 @@ class ValueEmitter:
         index registers that group bound, and the values it computed are reused (``value`` is
         cached by (node, index))."""
         (x,) = node.operands
-        parts = reshape_index(index, node.shape, x.shape, self.idx, self.definitions)
-        return self.value(x, tuple(self.let("i", i) for i in parts))
+        self.bound(index, node.shape)
+        bounds = ChainMap(self.index_bounds, self.factor_ranges)
+        parts = tuple(self.let("i", i) for i in reshape_index(index, node.shape, x.shape, self.idx,
+                                                              self.definitions, bounds))
+        self.bound(parts, x.shape)
+        return self.value(x, parts)
+
+    def bound(self, index: Sequence[K.Expr], shape: Sequence[int]) -> None:
+        """Record that the registers of ``index`` are below ``shape``'s sizes (``index_bounds``)."""
+        for i, size in zip(index, shape):
+            if isinstance(i, K.Var) and i.name not in self.mutable:
+                self.index_bounds[i.name] = min(size, self.index_bounds.get(i.name, size))
 
     def _op_iota(self, node: Node, index):
         return K.Cast(index[node.attrs["dimension"]], register_type(node.dtype))
@@ -430,15 +474,19 @@ class ValueEmitter:
         padded dims); values that read none of them are computed before the branch, once for all
         the guarded reads of a thread (``_hoisted``)."""
         result = self.accumulator("p", register_type(node.dtype))
+        self._guards.append(_Guard(self.stmts, len(self._undo), frozenset(guarded) if guarded else None, set()))
+        try:
+            then_stmts, then_value = self.nested(inside)
+        finally:
+            self._guards.pop()
         if guarded:
-            self._guards.append(_Guard(self.stmts, len(self._undo), frozenset(guarded), set()))
+            else_stmts, else_value = self.nested(otherwise)
+        else:  # the other side of a plain branch is guarded by the negated condition
+            self._guards.append(_Guard(self.stmts, len(self._undo), None, set()))
             try:
-                then_stmts, then_value = self.nested(inside)
+                else_stmts, else_value = self.nested(otherwise)
             finally:
                 self._guards.pop()
-        else:
-            then_stmts, then_value = self.nested(inside)
-        else_stmts, else_value = self.nested(otherwise)
         self.stmts.append(K.Let(result, K.Const(0, result.dtype) if result.dtype != "bool" else K.Const(False, "bool")))
         self.stmts.append(K.If(cond, tuple(then_stmts) + (K.Assign(result, then_value),),
                                tuple(else_stmts) + (K.Assign(result, else_value),)))

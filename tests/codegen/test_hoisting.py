@@ -114,3 +114,25 @@ def test_a_hoisted_gather_index_bound_inside_the_guard_too_closes_its_scopes():
     compiled = torch.compile(fn, backend="fusionstitching", options={"strict": True})
     for got, want in zip(compiled(x0, x1), fn(x0, x1)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_value_read_through_a_concatenation_inside_a_pad_stays_in_its_piece():
+    """pad(concat([x, x * rs], rows)) with ``rs`` a per-row scale (an RMSNorm's): ``rs`` is read at
+    ``row - 23`` in the second piece, which the pad's guard on the columns does not reach. Hoisting it
+    before that guard took it out of the concatenation's branch too, and rows of the first piece
+    read ``rs[-23]`` (found by the fuzzer); it is computed inside the piece's branch now."""
+    b = GraphBuilder("pad_concat")
+    x = b.parameter((23, 3), DType.F32, "x")
+    rs = b.parameter((23,), DType.F32, "rs")
+    scale = b.unary("rsqrt", b.binary("add", rs, b.broadcast(b.constant(1e-5, DType.F32), (23,), ())))
+    joined = b.node("concatenate", [x, b.binary("mul", x, b.broadcast(scale, (23, 3), (0,)))], dimension=0)
+    inner = b.node("pad", [joined], low=(0, 1), high=(1, 2), interior=(0, 0), value=0.5)
+    outer = b.node("pad", [inner], low=(0, 0), high=(0, 3), interior=(0, 0), value=0.5)
+    graph = b.build([b.unary("neg", outer)])
+    nodes = [n for n in graph.nodes if n.op not in ("parameter", "constant")]
+    kernel = generate(graph, nodes, default_template(graph, nodes))
+    rng = np.random.default_rng(0)
+    data = {"x": rng.standard_normal((23, 3)).astype(np.float32), "rs": rng.uniform(0.5, 2.0, 23).astype(np.float32)}
+    (got,) = kernel.simulate([data[n.name] for n in kernel.lowered.pattern.inputs])  # bounds-checked reads
+    want = reference.evaluate(graph, [data[p.name] for p in graph.parameters])[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
