@@ -4,7 +4,7 @@ whose roots are one reshape apart (``packed._element``)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from fusionstitching.codegen import kernel_ir as K
 
@@ -157,11 +157,22 @@ def _expression(terms: Terms, idx: Callable[[int], K.Const]) -> K.Expr:
 def _merged(high: K.Expr, n: int, low: K.Expr, idx: Callable[[int], K.Const],
             definitions: Mapping[str, K.Expr]) -> K.Expr:
     """``high * n + low``, or ``x`` when ``high`` is ``x / n`` and ``low`` is ``x % n``."""
-    def bound(e: K.Expr) -> K.Expr:
-        return definitions.get(e.name, e) if isinstance(e, K.Var) else e
+    whole = split_pair(high, low, n, definitions)
+    return whole if whole is not None else K.add(K.mul(high, idx(n)), low)
+
+
+def split_pair(high: K.Expr, low: K.Expr, n: int, definitions: Mapping[str, K.Expr],
+               mutable: Collection[str] = ()) -> K.Expr | None:
+    """``x`` when ``high`` is ``x / n`` and ``low`` is ``x % n`` (through the registers bound to
+    them, unless assigned after their binding: ``mutable``); C's integer division makes
+    ``(x / n) * n + x % n`` equal ``x``."""
+    def bound(e: K.Expr) -> K.Expr | None:
+        if not isinstance(e, K.Var):
+            return e
+        return None if e.name in mutable else definitions.get(e.name, e)
 
     a, b = bound(high), bound(low)
     if (isinstance(a, K.Binary) and a.op == "div" and isinstance(b, K.Binary) and b.op == "rem"
-            and a.a == b.a and a.b == b.b == idx(n)):
+            and a.a == b.a and a.b == b.b and isinstance(a.b, K.Const) and a.b.value == n):
         return a.a
-    return K.add(K.mul(high, idx(n)), low)
+    return None

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fusionstitching.codegen import kernel_ir as K
-from fusionstitching.codegen.reshape import reshape_index
+from fusionstitching.codegen.reshape import reshape_index, split_pair
 from fusionstitching.graph.graph import Node
 from fusionstitching.graph.ops import DType
 from fusionstitching.graph.pattern import (
@@ -329,7 +329,7 @@ class ValueEmitter:
         merged: list[tuple[K.Expr, int]] = []
         for i, s in terms:
             if merged and s and merged[-1][1] % s == 0:
-                whole = self._split_pair(merged[-1][0], i, merged[-1][1] // s)
+                whole = split_pair(merged[-1][0], i, merged[-1][1] // s, self.definitions, self.mutable)
                 if whole is not None:
                     merged[-1] = (whole, s)
                     continue
@@ -338,17 +338,6 @@ class ValueEmitter:
         for i, s in merged:
             total = K.add(total, K.mul(i, self.idx(s)))
         return total
-
-    def _split_pair(self, high: K.Expr, low: K.Expr, n: int) -> K.Expr | None:
-        """``x`` when ``high`` is ``x / n`` and ``low`` is ``x % n`` (through their registers)."""
-        a = self.definitions.get(high.name, high) if type(high) is K.Var else high
-        b = self.definitions.get(low.name, low) if type(low) is K.Var else low
-        if (type(a) is K.Binary and a.op == "div" and type(b) is K.Binary and b.op == "rem" and a.a == b.a
-                and type(a.b) is K.Const and a.b == b.b and a.b.value == n and n > 1
-                and not (type(high) is K.Var and high.name in self.mutable)
-                and not (type(low) is K.Var and low.name in self.mutable)):
-            return a.a
-        return None
 
     def _load_input(self, buf: InputBuffer, index: tuple[K.Expr, ...]) -> K.Expr:
         node = buf.node
