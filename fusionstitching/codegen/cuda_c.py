@@ -92,8 +92,8 @@ def render(kernel: K.Kernel) -> str:
     lines = [f"// {note}" for note in kernel.notes]
     lines.append(PRELUDE.strip())
     lines.append(f'extern "C" __global__ void __launch_bounds__({kernel.threads}) {kernel.name}(\n    {params}) {{')
-    for buf in kernel.shared:
-        lines.append(f"  __shared__ {C_TYPES[buf.dtype]} {buf.name}[{buf.extent}];")
+    for buf in kernel.shared:  # 16-byte aligned: the vectorizer merges shared accesses as global ones
+        lines.append(f"  __shared__ __align__(16) {C_TYPES[buf.dtype]} {buf.name}[{buf.extent}];")
     for stmt in kernel.body:
         lines.extend(_stmt(stmt, 1))
     lines.append("}")
@@ -264,6 +264,10 @@ def _unary(e: K.Unary) -> str:
         return f"({x} != {x})"
     if e.op == "sign":
         return f"(({C_TYPES[t]})(({x} > 0) - ({x} < 0)))"  # torch's sign: 0 for NaN
+    if e.op == "exp_approx":  # ex2.approx of x·log2(e): a few ulps (``codegen/precision.py``)
+        return f"__expf({x})"
+    if e.op == "sigmoid_approx":  # 1 / (1 + e^-x) with the approximate exponential and division
+        return f"__fdividef(1.0f, 1.0f + __expf(-{x}))"
     if e.op == "sigmoid":
         one = "1.0f" if t == "f32" else "1.0"
         return f"({one} / ({one} + {'expf' if t == 'f32' else 'exp'}(-{x})))"

@@ -29,6 +29,7 @@ INT_TYPES = ("i32", "i64", "u32", "u64")
 UNARY_OPS = (
     "neg", "abs", "not", "sign", "floor", "ceil", "exp", "log", "log1p", "expm1", "tanh", "erf",
     "sigmoid", "sqrt", "rsqrt", "sin", "cos", "isnan", "rcp",
+    "exp_approx", "sigmoid_approx",  # f32 only: ``__expf`` and ``__fdividef`` (``codegen/precision.py``)
 )
 BINARY_OPS = (
     "add", "sub", "mul", "div", "rem", "pow", "max", "min", "and", "or", "xor", "shl", "shr",

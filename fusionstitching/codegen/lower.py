@@ -23,6 +23,7 @@ from fusionstitching.codegen import kernel_ir as K
 from fusionstitching.codegen.compose import Composer
 from fusionstitching.codegen.groups import make_groups
 from fusionstitching.codegen.packed import lower_packed
+from fusionstitching.codegen.precision import half_bound
 from fusionstitching.codegen.values import (
     CodegenError,
     InputBuffer,
@@ -103,7 +104,8 @@ def lower(graph: Graph, nodes: Iterable[Node | str], schedule: KernelSchedule, *
     in_names = [f"in{k}" for k in range(len(pattern.inputs))]
     out_names = [f"out{k}" for k in range(len(pattern.outputs))]
     inputs = {id(n): InputBuffer(nm, n, lay.strides) for n, nm, lay in zip(pattern.inputs, in_names, input_layouts)}
-    emitter = ValueEmitter(inputs, {id(n) for n in pattern.nodes}, index_type, origins=graph.origins)
+    emitter = ValueEmitter(inputs, {id(n) for n in pattern.nodes}, index_type, origins=graph.origins,
+                           approximate=half_bound(graph, pattern))
 
     shared: list[K.Buffer] = []
     smem_plan = None

@@ -154,7 +154,10 @@ def _mulhi(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 # Elementwise operators come from the reference (one meaning for both); the rest are kernel-only.
 _OPERATORS: dict[str, Callable[..., np.ndarray]] = {**_ELEMENTWISE, "shl": np.left_shift, "shr": np.right_shift,
-                                                     "mulhi": _mulhi, "rcp": np.reciprocal}
+                                                     "mulhi": _mulhi, "rcp": np.reciprocal,
+                                                     # the approximate instructions, as exact as numpy's
+                                                     "exp_approx": _ELEMENTWISE["exp"],
+                                                     "sigmoid_approx": _ELEMENTWISE["sigmoid"]}
 _COMPARE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
 }

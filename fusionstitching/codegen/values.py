@@ -65,6 +65,7 @@ def shared_value(value: K.Expr) -> K.Expr:
 _REDUCE_INIT = {"sum": 0, "prod": 1}
 _UNARY = {"neg", "abs", "not", "sign", "floor", "ceil", "exp", "log", "log1p", "expm1", "tanh", "erf",
           "sigmoid", "sqrt", "rsqrt", "sin", "cos"}
+_APPROXIMATE = {"exp", "sigmoid"}  # ops with an approximate f32 form for half-bound values
 _BINARY = {"add", "sub", "mul", "div", "rem", "pow", "max", "min", "and", "or", "xor"}
 _COMPARE = {"EQ": "eq", "NE": "ne", "LT": "lt", "LE": "le", "GT": "gt", "GE": "ge"}
 
@@ -146,6 +147,8 @@ class ValueEmitter:
     origins: dict[str, str] = field(default_factory=dict)  # node → its FX node and ATen op (``Graph.origins``)
     mutable: set[str] = field(default_factory=set)  # registers assigned after their Let (accumulators)
     shared_buffers: set[str] = field(default_factory=set)  # rewritten between barriers
+    # ids of the nodes whose exp and sigmoid take the approximate instructions (``precision.py``)
+    approximate: frozenset[int] = frozenset()
     # Values and let-bindings visible in the current scope, in one table; each open nested scope
     # keeps what it shadowed or added (``_undo``) and restores it when it closes, so a lookup is one
     # dict probe whatever the nesting depth.
@@ -293,8 +296,10 @@ class ValueEmitter:
         handler = getattr(self, f"_op_{node.op}", None)
         if handler is None:
             if node.op in _UNARY:
-                return self._round(node, K.Unary(node.op, self.value(node.operands[0], index),
-                                                 register_type(node.dtype)))
+                rtype = register_type(node.dtype)
+                op = f"{node.op}_approx" if node.op in _APPROXIMATE and rtype == "f32" \
+                    and id(node) in self.approximate else node.op
+                return self._round(node, K.Unary(op, self.value(node.operands[0], index), rtype))
             if node.op in _BINARY:
                 a, b = (self.value(x, index) for x in node.operands)
                 return self._round(node, K.Binary(node.op, a, b, register_type(node.dtype)))

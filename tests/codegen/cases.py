@@ -128,6 +128,20 @@ def softmax_rows(dtype: str, rows: int, cols: int) -> Case:
     return _captured(f"softmax_{dtype}_{rows}x{cols}", fn, [_rand((rows, cols), dtype)], [])
 
 
+def silu_wide(dtype: str) -> Case:
+    """SiLU and an exponential computed in f32, over inputs from -100 to 100, with infinities and a
+    NaN: in bf16 and f16 their exp and sigmoid take the approximate instructions
+    (``codegen/precision.py``), whose error grows with |x| and which overflow and underflow at the
+    ends. (Each output is rounded once, in eager as in the graph.)"""
+
+    def fn(x):
+        return F.silu(x), torch.exp(x.float() * 0.3).to(x.dtype)
+
+    x = torch.linspace(-100, 100, 3 * 257).reshape(3, 257)
+    x[0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0])
+    return _captured(f"silu_wide_{dtype}", fn, [x.to(TORCH_DTYPES[dtype])], [])
+
+
 @cache
 def packed_updates(count: int = 5) -> Case:
     sizes = [7, 1000, 64, 33, 4096][:count]

@@ -145,7 +145,7 @@ def test_shared_sub_root_is_stored_once_and_read_by_consumers():
     template = templates(case)[-1]
     assert "S;" in str(template) or str(template).count("]S") == 1
     kernel = generate(case.graph, case.nodes, template)
-    assert "__shared__ float smem_" in kernel.cuda_source
+    assert "__shared__ __align__(16) float smem_" in kernel.cuda_source
     assert kernel.cuda_source.count("expf(") == 1  # computed once, read from shared memory afterwards
 
 

@@ -30,6 +30,7 @@ MATRIX = (
     + [(f"slice_cat_pad_{d}", lambda d=d: C.slice_cat_pad(d)) for d in FLOATS]
     + [(f"gather_{d}", lambda d=d: C.gather_reshape_iota(d)) for d in FLOATS]
     + [(f"softmax_{d}", lambda d=d: C.softmax_rows(d, 5, 40)) for d in FLOATS]
+    + [(f"silu_wide_{d}", lambda d=d: C.silu_wide(d)) for d in FLOATS]
     + [("packed_updates", C.packed_updates)]
     + [(f"{name}_{d}", lambda d=d, name=name: C.hand_built(DType(d), name))
        for name in ("rng", "pad_interior", "column_sum", "packed_shapes") for d in FLOATS]

@@ -99,7 +99,7 @@ def test_smem_plan_holds_one_padded_tile_and_one_barrier_separates_the_groups():
     assert [(b.name, b.bytes, b.sharers) for b in plan.buffers] == [("smem0", TILE_BYTES, ("transpose",))]
     assert plan.total_bytes == TILE_BYTES and "transpose" in str(plan)
     source = kernel.cuda_source
-    assert "__shared__ float smem_smem0[1056];" in source
+    assert "__shared__ __align__(16) float smem_smem0[1056];" in source
     assert source.count("__syncthreads()") == 1
 
 

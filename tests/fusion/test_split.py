@@ -473,7 +473,7 @@ def test_the_part_kernel_keeps_its_column_sums_in_shared_memory_and_computes_the
     graph = _variance_graph(rows=4096, columns=64)
     compiled = compile_graph(graph, Options(strict=True))
     (part,) = [k for k in compiled.kernels if "part_dev" in k.cuda_source or "xr_" in k.cuda_source]
-    assert "__shared__ float xr_" in part.cuda_source
+    assert "__shared__ __align__(16) float xr_" in part.cuda_source
     second = part.cuda_source.split("// group ")[2]
     assert " = xr_" in second  # the part's mean, read from the first sum's shared cells
     # the part's rows (a THREAD tile of 8, written out point by point), the block's loop over the
