@@ -11,26 +11,33 @@ issue-bound rather than bound by its memory traffic.
 
 A value is *half-bound* when its result can reach memory only through a rounding to a half type
 and through operations that change a small relative error continuously and by no more than a
-small factor (``_CONTINUOUS``): arithmetic, the smooth functions, reductions, and the shape ops that
+small factor (``_CONTINUOUS``): arithmetic, the smooth functions, sums, and the shape ops that
 move values. A value read by a comparison, an integer conversion, ``floor``/``sign``/``rem`` (a
-flip of one ulp can flip the result), ``sin``/``cos`` or ``pow`` (they scale the error by the
-argument's size or the exponent), or that the kernel writes in f32 or f64, is not. Only
-half-bound nodes get the approximate instructions; every other value keeps the exact ones, so an
-f32 program's results do not change.
+flip of one ulp can flip the result), ``sin``/``cos``, ``pow`` or a product (they scale the error
+by the argument's size, the exponent or the count), or that the kernel writes in f32 or f64, is
+not; nor is one read by a max or min. A max selects one of its operands, and the backward of
+``amax`` compares the saved maximum for equality with the operand recomputed in another kernel,
+where a comparison reads it and it is exact: an approximate maximum would then match no element.
+Only half-bound nodes get the approximate instructions; every other value keeps the exact ones,
+so an f32 program's results do not change.
 """
 
 from __future__ import annotations
 
-from fusionstitching.graph.graph import Graph
+from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import DType
 from fusionstitching.graph.pattern import Pattern
 
 # Readers through which a small relative error in an operand stays small in the result.
 _CONTINUOUS = frozenset({
-    "add", "sub", "mul", "div", "max", "min", "neg", "abs", "copy", "exp", "log", "log1p", "expm1",
-    "tanh", "erf", "sigmoid", "sqrt", "rsqrt", "select", "convert", "reduce", "broadcast_in_dim",
-    "reshape", "transpose", "slice", "concatenate", "pad", "gather",
+    "add", "sub", "mul", "div", "neg", "abs", "copy", "exp", "log", "log1p", "expm1", "tanh", "erf",
+    "sigmoid", "sqrt", "rsqrt", "select", "convert", "broadcast_in_dim", "reshape", "transpose", "slice",
+    "concatenate", "pad", "gather",
 })
+
+
+def _continuous(reader: Node) -> bool:
+    return reader.op in _CONTINUOUS or (reader.op == "reduce" and reader.attrs["kind"] == "sum")
 
 
 def half_bound(graph: Graph, pattern: Pattern) -> frozenset[int]:
@@ -49,7 +56,7 @@ def half_bound(graph: Graph, pattern: Pattern) -> frozenset[int]:
         readers = [u for u in index.users[node] if id(u) in inside]
         if not readers and id(node) not in outputs:
             continue
-        if all(u.op in _CONTINUOUS and id(u) in bound for u in readers):
+        if all(_continuous(u) and id(u) in bound for u in readers):
             bound.add(id(node))
     return frozenset(bound)
 
