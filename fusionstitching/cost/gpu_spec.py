@@ -42,6 +42,7 @@ class GpuSpec:
     smem_per_block: int = 48 * KIB  # static limit, without opt-in
     smem_reserved_per_block: int = 0  # shared memory the driver keeps per resident block (1 KiB from sm_80)
     launch_us: float = 5.0  # phi: host cost of one kernel launch, µs
+    l2_bytes: int = 50 * KIB * KIB  # datasheet L2 cache size
     # A load's round trip to DRAM, µs: a thread's dependent loads take at least this each. The
     # Little's-law figure of an H100 (bandwidth × latency ≈ 15 KB in flight per SM).
     memory_latency_us: float = 0.6
@@ -100,6 +101,7 @@ SPECS: dict[str, GpuSpec] = {
         clock_ghz=1.41,
         peak_bandwidth_gbs=2039.0,
         source="A100 SXM4 80GB datasheet; CUDA programming guide, compute capability 8.0",
+        l2_bytes=40 * KIB * KIB,
         peak_half_tflops=312.0,
         peak_f32_tflops=19.5,
     ),
@@ -116,6 +118,7 @@ SPECS: dict[str, GpuSpec] = {
         clock_ghz=1.53,
         peak_bandwidth_gbs=900.0,
         source="V100 SXM2 datasheet; CUDA programming guide, compute capability 7.0",
+        l2_bytes=6 * KIB * KIB,
         peak_half_tflops=125.0,
         peak_f32_tflops=15.7,
     ),

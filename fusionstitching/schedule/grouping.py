@@ -40,10 +40,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
+from fusionstitching.cost.gpu_spec import gpu_spec
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
 from fusionstitching.graph.pattern import Pattern, PatternError, is_reduction, reduced_dims, resolve_pattern
 from fusionstitching.graph.pattern import iteration_space as _space
+from fusionstitching.options import Options
 from fusionstitching.schedule.packing import MAX_BLOCKS, _packed_template
 from fusionstitching.schedule.propagate import check_block_locality
 from fusionstitching.schedule.refusals import Reason, refusal
@@ -97,7 +99,11 @@ def _batched(pattern, reductions: list[Node]) -> bool:
 def choose_template(pattern, threads: int = DEFAULT_THREADS) -> KernelSchedule:
     reductions = _crossing(pattern)
     if _batched(pattern, reductions):
-        return batched_template(pattern, reductions)
+        if all(r.op == "reduce" for r in reductions):  # a block per row, looping over it
+            space, reduced = _space(reductions[0]), reduced_dims(reductions[0])
+            rows = math.prod(size for d, size in enumerate(space) if d not in reduced)
+            threads = _rereading_threads(pattern, reductions, rows, math.prod(space) // max(rows, 1), threads)
+        return batched_template(pattern, reductions, threads=threads)
     if reductions and _column_pattern(pattern, reductions):
         return column_template(pattern, reductions)
     if reductions and _wide_columns(reductions) and _lanes_on_long_dims(pattern, reductions):
@@ -108,8 +114,36 @@ def choose_template(pattern, threads: int = DEFAULT_THREADS) -> KernelSchedule:
         rows = math.prod(size for d, size in enumerate(space) if d not in reduced)
         few_rows = rows < WARP_ROWS * FEW_ROWS_BLOCKS and length >= threads and _block_registers(pattern, length, threads)
         warp_rows = WARP_ROWS if length <= WARP_MODE_MAX_LENGTH and not few_rows else None
+        if warp_rows is None and not _block_registers(pattern, length, threads):
+            threads = _rereading_threads(pattern, reductions, rows, length, threads)
         return composed_template(pattern, reductions, threads, warp_rows)
     return _packed_template(pattern, threads)
+
+
+def _rereading_threads(pattern, reductions: list[Node], rows: int, length: int, threads: int) -> int:
+    """Threads per block for a block per row that loops over its row more than once to compute
+    per-row results (statistics that feed each other: GroupNorm's mean and variance, a loss's max,
+    sum of exponentials and target). The second pass finds the row in L2 only while the rows in
+    flight, the blocks resident on every SM times the bytes of a row, fit there; a larger block
+    leaves fewer blocks resident. The fewest threads from ``threads`` up at which they fit, else a
+    block's most (CHANGELOG.md has the measurements). A pattern that also writes whole rows (a
+    normalization, a loss's gradient) keeps ``threads``: its writes pass through L2 beside the rows
+    it re-reads, and a cross-entropy backward measured no faster with its rows fitting. The rows are
+    sized on the reference GPU (``Options.device``); the tuner measures on the real one."""
+    space = _space(reductions[0])
+    if any(_space(o) == space and not is_reduction(o) for o in pattern.outputs):
+        return threads
+    passes = sum(1 for r in _roots(pattern, reductions) if _space(r) == space)
+    row_bytes = sum(n.dtype.itemsize for n in pattern.inputs if n.size == rows * length) * length
+    if passes < 2 or not row_bytes:
+        return threads
+    spec = gpu_spec(Options.device)
+    candidates = [t for t in (threads, 2 * threads, 4 * threads) if t <= spec.max_threads_per_block]
+    for t in candidates:
+        resident = spec.sms * min(spec.max_blocks_per_sm, spec.max_threads_per_sm // t)
+        if min(rows, resident) * row_bytes <= spec.l2_bytes:
+            return t
+    return candidates[-1]
 
 
 def _block_registers(pattern, length: int, threads: int) -> bool:
