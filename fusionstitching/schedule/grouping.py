@@ -41,6 +41,7 @@ import math
 from collections.abc import Callable, Iterable
 
 from fusionstitching.cost.gpu_spec import gpu_spec
+from fusionstitching.cost.latency import occupancy
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import Category
 from fusionstitching.graph.pattern import Pattern, PatternError, is_reduction, reduced_dims, resolve_pattern
@@ -140,7 +141,7 @@ def _rereading_threads(pattern, reductions: list[Node], rows: int, length: int, 
     spec = gpu_spec(Options.device)
     candidates = [t for t in (threads, 2 * threads, 4 * threads) if t <= spec.max_threads_per_block]
     for t in candidates:
-        resident = spec.sms * min(spec.max_blocks_per_sm, spec.max_threads_per_sm // t)
+        resident = spec.sms * occupancy(spec, t)
         if min(rows, resident) * row_bytes <= spec.l2_bytes:
             return t
     return candidates[-1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fusionstitching.cost.gpu_spec import gpu_spec
+from fusionstitching.cost.latency import occupancy
 from fusionstitching.graph.graph import GraphBuilder
 from fusionstitching.graph.ops import DType
 from fusionstitching.options import Options
@@ -52,7 +53,7 @@ def _threads(graph, nodes) -> int:
 
 def _fits(rows: int, row_bytes: int, threads: int) -> bool:
     spec = gpu_spec(Options.device)
-    resident = spec.sms * min(spec.max_blocks_per_sm, spec.max_threads_per_sm // threads)
+    resident = spec.sms * occupancy(spec, threads)
     return min(rows, resident) * row_bytes <= spec.l2_bytes
 
 
