@@ -82,7 +82,9 @@ _VECTOR_TYPES = {("f32", 4): "float4", ("f64", 2): "double2", ("i32", 4): "int4"
                  ("u32", 4): "uint4", ("f16", 8): "uint4", ("bf16", 8): "uint4", ("bool", 16): "uint4",
                  # 8-byte accesses (``vectorize._chunk``)
                  ("f32", 2): "float2", ("i32", 2): "int2", ("u32", 2): "uint2", ("f16", 4): "uint2",
-                 ("bf16", 4): "uint2", ("bool", 8): "uint2"}
+                 ("bf16", 4): "uint2", ("bool", 8): "uint2",
+                 # a 32-bit word of narrow lanes
+                 ("f16", 2): "uint1", ("bf16", 2): "uint1", ("bool", 4): "uint1"}
 _PACKED_BITS = {"f16": 16, "bf16": 16, "bool": 8}  # lanes narrower than a 32-bit word: bits per lane
 
 

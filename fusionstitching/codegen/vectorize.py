@@ -4,8 +4,9 @@ When a root's innermost tile is ``THREAD_v``, lowering unrolls the v lanes and t
 their scalar accesses: ``Let x_j = buf[e + j]`` for j = 0..v-1 becomes one ``VecLoad`` (in chunks
 of 16 bytes of the buffer's type) and the v stores one ``VecStore``. Where the v lanes of a buffer
 hold only 8 bytes (a row of f32 tiled by 4 lanes also read as bf16: the GEMM output in BERT's
-LayerNorm kernels), they become one 8-byte access instead of four 2-byte ones. Bools are a byte
-per lane: 16 or 8 lanes of a mask (a ReLU's, saved for the backward) are one access.
+LayerNorm kernels), they become one 8-byte access instead of four 2-byte ones, and where they hold
+4 bytes of narrower lanes, one 32-bit word. Bools are a byte per lane: 16, 8 or 4 lanes of a mask
+(a ReLU's, saved for the backward) are one access.
 A group merges only when an affine analysis proves the lane-0 index a multiple of the chunk:
 indices are expanded through the registers that define them (``definitions``) into a sum of
 opaque terms with integer coefficients plus a constant, and every coefficient and the constant
@@ -94,10 +95,10 @@ def _pure_arithmetic(e: K.Expr) -> bool:
 
 def _chunk(dtype: str, lanes: int) -> int:
     """Elements per vector access of ``dtype`` for ``lanes`` unrolled lanes: 16 bytes, or all the
-    lanes when they hold exactly 8 bytes."""
+    lanes when they hold exactly 8 bytes or one 32-bit word of narrower lanes (4 bools, 2 halves)."""
     item = ITEM_BYTES[dtype]
     chunk = VECTOR_BYTES // item
-    return lanes if chunk > lanes and lanes * item == 8 else chunk
+    return lanes if chunk > lanes > 1 and lanes * item in (4, 8) else chunk
 
 
 def _aligned(form: tuple[dict[str, int], int], chunk: int) -> bool:

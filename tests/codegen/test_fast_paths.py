@@ -219,10 +219,11 @@ def test_rows_with_a_vector_tail_stay_in_registers(rows, cols, dtype):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2 if dtype == DType.BF16 else 1e-5, atol=1e-2 if dtype == DType.BF16 else 1e-5)
 
 
-def test_half_lanes_of_an_f32_row_move_as_8_byte_vectors():
+@pytest.mark.parametrize("lanes,half_vector,f32_vector", [(4, "uint2", "float4"), (2, "uint1", "float2")])
+def test_half_lanes_of_an_f32_row_move_as_narrow_vectors(lanes, half_vector, f32_vector):
     """BERT's residual LayerNorm reads its GEMM output in bf16 and the residual in f32 along rows
     tiled by 4 lanes for the f32 values: the bf16 lanes are 8 bytes, read as one access (not four
-    2-byte loads), and the bf16 result is stored the same way."""
+    2-byte loads), and the bf16 result is stored the same way; 2 lanes are one 32-bit word."""
     b = GraphBuilder("residual")
     rows, cols = 8, 768
     h = b.parameter((rows, cols), DType.BF16, "h")
@@ -233,12 +234,12 @@ def test_half_lanes_of_an_f32_row_move_as_8_byte_vectors():
     centred = b.binary("sub", s, mean)
     graph = b.build([centred, b.convert(centred, DType.BF16)])
     nodes = [n for n in graph.nodes if n.op not in ("parameter", "constant")]
-    tiles = "[GRID-WARP_4,THREAD_6-CTA_32-THREAD_4]"  # warp mode, the f32 values' tiles of 4
+    tiles = f"[GRID-WARP_4,THREAD_{24 // lanes}-CTA_32-THREAD_{lanes}]"  # warp mode, the f32 values' tiles
     template = parse_template(f"reduce{tiles}; sub{tiles}; convert_1{tiles}; launch(blocks=2,threads=128)")
     kernel = generate(graph, nodes, template)
     source = kernel.cuda_source.split("extern")[1]
-    assert "reinterpret_cast<const uint2*>(&in" in source and "make_uint2(" in source
-    assert "float4" in source
+    assert f"reinterpret_cast<const {half_vector}*>(&in" in source and f"make_{half_vector}(" in source
+    assert f"reinterpret_cast<const {f32_vector}*>(&in" in source
     compile_cuda(kernel.cuda_source, "sm_90")
     import ml_dtypes
     rng = np.random.default_rng(0)
@@ -339,9 +340,9 @@ def _mask_kernel(lanes: int):
     return graph, generate(graph, nodes, template), saved
 
 
-@pytest.mark.parametrize("lanes,vector", [(16, "uint4"), (8, "uint2")])
+@pytest.mark.parametrize("lanes,vector", [(16, "uint4"), (8, "uint2"), (4, "uint1")])
 def test_bool_lanes_move_as_vectors_of_bytes(lanes, vector):
-    """The mask's lanes are one 16- or 8-byte access, not a store or load per byte; values
+    """The mask's lanes are one 16-, 8- or 4-byte access, not a store or load per byte; values
     round-trip exactly."""
     graph, kernel, saved = _mask_kernel(lanes)
     source = kernel.cuda_source.split("extern")[1]
@@ -362,7 +363,7 @@ def test_bool_lanes_move_as_vectors_of_bytes(lanes, vector):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lanes", [16, 8])
+@pytest.mark.parametrize("lanes", [16, 8, 4])
 def test_bool_vectors_on_the_gpu(lanes):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
