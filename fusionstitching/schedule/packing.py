@@ -36,10 +36,12 @@ LOADS_IN_FLIGHT = 16
 LOOP_LOADS_IN_FLIGHT = 4
 
 
-def _packed_template(pattern, threads: int, rows: int = 1, columns: int = 1, row_loop: bool = False) -> KernelSchedule:
+def _packed_template(pattern, threads: int, rows: int = 1, columns: int = 1, row_loop: bool = False,
+                     neighbours: int = 1) -> KernelSchedule:
     """``rows``: points of an outer dim each thread takes (``with_rows``); ``columns``: adjacent
     columns each thread of a column sum takes; ``row_loop``: a block per row of each elementwise
-    root (``_root_schedule``)."""
+    root (``_root_schedule``); ``neighbours``: adjacent points of the dim before the last each
+    thread takes (``with_neighbours``)."""
     transposed = _reads_transposed(pattern)
     widest: dict[tuple[int, int], int] = {}  # (size, last dim) → the widest item of such elementwise roots
     for root in pattern.outputs:
@@ -52,6 +54,8 @@ def _packed_template(pattern, threads: int, rows: int = 1, columns: int = 1, row
                  for root in pattern.outputs]
     if rows > 1:
         schedules = [with_rows(sched, root, rows) for sched, root in zip(schedules, pattern.outputs)]
+    if neighbours > 1:
+        schedules = [with_neighbours(sched, root, neighbours) for sched, root in zip(schedules, pattern.outputs)]
     groups = packed_groups(list(zip(schedules, pattern.outputs)), {id(n) for n in pattern.nodes})
     total = sum(level_extent(sched, iteration_space(members[0]), Level.GRID) for sched, members in groups)
     blocks = max(len(groups), min(total, MAX_BLOCKS))
@@ -75,6 +79,34 @@ def with_rows(schedule: Schedule, root: Node, rows: int) -> Schedule:
             dims[d] = (Tile(Level.GRID), Tile(Level.THREAD, rows))
             return Schedule(schedule.root, tuple(dims), schedule.shared)
     return schedule
+
+
+def with_neighbours(schedule: Schedule, root: Node, points: int) -> Schedule:
+    """``schedule`` with each thread taking ``points`` adjacent points of the dim before the last
+    (a ``THREAD_<points>`` tile innermost on it), where that dim divides by ``points`` and has no
+    THREAD tile yet. For a read of an interleaving (``interleave_period``): consecutive points of
+    that dim cycle through the interleaving's classes, and a warp whose lanes hold points of
+    different classes runs every class's branch for all of them; a thread that holds one point of
+    each class uses every branch it runs. A reduction, or a root of one dim, keeps its schedule."""
+    if is_reduction(root) or len(schedule.dims) < 2:
+        return schedule
+    space = iteration_space(root)
+    d = len(space) - 2
+    tiles = schedule.dims[d]
+    if space[d] % points or any(t.level == Level.THREAD for t in tiles):
+        return schedule
+    dims = list(schedule.dims)
+    dims[d] = tiles + (Tile(Level.THREAD, points),)
+    return Schedule(schedule.root, tuple(dims), schedule.shared)
+
+
+def interleave_period(pattern) -> int:
+    """The number of classes of the interleavings ``pattern`` reads: a pad with ``k`` cells of
+    interior padding puts a point of its operand every ``k + 1`` points, so the guard of the read
+    differs between consecutive points (max pooling's gradient, summed per stride class and spread
+    back by interior padding; the gradient of a strided slice). 1 where it reads none."""
+    periods = [k + 1 for n in pattern.nodes if n.op == "pad" for k in n.attrs["interior"] if k > 0]
+    return max(periods, default=1)
 
 
 def invariant_work(pattern, rows: int = 2) -> bool:

@@ -5,6 +5,8 @@ The space is the template grammar's knobs that the default rule (``grouping.choo
 fixes by heuristics:
 
 - thread composition and packing (no value crossing threads): threads per block (128 to 1024),
+  where the pattern reads an interleaving (interior padding), each thread taking one point of
+  each of its classes (``packing.with_neighbours``), first after the default's template,
   and where some node computes values broadcast into the roots (a BatchNorm's per-channel scale),
   2, 4 or 8 points of an outer dim per thread, which then computes those values once; where some
   node computes values per row (a loss gradient's scale), a block per row (128 to 1024 threads
@@ -63,6 +65,7 @@ from fusionstitching.schedule.grouping import (
 from fusionstitching.schedule.packing import (
     _column_sum,
     _packed_template,
+    interleave_period,
     invariant_work,
     loop_rounds,
     row_invariant_work,
@@ -87,6 +90,10 @@ def tuning_space(pattern) -> list[tuple[str, Callable[[], KernelSchedule]]]:
     makes = [("default", make) for make in _candidate_templates(pattern)]
     reductions = _crossing(pattern)
     if not reductions:
+        period = interleave_period(pattern)
+        if period > 1:  # no divergence between classes in a warp (``diverging_classes``)
+            makes += [("neighbours", lambda t=t: _packed_template(pattern, t, neighbours=period))
+                      for t in _near(BLOCK_THREADS, 256)]
         makes += [("threads", lambda t=t: _packed_template(pattern, t)) for t in _near(BLOCK_THREADS, 256)]
         if invariant_work(pattern, min(ROWS_PER_THREAD)):
             makes += [("rows", lambda r=r: _packed_template(pattern, DEFAULT_THREADS, rows=r))
@@ -139,7 +146,8 @@ def model_estimate_us(pattern, template: KernelSchedule, spec: GpuSpec, bandwidt
     (``cost.latency``), the memory round trips the busiest block of a packed template makes one
     after another (``packing.serial_rounds``) or a thread makes in its loops (``packing.loop_rounds``),
     as ``fusion/estimate.py`` counts them, the time to
-    issue every thread's instructions (``issue_bound_us``) and M(V) the pattern's DRAM traffic
+    issue every thread's instructions (``issue_bound_us``, times the classes of an interleaving a
+    warp's diverging lanes run one after the other, ``diverging_classes``) and M(V) the pattern's DRAM traffic
     (inputs read once, outputs written once). The instructions count each node as often as the
     template evaluates it (``evaluations``): a value broadcast into a root is computed again by
     every thread that reads it, once per thread over its THREAD tiles."""
@@ -151,9 +159,31 @@ def model_estimate_us(pattern, template: KernelSchedule, spec: GpuSpec, bandwidt
     rounds = max(serial_rounds(template, pattern.nodes, outputs), loop_rounds(template, pattern.nodes, outputs))
     if rounds:
         latency = max(latency, waves(spec, launch.blocks, launch.threads) * rounds * spec.memory_latency_us)
-    issue = issue_bound_us(spec, cycles * launch.blocks * launch.threads)
+    issue = issue_bound_us(spec, cycles * launch.blocks * launch.threads) * diverging_classes(pattern, template)
     moved = sum(n.size * n.dtype.itemsize for n in list(pattern.inputs) + list(pattern.outputs))
     return max(latency, issue, bandwidth.time_us(moved))
+
+
+def diverging_classes(pattern, template: KernelSchedule) -> int:
+    """The classes of an interleaving (``packing.interleave_period``) whose branches the lanes of
+    one warp run one after the other: consecutive points of the dim before the last are of
+    different classes, and lanes that hold different classes diverge, so a warp issues every
+    class's guarded reads and arithmetic for all its lanes. A template whose threads take one point
+    of each class (``packing.with_neighbours``) has all its lanes run every branch for points of
+    their own: 1. So does a pattern that reads no interleaving."""
+    period = interleave_period(pattern)
+    if period == 1:
+        return 1
+    by_name = {n.name: n for n in pattern.nodes}
+    for sched in template.schedules:
+        root = by_name.get(sched.root)
+        if root is None or is_reduction(root) or len(sched.dims) < 2:
+            continue
+        tiles = sched.dims[-2]
+        extents = tile_extents(_space(root)[-2], tiles)
+        if not (tiles and tiles[-1].level == Level.THREAD and extents[-1] % period == 0):
+            return period
+    return 1
 
 
 _ELEMENTWISE = (Category.LIGHT_ELEMENTWISE, Category.EXPENSIVE_ELEMENTWISE)

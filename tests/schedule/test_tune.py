@@ -16,7 +16,13 @@ from fusionstitching.codegen.simulate import SimulationError
 from fusionstitching.cost import bandwidth_model, gpu_spec
 from fusionstitching.options import Options
 from fusionstitching.pipeline import compile_graph
-from fusionstitching.schedule.tune import canonical, ranked_templates, renamed
+from fusionstitching.schedule.tune import (
+    canonical,
+    diverging_classes,
+    model_estimate_us,
+    ranked_templates,
+    renamed,
+)
 
 SPEC, BANDWIDTH = gpu_spec("H100"), bandwidth_model("H100")
 
@@ -202,6 +208,48 @@ def test_per_channel_work_is_offered_once_per_thread_for_several_rows():
     texts = [str(t) for t in ranked_templates(compiled.graph, nodes, SPEC, BANDWIDTH)]
     assert {r for r in (2, 4, 8) if any(f"GRID-THREAD_{r}," in t for t in texts)} == {2, 4, 8}, texts
     assert _check_candidates(forward) >= 3
+
+
+def _pool_backward_kernel(batch: int, channels: int, size: int):
+    from fusionstitching.frontend.torch_fx import capture
+    from fusionstitching.schedule.packing import interleave_period
+
+    def pool(x):
+        return torch.nn.functional.max_pool2d(torch.relu(x), 3, 2, 1).square().sum()
+
+    x = torch.randn(batch, channels, size, size).to(memory_format=torch.channels_last).requires_grad_()
+    backward = capture(pool, x, train=True).backward
+    compiled = compile_graph(backward, Options(strict=True, tune="off"))
+    kernel = next(k for k in compiled.kernels if interleave_period(k.lowered.pattern) > 1)
+    assert interleave_period(kernel.lowered.pattern) == 2
+    nodes = sorted(kernel.lowered.pattern.nodes, key=compiled.graph.index.position.__getitem__)
+    return backward, compiled, kernel, nodes
+
+
+def test_reads_of_an_interleaving_are_offered_a_point_of_each_class_per_thread():
+    """Max pooling's gradient sums each stride class of input positions and interleaves the classes
+    by interior padding: consecutive positions of a row are of different classes, whose guarded
+    reads a warp runs one after the other. The space offers templates whose threads take one
+    position of each class (``packing.with_neighbours``, ``THREAD_2`` innermost on the positions),
+    and each computes what the plan's does."""
+    backward, compiled, _, nodes = _pool_backward_kernel(2, 16, 16)
+    texts = [str(t) for t in ranked_templates(compiled.graph, nodes, SPEC, BANDWIDTH)]
+    assert any("THREAD_2," in t for t in texts), texts
+    assert _check_candidates(backward) >= 3
+
+
+def test_the_model_prices_the_divergence_of_an_interleaving_and_the_plan_avoids_it():
+    """At ResNet's stem size the pooling gradient is bound by issue: the model multiplies the issue
+    time of templates whose warps hold points of both classes by 2 (``diverging_classes``), so
+    the plan takes a template whose threads hold one point of each."""
+    _, compiled, kernel, nodes = _pool_backward_kernel(4, 64, 112)
+    pattern = kernel.lowered.pattern
+    assert "THREAD_2," in str(kernel.template) and diverging_classes(pattern, kernel.template) == 1, kernel.template
+    templates = ranked_templates(compiled.graph, nodes, SPEC, BANDWIDTH)
+    assert templates[0] == kernel.template
+    default = next(t for t in templates if diverging_classes(pattern, t) == 2)
+    assert model_estimate_us(pattern, default, SPEC, BANDWIDTH) > 1.5 * model_estimate_us(
+        pattern, kernel.template, SPEC, BANDWIDTH)
 
 
 def _batchnorm_kernel(batch: int = 16, channels: int = 32, size: int = 8, dtype: torch.dtype = torch.float32):
