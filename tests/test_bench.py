@@ -84,6 +84,10 @@ def test_a_small_run_on_the_cpu_times_and_checks_every_system():
         ("adam", "eager"), ("adam", "fusionstitching"), ("adam", "xla")]
     ours = results[1]
     assert ours.wall_ms > 0 and ours.first_call_s > 0 and ours.error < 1e-5
+    from fusionstitching._host import PHASES
+
+    assert list(ours.first_call_phases) == list(PHASES) and not results[0].first_call_phases
+    assert 0 < ours.first_call_phases["exploration"] < ours.first_call_s  # planned at this first call
     assert ours.speedup["eager"] == pytest.approx(results[0].wall_ms / ours.wall_ms)
     assert ours.gpu_ms is None and ours.kernels is None  # no profiler kernels without a GPU
     assert results[2].skipped  # no GPU (or no JAX) here: the row says why

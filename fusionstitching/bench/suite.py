@@ -279,6 +279,8 @@ class Result:
     speedup: dict[str, float] = field(default_factory=dict)  # other system → its wall / ours
     # (name, µs, launches, bytes moved, a same-size copy's time / the kernel's) per call
     top_kernels: list[tuple] = field(default_factory=list)
+    # fusionstitching's first call by compile phase (``stats()["compile seconds"]``, ``_host.PHASES``)
+    first_call_phases: dict[str, float] = field(default_factory=dict)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -419,6 +421,12 @@ def _torch_system(case: Case, system: str, device: torch.device, progress: Calla
     return step, lambda _: _synchronize(device), first, _tensors
 
 
+def _compile_seconds() -> dict[str, float]:
+    from fusionstitching import stats
+
+    return dict(stats()["compile seconds"])
+
+
 def run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: int = 5,
              warm_caches: bool = False, progress: Callable[[str], None] = lambda _: None) -> list[Result]:
     """Every system on ``case`` (already on ``device``); eager's outputs are the reference.
@@ -449,7 +457,11 @@ def _run_case(case: Case, systems: Sequence[str], device: torch.device, rounds: 
             progress(f"{case.name}: xla: compiling and first call")
             step, sync, first, comparable = jax_cases.system(case)
         else:
+            before = _compile_seconds() if system.startswith("fusionstitching") else None
             step, sync, first, comparable = _torch_system(case, system, device, progress, cache_dir)
+            if before is not None:
+                result.first_call_phases = {phase: round(seconds - before[phase], 3)
+                                            for phase, seconds in _compile_seconds().items()}
         result.first_call_s = first
         outs = comparable(step())
         if system == "eager":
@@ -575,6 +587,9 @@ def format_top_kernels(results: Sequence[Result], count: int) -> str:
         if not r.top_kernels:
             continue
         lines.append(f"{r.workload} / {r.system}: {r.gpu_ms:.3f} GPU ms per call")
+        if r.first_call_phases:
+            lines.append(f"  first call {r.first_call_s:.1f} s: " + ", ".join(
+                f"{phase} {seconds:.1f} s" for phase, seconds in r.first_call_phases.items()))
         for name, us, launches, *moved in r.top_kernels[:count]:
             nbytes, fraction = (moved + [None, None])[:2]
             size = "" if not nbytes else f"{nbytes / 1e6:9.1f} MB"
