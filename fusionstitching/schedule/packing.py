@@ -101,11 +101,15 @@ def with_neighbours(schedule: Schedule, root: Node, points: int) -> Schedule:
 
 
 def interleave_period(pattern) -> int:
-    """The number of classes of the interleavings ``pattern`` reads: a pad with ``k`` cells of
-    interior padding puts a point of its operand every ``k + 1`` points, so the guard of the read
-    differs between consecutive points (max pooling's gradient, summed per stride class and spread
-    back by interior padding; the gradient of a strided slice). 1 where it reads none."""
-    periods = [k + 1 for n in pattern.nodes if n.op == "pad" for k in n.attrs["interior"] if k > 0]
+    """The number of classes of the interleavings ``pattern`` reads along the dim before the last:
+    a pad with ``k`` cells of interior padding there puts a point of its operand every ``k + 1``
+    points, so the guard of the read differs between consecutive points, which neighbouring lanes
+    hold (max pooling's gradient, summed per stride class and spread back by interior padding of
+    the rows of an NHWC image; the gradient of a strided slice). Interior padding of the last dim
+    falls inside a thread's vector of it, and that of outer dims between the rows a warp spans
+    rarely. 1 where the pattern reads none."""
+    periods = [n.attrs["interior"][-2] + 1 for n in pattern.nodes
+               if n.op == "pad" and len(n.shape) >= 2 and n.attrs["interior"][-2] > 0]
     return max(periods, default=1)
 
 

@@ -434,3 +434,23 @@ def test_a_thread_walking_a_long_loop_costs_its_round_trips():
     latency = gpu_spec("H100").memory_latency_us
     assert kernel_time_us(scorer, graph.nodes, walked) >= 320 * latency
     assert kernel_time_us(scorer, graph.nodes, vectors) < kernel_time_us(scorer, graph.nodes, walked)
+
+
+@pytest.mark.parametrize("interior,period", [((0, 1, 0), 2), ((0, 2, 0), 3), ((0, 0, 1), 1), ((1, 0, 0), 1)])
+def test_only_interior_padding_of_the_dim_before_the_last_makes_neighbouring_lanes_diverge(interior, period):
+    """A read of a pad with interior padding along the dim before the last alternates between
+    classes from one point of that dim to the next (``packing.interleave_period``); interior padding
+    of the last dim stays inside a thread's vector, and that of an outer dim inside a warp's rows."""
+    from fusionstitching.graph.pattern import resolve_pattern
+    from fusionstitching.schedule.packing import interleave_period, with_neighbours
+
+    b = GraphBuilder("interleave")
+    x = b.parameter((4, 8, 16), DType.F32, "x")
+    spread = b.node("pad", [x], low=(0, 0, 0), high=(0, interior[1], 0), interior=interior, value=0.0)
+    out = b.unary("exp", spread)
+    graph = b.build([out])
+    pattern = resolve_pattern(graph, [n for n in graph.nodes if n.op != "parameter"])
+    assert interleave_period(pattern) == period
+    template = feasible(graph, [n for n in graph.nodes if n.op != "parameter"])
+    sched = with_neighbours(template.schedule(out.name), out, 2)  # rows of 16 or 24 points
+    assert sched.dims[-2][-1].level.value == "THREAD" and sched.dims[-2][-1].size == 2, sched
