@@ -6,8 +6,8 @@ fixes by heuristics:
 
 - thread composition and packing (no value crossing threads): threads per block (128 to 1024),
   where the pattern reads an interleaving (interior padding), each thread taking one point of
-  each of its classes (``packing.with_neighbours``), first after the default's template,
-  and where some node computes values broadcast into the roots (a BatchNorm's per-channel scale),
+  each of its classes (``packing.with_neighbours``; the model ranks these first where the kernel
+  is bound by issue, ``diverging_classes``), and where some node computes values broadcast into the roots (a BatchNorm's per-channel scale),
   2, 4 or 8 points of an outer dim per thread, which then computes those values once; where some
   node computes values per row (a loss gradient's scale), a block per row (128 to 1024 threads
   looping over it); where a root is a column sum, 2, 4 or 8 adjacent columns per thread (up to 16
