@@ -49,10 +49,14 @@ def plan_time_us(plan: FusionPlan, options: Options | None = None, scorer: Score
     """Σ T(P) over the plan's kernels, in µs, for ``options.device``."""
     graph: Graph = plan.graph
     scorer = scorer or Scorer(graph, options or Options())
+    known = scorer.kernel_times if scorer.graph is graph else {}
     total = 0.0
     for pattern in plan.patterns:
-        nodes = [graph.node(name) for name in pattern.nodes]
-        total += kernel_time_us(scorer, nodes, pattern.schedule)
+        key = (pattern.nodes, pattern.schedule)
+        us = known.get(key)
+        if us is None:
+            us = known[key] = kernel_time_us(scorer, [graph.node(name) for name in pattern.nodes], pattern.schedule)
+        total += us
     return total
 
 

@@ -202,6 +202,9 @@ class Scorer:
         self.spec: GpuSpec = gpu_spec(options.device)
         self.memory: BandwidthModel = bandwidth_model(self.spec.name)
         self.launch_us = self.memory.launch_us
+        # T(P) of the patterns of plans of this graph, by (node names, schedule): ``explore`` estimates
+        # several plans that share most of their patterns (``estimate.plan_time_us``)
+        self.kernel_times: dict[tuple, float] = {}
 
     def score(self, nodes: Sequence[Node], schedule: KernelSchedule | None) -> Score:
         kernels = sum(1 for n in nodes if counts_as_kernel(n))

@@ -290,10 +290,16 @@ def iter_ranked_templates(graph: Graph, nodes: Iterable[Node | str], spec: GpuSp
                           smem_limit: int = 48 * 1024, lowers: LoweringCheck | None = None):
     """``ranked_templates`` one at a time: each template's lowering check (seconds for a large
     packed kernel) runs only when the caller asks for it."""
-    if lowers is None and _LOWERING:
-        lowers = _LOWERING[0]
     nodes = list(nodes)
     pattern = resolve_pattern(graph, nodes)
+    for _, template in _model_ranked(pattern, spec, bandwidth):
+        if _builds(graph, nodes, pattern, template, smem_limit, lowers):
+            yield template
+
+
+def _model_ranked(pattern, spec: GpuSpec, bandwidth: BandwidthModel) -> list[tuple[int, KernelSchedule]]:
+    """(estimate's tie class, template) for the distinct templates of the tuning space with a finite
+    ``model_estimate_us``, best first (ties in the order of ``tuning_space``, the default first)."""
     made: list[tuple[float, int, KernelSchedule]] = []
     seen: set[KernelSchedule] = set()
     for k, make in _interleaved(tuning_space(pattern)):
@@ -311,17 +317,24 @@ def iter_ranked_templates(graph: Graph, nodes: Iterable[Node | str], spec: GpuSp
         if math.isfinite(estimate):
             made.append((_tie_class(estimate), k, template))
     made.sort(key=lambda item: (item[0], item[1]))
-    for _, _, template in made:
-        try:
-            refused = refusal(pattern, template)
-            if refused is None:
-                refused = check_block_locality(graph, nodes, template, smem_limit, pattern=pattern)
-            if refused is None and lowers is not None:
-                refused = lowers(graph, nodes, pattern, template, smem_limit)
-        except (ValueError, PatternError):
-            continue
+    return [(tie, template) for tie, _, template in made]
+
+
+def _builds(graph: Graph, nodes: list[Node], pattern, template: KernelSchedule, smem_limit: int,
+            lowers: LoweringCheck | None) -> bool:
+    """Whether the schedule's checks and the code generator's (``lowers``, default: the registered
+    ``LoweringCheck``) accept ``template`` for the pattern."""
+    if lowers is None and _LOWERING:
+        lowers = _LOWERING[0]
+    try:
+        refused = refusal(pattern, template)
         if refused is None:
-            yield template
+            refused = check_block_locality(graph, nodes, template, smem_limit, pattern=pattern)
+        if refused is None and lowers is not None:
+            refused = lowers(graph, nodes, pattern, template, smem_limit)
+    except (ValueError, PatternError):
+        return False
+    return refused is None
 
 
 def model_choice(graph: Graph, nodes: Sequence[Node], template: KernelSchedule, spec: GpuSpec,
@@ -339,10 +352,12 @@ def model_choice(graph: Graph, nodes: Sequence[Node], template: KernelSchedule, 
         current = _tie_class(model_estimate_us(pattern, template, spec, bandwidth))
     except ValueError:
         return template
-    for candidate in iter_ranked_templates(graph, nodes, spec, bandwidth, smem_limit, lowers):
-        if _tie_class(model_estimate_us(pattern, candidate, spec, bandwidth)) < current:
+    nodes = list(nodes)
+    for tie, candidate in _model_ranked(pattern, spec, bandwidth):
+        if tie >= current:  # the model's best that lowers is no better than the default's
+            break
+        if _builds(graph, nodes, pattern, candidate, smem_limit, lowers):
             return candidate
-        break  # the model's best that lowers is no better than the default's
     return template
 
 
