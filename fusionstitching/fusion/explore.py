@@ -178,7 +178,7 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
 
 
 def _model_templates(plan: FusionPlan, options: Options) -> FusionPlan:
-    """Each pattern without cross-thread reductions takes the template the latency evaluator ranks
+    """Each pattern takes the template the latency evaluator ranks
     first where it beats the default rule's (``schedule.tune.model_choice``); patterns of one
     structure and template are decided once."""
     graph = plan.graph

@@ -340,14 +340,13 @@ def _builds(graph: Graph, nodes: list[Node], pattern, template: KernelSchedule, 
 def model_choice(graph: Graph, nodes: Sequence[Node], template: KernelSchedule, spec: GpuSpec,
                  bandwidth: BandwidthModel, smem_limit: int = 48 * 1024,
                  lowers: LoweringCheck | None = None) -> KernelSchedule:
-    """The template the latency evaluator ranks first for a pattern without reductions across
-    threads, where it is estimated faster than ``template`` (the default rule's) beyond a tie (5 %);
-    ``template`` otherwise, and for every other pattern. ``Options(tune="off")`` runs this choice,
-    and tuning measures it first. Reductions keep the default rule: ``evaluations`` models the work
-    of elementwise roots only."""
+    """The template the latency evaluator ranks first for the pattern, where it is estimated faster
+    than ``template`` (the default rule's) beyond a tie (5 %) and lowers; ``template`` otherwise.
+    ``Options(tune="off")`` runs this choice, and tuning measures it first. Reductions take it too:
+    the default rule splits a column sum's rows over few blocks, one thread per column looping over
+    hundreds of rows (a BatchNorm's per-channel sums), where the evaluator's round trips and waves
+    rank a split of the rows over warps first, as measurement does."""
     pattern = resolve_pattern(graph, nodes)
-    if _crossing(pattern) or any(is_reduction(o) for o in pattern.outputs):
-        return template
     try:
         current = _tie_class(model_estimate_us(pattern, template, spec, bandwidth))
     except ValueError:

@@ -325,7 +325,32 @@ def test_the_model_ranks_per_channel_work_shared_first_and_the_plan_takes_it():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_reductions_keep_the_default_rule_template():
+def test_a_column_sum_over_many_rows_takes_the_model_template_that_splits_its_rows_over_warps():
+    """The default rule sums each part of a long column sum's rows with one thread per column over
+    few blocks (a BatchNorm's per-channel sums of [N·H·W, C]); the model ranks splitting the rows
+    of each part over the warps of more blocks first, and the plan takes it (``model_choice``
+    covers reductions)."""
+    from fusionstitching.frontend.torch_fx import capture
+    from fusionstitching.graph.pattern import resolve_pattern
+    from fusionstitching.schedule.grouping import choose_template
+    from fusionstitching.schedule.tune import model_choice, model_estimate_us
+
+    forward = capture(lambda x, y: (x * y).sum(0), torch.randn(100352, 256), torch.randn(100352, 256)).forward
+    compiled = compile_graph(forward, Options(strict=True))
+    graph = compiled.graph
+    kernel = max(compiled.kernels, key=lambda k: k.moved_bytes)
+    nodes = sorted(kernel.lowered.pattern.nodes, key=graph.index.position.__getitem__)
+    pattern = resolve_pattern(graph, nodes)
+    default = choose_template(pattern)
+    chosen = model_choice(graph, nodes, default, SPEC, BANDWIDTH)
+    assert chosen != default and str(kernel.template) == str(chosen)
+    assert "WARP_" in str(chosen) and "WARP_" not in str(default), (chosen, default)
+    assert chosen.launch.blocks > default.launch.blocks
+    assert model_estimate_us(pattern, chosen, SPEC, BANDWIDTH) < model_estimate_us(pattern, default, SPEC, BANDWIDTH)
+
+
+def test_a_row_softmax_keeps_the_default_rule_template():
+    """The model ranks no template of a softmax's row reductions faster than the default rule's."""
     from fusionstitching.frontend.torch_fx import capture
     from fusionstitching.graph.pattern import resolve_pattern
     from fusionstitching.schedule.grouping import choose_template
