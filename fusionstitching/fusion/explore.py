@@ -178,9 +178,8 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
 
 
 def _model_templates(plan: FusionPlan, options: Options) -> FusionPlan:
-    """Each pattern takes the template the latency evaluator ranks
-    first where it beats the default rule's (``schedule.tune.model_choice``); patterns of one
-    structure and template are decided once."""
+    """Each pattern takes the template the latency evaluator ranks first where it beats the default
+    rule's (``schedule.tune.model_choice``); patterns of one structure and template are decided once."""
     graph = plan.graph
     spec, bandwidth = gpu_spec(options.device), bandwidth_model(options.device)
     aliased = in_place_outputs(graph)

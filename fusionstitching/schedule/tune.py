@@ -353,7 +353,7 @@ def model_choice(graph: Graph, nodes: Sequence[Node], template: KernelSchedule, 
         return template
     nodes = list(nodes)
     for tie, candidate in _model_ranked(pattern, spec, bandwidth):
-        if tie >= current:  # the model's best that lowers is no better than the default's
+        if tie >= current:  # this template and every one after it rank no better than the default's
             break
         if _builds(graph, nodes, pattern, candidate, smem_limit, lowers):
             return candidate
