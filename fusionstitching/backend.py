@@ -62,6 +62,11 @@ from fusionstitching._host import COMPILE_SECONDS, PHASES, timed
 from fusionstitching.options import Options
 
 _STATS: Counter[str] = Counter()
+_NUMBERED = [0]  # graphs named so far: graph names are "<kind>_<number>"
+_NAME = "fusionstitching name"  # the key of a backward's name, reserved when its forward compiles, in its meta
+# The backward graph the partitioner just made, for the forward compiler that AOTAutograd calls next
+# (``_partition``): its exploration can start before the backward is compiled.
+_PARTITIONED = threading.local()
 
 
 class FallbackWarning(UserWarning):
@@ -102,6 +107,7 @@ def reset_stats() -> None:
     from fusionstitching.runtime.tuner import COUNTS
 
     _STATS.clear()
+    _NUMBERED[0] = 0
     COUNTS.clear()
     plan_cache.COUNTS.update(hits=0, stored=0)
     COMPILE_SECONDS.clear()
@@ -127,7 +133,7 @@ def fusionstitching_backend(gm: fx.GraphModule, example_inputs: list[Any], mode:
     outputs and each piece's backward finds its own metadata."""
     from torch._dynamo.backends.common import aot_autograd
 
-    from fusionstitching.frontend.torch_fx import decompositions, partition
+    from fusionstitching.frontend.torch_fx import decompositions
 
     if mode not in (None, "default", "reduce-overhead"):
         raise ValueError(f"fusionstitching: unknown mode {mode!r}; known: None, 'reduce-overhead'")
@@ -137,7 +143,7 @@ def fusionstitching_backend(gm: fx.GraphModule, example_inputs: list[Any], mode:
         return aot_autograd(
             fw_compiler=_compiler("forward", opts, mode), bw_compiler=_compiler("backward", opts, mode),
             inference_compiler=_compiler("inference", opts, mode),
-            partition_fn=partition, decompositions=decompositions(),
+            partition_fn=_partition, decompositions=decompositions(),
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
     finally:  # AOTAutograd's tracing: the call but for the phases timed inside it
@@ -154,12 +160,33 @@ def compile(fn_or_module: Callable[..., Any], options: Options | None = None, mo
     return torch.compile(fn_or_module, backend=backend, **kwargs)
 
 
+def _partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """``torch_fx.partition``, keeping the backward for the forward compiler called next."""
+    from fusionstitching.frontend.torch_fx import partition
+
+    forward, backward = partition(joint, joint_inputs, **kwargs)
+    _PARTITIONED.backward = backward
+    return forward, backward
+
+
+def _named(kind: str) -> str:
+    _NUMBERED[0] += 1
+    return f"{kind}_{_NUMBERED[0]}"
+
+
 def _compiler(kind: str, options: Options, mode: str | None
               ) -> Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]:
     def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         _STATS["graphs"] += 1
-        name = f"{kind}_{_STATS['graphs']}"
-        return _Runner(gm, example_inputs, name, options, mode, _saved_outputs() if kind == "forward" else slice(0, 0))
+        name = gm.meta.get(_NAME) if kind == "backward" else None
+        name = name or _named(kind)
+        backward = _PARTITIONED.__dict__.pop("backward", None) if kind == "forward" else None
+        if backward is not None and options.explore_ahead:
+            backward.meta[_NAME] = _named("backward")  # the name its conversion ahead used
+        else:
+            backward = None
+        return _Runner(gm, example_inputs, name, options, mode, _saved_outputs() if kind == "forward" else slice(0, 0),
+                       backward)
 
     return compile_graph
 
@@ -168,7 +195,9 @@ class _Runner:
     """One ATen graph: compiled per shape signature, called with AOTAutograd's boxed arguments."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], name: str, options: Options,
-                 mode: str | None = None, saved: slice = slice(0, 0)) -> None:
+                 mode: str | None = None, saved: slice = slice(0, 0), backward: fx.GraphModule | None = None) -> None:
+        """``backward``: a training forward's backward graph, explored ahead once the layouts of
+        the tensors saved for it are chosen (``_explore_ahead``)."""
         # Called with one list of arguments. An instance attribute, not a class one: TorchDynamo's
         # ``disable`` around a backward compiler's result copies the instance's ``__dict__`` only.
         self._boxed_call = True
@@ -208,7 +237,7 @@ class _Runner:
                     return
                 traced, numbers = concrete
             self.numbers[key] = numbers
-            self.static = self._compile(traced, example_inputs, key, choose_layouts=True)
+            self.static = self._compile(traced, example_inputs, key, choose_layouts=True, backward=backward)
             _report_output_strides(self.outputs, self.promised)
             if all(isinstance(x, torch.Tensor) for x in example_inputs):
                 self.static_key = key
@@ -308,18 +337,20 @@ class _Runner:
             self._failed(err, "capture")
             return None
 
-    def _compile(self, gm: fx.GraphModule, inputs: list[Any], key: tuple, choose_layouts: bool = False):
+    def _compile(self, gm: fx.GraphModule, inputs: list[Any], key: tuple, choose_layouts: bool = False,
+                 backward: fx.GraphModule | None = None):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         # AOTAutograd may call the compiler under its fake mode; constants of the graph are real.
         with unset_fake_temporarily():
             try:
-                return self._compile_real(gm, inputs, key, choose_layouts)
+                return self._compile_real(gm, inputs, key, choose_layouts, backward)
             except Exception as err:  # noqa: BLE001 -- the failure policy: any internal error
                 self._failed(err, None, gm)
                 return None
 
-    def _compile_real(self, gm: fx.GraphModule, inputs: list[Any], key: tuple, choose_layouts: bool = False):
+    def _compile_real(self, gm: fx.GraphModule, inputs: list[Any], key: tuple, choose_layouts: bool = False,
+                      backward: fx.GraphModule | None = None):
         from fusionstitching.frontend.context import Unsupported
         from fusionstitching.frontend.torch_fx import convert
         from fusionstitching.fusion.padding import padded_layouts
@@ -351,6 +382,8 @@ class _Runner:
             promised = {k: tuple(chosen.output_layouts[k].strides) for k in self.saved
                         if chosen.output_layouts[k] is not graph.output_layouts[k]}
             graph = chosen
+        if backward is not None:
+            self._explore_ahead(backward, promised)
         compiled = compile_graph(graph, self.options, self.mode, device=device, output_devices=output_devices)
         if choose_layouts:  # the one compile whose layouts AOTAutograd is told
             self.promised = promised
@@ -360,6 +393,40 @@ class _Runner:
         _STATS["views"] += len(plan.views)
         self.compiled[key] = compiled
         return compiled
+
+    def _explore_ahead(self, backward: fx.GraphModule, promised: dict[int, tuple[int, ...]]) -> None:
+        """Convert ``backward`` as its compiler will and have a worker process explore it
+        (``fusion/background.py``): AOTAutograd gives the backward compiler the partitioner's
+        placeholder values, the saved tensors among them (the first inputs, in the order the forward
+        returns them) restrided as this forward promised. A conversion that fails here or differs
+        from the compiler's later one (another key) only leaves the backward to be explored then."""
+        from fusionstitching.frontend.torch_fx import convert
+        from fusionstitching.fusion import background
+        from fusionstitching.fusion.explore import DEFAULT_GENERATORS
+        from fusionstitching.graph.graph import Layout
+
+        values = [node.meta.get("val") for node in backward.graph.find_nodes(op="placeholder")]
+        if not values or not all(isinstance(v, torch.Tensor) for v in values) or _symbolic(values):
+            return
+        try:
+            with timed("conversion"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the backward's own conversion warns
+                specs = []
+                for i, value in enumerate(values):
+                    spec = _spec(f"arg{i}", value)
+                    if i < len(self.saved) and self.saved[i] in promised:
+                        spec = dataclasses.replace(spec, layout=Layout(promised[self.saved[i]], spec.layout.offset))
+                    specs.append(spec)
+                graph = convert(backward, specs, list(range(len(specs))), name=backward.meta[_NAME])
+        except Exception:  # noqa: BLE001 -- the backward's compile meets (and reports) the same
+            return
+        arch = None
+        device = next((v.device for v in values if v.device.type == "cuda"), None)
+        if device is not None:  # the worker compiles the kernels for this GPU too
+            from fusionstitching.runtime.kernel_call import device_arch
+
+            arch = device_arch(_indexed(device))
+        background.submit(graph, self.options, self.options.generators or DEFAULT_GENERATORS, arch)
 
     def _failed(self, err: BaseException, stage: str | None, gm: fx.GraphModule | None = None) -> None:
         """An internal error: raised with its evidence under ``Options(strict=True)``, else the graph

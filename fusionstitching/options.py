@@ -63,6 +63,9 @@ class Options:
     # Plans are kept under the cache root and read back by a later process that plans the same
     # graph with the same options and code, which then skips exploration (``fusion/plan_cache.py``).
     cache_plans: bool = True
+    # A training graph's backward is explored in a worker process while the forward compiles and
+    # runs, and its compile takes that plan (``fusion/background.py``).
+    explore_ahead: bool = True
     # Shape specializations compiled per graph; a graph called with more distinct shapes runs the
     # others in PyTorch (one FallbackWarning).
     max_specializations: int = 16

@@ -52,3 +52,14 @@ def planned_afresh(monkeypatch, request):
         from fusionstitching.fusion import plan_cache
 
         monkeypatch.setattr(plan_cache, "key", lambda *args, **kwargs: None)  # no key: neither read nor written
+
+
+@pytest.fixture(autouse=True)
+def explored_here(monkeypatch, request):
+    """The project's tests explore every graph in their own process, where their patches of the
+    planner apply: no backward is sent to the worker process that explores ahead
+    (``fusion/background.py``), except in tests marked ``explore_ahead``."""
+    if request.node.get_closest_marker("explore_ahead") is None:
+        from fusionstitching.fusion import background
+
+        monkeypatch.setattr(background, "submit", lambda *args, **kwargs: False)

@@ -43,8 +43,8 @@ from fusionstitching.options import Options
 
 FORMAT = 1
 _PRUNE_TO = 0.9
-# options that say where the caches are, not what is planned
-_LOCATION_OPTIONS = frozenset({"cache_dir", "cache_max_bytes"})
+# options that say where the caches are or where exploration runs, not what is planned
+_LOCATION_OPTIONS = frozenset({"cache_dir", "cache_max_bytes", "explore_ahead"})
 COUNTS = {"hits": 0, "stored": 0}
 
 
@@ -92,6 +92,11 @@ def _path(key: str, options: Options) -> Path:
     return _directory(options) / key[:2] / f"{key}.json"
 
 
+def stored(key: str | None, options: Options) -> bool:
+    """Whether an entry is stored under ``key`` (``load`` may still find it unusable)."""
+    return key is not None and _path(key, options).is_file()
+
+
 def load(key: str | None, graph: Graph, options: Options) -> FusionPlan | None:
     """The plan stored under ``key`` (``key(graph, ...)``), or None (no key, not stored, or
     unusable: warned)."""
@@ -111,7 +116,7 @@ def load(key: str | None, graph: Graph, options: Options) -> FusionPlan | None:
                       stacklevel=3)
         return None
     try:
-        plan = _decode(json.loads(text), key, options)
+        plan = decode(json.loads(text), key, options)
     except Exception as err:  # noqa: BLE001 -- any damage to the file means: plan again
         warnings.warn(f"plan cache: entry {path} is unusable ({type(err).__name__}: {err}); planning "
                       f"{graph.name} again", PlanCacheWarning, stacklevel=3)
@@ -132,7 +137,7 @@ def store(key: str | None, graph: Graph, options: Options, plan: FusionPlan) -> 
         return
     path = _path(key, options)
     try:
-        text = json.dumps(_encode(plan, key))
+        text = json.dumps(encode(plan, key))
     except Exception as err:  # noqa: BLE001 -- a plan that cannot be written is planned again next time
         warnings.warn(f"plan cache: the plan of {graph.name} cannot be stored ({type(err).__name__}: {err})",
                       PlanCacheWarning, stacklevel=3)
@@ -157,7 +162,8 @@ def store(key: str | None, graph: Graph, options: Options, plan: FusionPlan) -> 
     _prune(_directory(options), options.cache_max_bytes)
 
 
-def _encode(plan: FusionPlan, key: str) -> dict:
+def encode(plan: FusionPlan, key: str) -> dict:
+    """``plan`` as the JSON-ready entry stored under ``key`` (the module note)."""
     from fusionstitching.schedule.tune import canonical
 
     graph = plan.graph
@@ -172,7 +178,9 @@ def _encode(plan: FusionPlan, key: str) -> dict:
             "seconds": plan.seconds}
 
 
-def _decode(entry: dict, key: str, options: Options) -> FusionPlan:
+def decode(entry: dict, key: str, options: Options, note: str | None = None) -> FusionPlan:
+    """The plan of an ``encode``d entry stored under ``key``; ``note`` is added to its notes (default:
+    that an earlier process explored it). Raises where the entry is not this version's or not whole."""
     from fusionstitching.schedule.tune import renamed
 
     if entry.get("format") != FORMAT or entry.get("key") != key:
@@ -195,8 +203,8 @@ def _decode(entry: dict, key: str, options: Options) -> FusionPlan:
                       str(entry["strategy"]), notes=[str(n) for n in entry["notes"]],
                       estimated_us=entry["estimated_us"])
     plan.seconds = float(entry["seconds"])
-    plan.notes.append(f"plan read from the plan cache (fusion/plan_cache.py), explored in {plan.seconds:.2f} s "
-                      "by an earlier process")
+    plan.notes.append(note if note is not None else f"plan read from the plan cache (fusion/plan_cache.py), "
+                      f"explored in {plan.seconds:.2f} s by an earlier process")
     return plan
 
 
@@ -225,4 +233,4 @@ def _prune(directory: Path, limit: int) -> None:
             continue
 
 
-__all__ = ["COUNTS", "PlanCacheWarning", "key", "load", "plan_key", "planner_version", "store"]
+__all__ = ["COUNTS", "PlanCacheWarning", "decode", "encode", "key", "load", "plan_key", "planner_version", "store", "stored"]

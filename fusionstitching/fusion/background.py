@@ -1,0 +1,269 @@
+"""Exploration ahead of need, in a worker process.
+
+A training graph's forward is compiled at its first call and its backward at the first backward,
+each exploring for seconds (tens of seconds for a ResNet's). AOTAutograd partitions the joint
+graph before either is compiled, so the backward is known while the forward explores: the backend
+converts it then (``backend._Runner``) and ``submit``s it here, a worker process explores it while
+this process explores, generates and runs the forward, and the backward's ``compile_graph`` takes
+the plan (``take``) instead of exploring. The interpreter lock keeps a thread from doing this work
+alongside, so it is a process: started on the first submission, with ``sys.executable -m`` (no
+re-import of the user's script), talking pickled messages over its standard input and output, and
+ending when this process closes its input (at exit, or when it dies).
+
+The worker explores the graph as ``explore`` would here: from the graph's JSON, the same options,
+solver and generators, with the same code. Its plan comes back as the plan cache's encoding
+(``plan_cache.encode``) and is decoded against the graph the backward compiler converted; it is
+used only where that graph's plan key (``plan_cache.plan_key``) is the key submitted, so a
+backward that converts differently (other strides, another name) is explored here as before.
+A worker that fails (an exception in exploration, a crash, an unpicklable option) costs nothing
+but its time: the graph is explored here, where an error surfaces through the compiler's failure
+policy as it always did. ``Options(explore_ahead=False)`` turns this off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from fusionstitching.graph.graph import Graph
+from fusionstitching.options import Options
+
+COUNTS = {"submitted": 0, "taken": 0}  # graphs sent to the worker; plans used from it
+_HEADER = struct.Struct("<Q")
+
+
+def _message(message: Any) -> bytes:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(data)) + data
+
+
+def _send(stream: IO[bytes], message: Any) -> None:
+    stream.write(_message(message))
+    stream.flush()
+
+
+def _receive(stream: IO[bytes]) -> Any:
+    """The next message, or None at the end of the stream."""
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None
+    size = _HEADER.unpack(header)[0]
+    data = stream.read(size)
+    if len(data) < size:
+        return None
+    return pickle.loads(data)
+
+
+class _Worker:
+    """The worker process and the plans it sent back, by job number."""
+
+    def __init__(self) -> None:
+        package_parent = str(Path(__file__).resolve().parent.parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([package_parent, *filter(None, [env.get("PYTHONPATH")])])
+        self.process = subprocess.Popen([sys.executable, "-m", "fusionstitching.fusion.background"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.lock = threading.Condition()
+        self.results: dict[int, tuple[bool, Any, float]] = {}
+        self.alive = True
+        self.jobs = 0
+        # Requests are written by a thread of their own: a pipe holds 64 KiB, a model's graph is
+        # megabytes, and the worker reads nothing until its imports are done (seconds).
+        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        for target, name in ((self._read, "reader"), (self._write, "writer")):
+            threading.Thread(target=target, name=f"fusionstitching-explore-ahead-{name}", daemon=True).start()
+
+    def _write(self) -> None:
+        assert self.process.stdin is not None
+        while True:
+            data = self.outbox.get()
+            try:
+                if data is None:
+                    self.process.stdin.close()
+                    return
+                self.process.stdin.write(data)
+                self.process.stdin.flush()
+            except (OSError, ValueError):  # the worker is gone: the reader marks it dead
+                return
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        while True:
+            try:
+                message = _receive(self.process.stdout)
+            except Exception:  # noqa: BLE001 -- a damaged stream ends the worker's use
+                message = None
+            with self.lock:
+                if message is None:
+                    self.alive = False
+                    self.lock.notify_all()
+                    return
+                job, ok, payload, seconds = message
+                self.results[job] = (ok, payload, seconds)
+                self.lock.notify_all()
+
+    def submit(self, request: tuple) -> int | None:
+        with self.lock:
+            if not self.alive:
+                return None
+            self.jobs += 1
+            job = self.jobs
+        try:
+            self.outbox.put(_message((job, *request)))
+        except Exception:  # noqa: BLE001 -- an unpicklable option: explored here
+            return None
+        return job
+
+    def wait(self, job: int) -> tuple[bool, Any, float] | None:
+        with self.lock:
+            while job not in self.results and self.alive:
+                self.lock.wait()
+            return self.results.pop(job, None)
+
+    def close(self) -> None:
+        """Ends the worker once it has read what was sent (its input closes)."""
+        self.outbox.put(None)
+
+
+_WORKER: _Worker | None = None
+_PENDING: dict[str, int] = {}  # plan key -> job number
+_GUARD = threading.Lock()
+
+
+def _worker() -> _Worker:
+    global _WORKER
+    if _WORKER is None or not _WORKER.alive:
+        import atexit
+
+        _WORKER = _Worker()
+        atexit.register(_WORKER.close)
+    return _WORKER
+
+
+def submit(graph: Graph, options: Options, generators: Sequence[str], arch: str | None = None) -> bool:
+    """Have the worker explore ``graph`` (as ``compile_graph`` would) for a later ``take``; whether
+    it was sent. With ``arch`` (the GPU's, ``sm_90``) the worker then generates the plan's kernels
+    and compiles them with NVRTC into the disk cache (``codegen/nvrtc.py``), where the graph's first
+    call finds them. Never raises: exploring ahead is an optimisation."""
+    from fusionstitching.fusion import plan_cache
+
+    try:
+        cache_key = plan_cache.key(graph, options.solver, generators, options)
+        if plan_cache.stored(cache_key, options):
+            return False  # an earlier process planned it: the plan cache answers
+        key = cache_key if cache_key is not None else plan_cache.plan_key(graph, options.solver, generators, options)
+        with _GUARD:
+            if key in _PENDING:
+                return True
+            job = _worker().submit((graph.to_json(), dict(graph.origins), graph.checks, options.solver,
+                                    tuple(generators), options, key, arch))
+            if job is None:
+                return False
+            _PENDING[key] = job
+        COUNTS["submitted"] += 1
+        return True
+    except Exception:  # noqa: BLE001 -- the graph is explored where it is compiled instead
+        return False
+
+
+def take(graph: Graph, options: Options, generators: Sequence[str]):
+    """The plan the worker found for ``graph`` (waiting for it), with the seconds the worker
+    explored; None where nothing was submitted under this graph's key or the worker failed."""
+    if not _PENDING:
+        return None
+    from fusionstitching.fusion.plan_cache import decode, plan_key
+
+    try:
+        key = plan_key(graph, options.solver, generators, options)
+    except Exception:  # noqa: BLE001 -- a graph the key refuses was never submitted
+        return None
+    with _GUARD:
+        job = _PENDING.pop(key, None)
+        worker = _WORKER
+    if job is None or worker is None:
+        return None
+    answer = worker.wait(job)
+    if answer is None or not answer[0]:
+        return None
+    _, encoded, seconds = answer
+    try:
+        plan = decode(encoded, key, options, note=f"plan explored ahead by a worker process in {seconds:.2f} s "
+                                                   "(fusion/background.py)")
+    except Exception:  # noqa: BLE001 -- explored here instead
+        return None
+    plan.graph.origins = {**graph.origins, **plan.graph.origins}
+    COUNTS["taken"] += 1
+    return plan, seconds
+
+
+def pending() -> int:
+    """Graphs submitted and not yet taken."""
+    return len(_PENDING)
+
+
+def _serve(source: IO[bytes], sink: IO[bytes]) -> None:
+    """The worker's loop: explore each request and send back its plan, or the error's text."""
+    import fusionstitching  # noqa: F401 -- registers the code generator's lowering check
+    from fusionstitching.fusion.explore import explore
+    from fusionstitching.fusion.plan_cache import encode
+    from fusionstitching.graph.serialize import from_json
+
+    while True:
+        request = _receive(source)
+        if request is None:
+            return
+        job, text, origins, checks, solver, generators, options, key, arch = request
+        start = time.perf_counter()
+        try:
+            graph = from_json(text)
+            graph.origins = dict(origins)
+            graph.checks = checks
+            plan = explore(graph, solver=solver, options=options, generators=generators)
+            answer = (job, True, encode(plan, key), time.perf_counter() - start)
+        except Exception as err:  # noqa: BLE001 -- reported; the graph is explored where it is compiled
+            answer = (job, False, f"{type(err).__name__}: {err}", time.perf_counter() - start)
+            plan = None
+        _send(sink, answer)
+        if plan is not None and arch is not None:
+            _compile_kernels(plan, options, arch)
+
+
+def _compile_kernels(plan, options: Options, arch: str) -> None:
+    """The plan's kernels generated as ``pipeline.compile_plan`` generates them and compiled by
+    NVRTC into the disk cache, in a thread pool (NVRTC runs without the interpreter lock). The
+    cache's lock on a source makes a compile the graph's first call starts meanwhile wait for
+    this one and read it. Failures are left to that call."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fusionstitching.codegen.nvrtc import compile_cuda
+    from fusionstitching.pipeline import ordered_steps
+
+    try:
+        kernels = [step.kernel for step in ordered_steps(plan) if step.kernel is not None and step.kernel._twin is None]
+    except Exception:  # noqa: BLE001
+        return
+
+    def build(kernel) -> None:
+        with contextlib.suppress(Exception):  # the first call compiles it again and reports the failure
+            compile_cuda(kernel.cuda_source, arch, name=f"{kernel.lowered.kernel.name}.cu", cache_dir=options.cache_dir,
+                         cache_max_bytes=options.cache_max_bytes)
+
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1, max(1, len(kernels)))) as pool:
+        list(pool.map(build, kernels))
+
+
+if __name__ == "__main__":
+    # Messages only on the original standard output; anything printed goes to standard error.
+    channel = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    _serve(sys.stdin.buffer, channel)

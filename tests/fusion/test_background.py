@@ -1,0 +1,111 @@
+"""``fusion/background.py``: a worker process explores a graph to the plan this process would
+find; a training backward compiles with the plan its forward's compile sent ahead; a worker that
+dies or a graph never sent leaves exploration to the compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusionstitching
+from fusionstitching.fusion import background
+from fusionstitching.fusion.explore import DEFAULT_GENERATORS, explore
+from fusionstitching.options import Options
+from fusionstitching.pipeline import compile_graph
+
+pytestmark = pytest.mark.explore_ahead
+
+
+@pytest.fixture(scope="module")
+def graph():
+    """LayerNorm's backward: several kernels, reductions, a layout the explorer rewrites."""
+    from fusionstitching.cli import capture_workload
+
+    _, captured = capture_workload("layernorm", train=True)
+    return captured.backward
+
+
+def _same_plans(a, b) -> None:
+    assert [(p.nodes, str(p.schedule), p.score, p.origin) for p in a.patterns] == \
+        [(p.nodes, str(p.schedule), p.score, p.origin) for p in b.patterns]
+    assert a.library == b.library and a.views == b.views and a.estimated_us == b.estimated_us
+    assert a.graph.to_json() == b.graph.to_json() and a.graph.checks == b.graph.checks
+
+
+def test_the_worker_finds_the_plan_exploring_here_finds(graph):
+    options = Options(strict=True, cache_plans=False)
+    assert background.submit(graph, options, DEFAULT_GENERATORS)
+    taken = background.take(graph, options, DEFAULT_GENERATORS)
+    assert taken is not None
+    plan, seconds = taken
+    assert seconds > 0 and any("explored ahead by a worker process" in note for note in plan.notes)
+    _same_plans(plan, explore(graph, solver=options.solver, options=options, generators=DEFAULT_GENERATORS))
+    assert background.take(graph, options, DEFAULT_GENERATORS) is None  # taken once
+
+
+def test_a_graph_not_sent_or_planned_with_other_options_is_not_taken(graph):
+    options = Options(strict=True, cache_plans=False)
+    assert background.take(graph, options, DEFAULT_GENERATORS) is None
+    assert background.submit(graph, options, DEFAULT_GENERATORS)
+    other = Options(strict=True, cache_plans=False, solver="beam")
+    assert background.take(graph, other, DEFAULT_GENERATORS) is None  # another key: explored where compiled
+    assert background.take(graph, options, DEFAULT_GENERATORS) is not None
+
+
+def test_a_dead_worker_leaves_the_graph_to_the_compile_and_a_new_one_starts(graph):
+    options = Options(strict=True, cache_plans=False)
+    assert background.submit(graph, options, DEFAULT_GENERATORS)
+    dead = background._WORKER
+    dead.process.kill()
+    assert background.take(graph, options, DEFAULT_GENERATORS) is None  # killed before its answer
+    assert not dead.alive
+    compiled = compile_graph(graph, options)  # explored here
+    assert compiled.plan.kernel_count > 0
+    assert background.submit(graph, options, DEFAULT_GENERATORS)
+    assert background._WORKER is not dead
+    assert background.take(graph, options, DEFAULT_GENERATORS) is not None
+
+
+def test_a_training_backward_compiles_with_the_plan_sent_ahead_and_matches_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.GELU(),
+                                torch.nn.Linear(128, 64), torch.nn.Softmax(-1))
+    x = torch.randn(32, 64, requires_grad=True)
+    model(x).square().sum().backward()
+    expected = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad()
+    taken = background.COUNTS["taken"]
+    compiled = fusionstitching.compile(model, options={"strict": True, "cache_plans": False})
+    compiled(x).square().sum().backward()
+    assert background.COUNTS["taken"] == taken + 1
+    assert background.pending() == 0
+    for got, want in zip([x.grad] + [p.grad for p in model.parameters()], expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_explore_ahead_off_sends_nothing():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh())
+    x = torch.randn(8, 16, requires_grad=True)
+    submitted = background.COUNTS["submitted"]
+    compiled = fusionstitching.compile(model, options={"strict": True, "cache_plans": False, "explore_ahead": False})
+    compiled(x).sum().backward()
+    assert background.COUNTS["submitted"] == submitted
+
+
+def test_with_an_arch_the_worker_compiles_the_kernels_into_the_nvrtc_cache(graph, tmp_path):
+    pytest.importorskip("cuda.bindings")
+    from fusionstitching.codegen.nvrtc import compile_cuda
+
+    options = Options(strict=True, cache_plans=False, cache_dir=str(tmp_path))
+    assert background.submit(graph, options, DEFAULT_GENERATORS, arch="sm_90")
+    assert background.take(graph, options, DEFAULT_GENERATORS) is not None
+    # the worker takes requests in turn: once a second one is answered, the first's kernels are compiled
+    beam = Options(strict=True, cache_plans=False, cache_dir=str(tmp_path), solver="beam")
+    assert background.submit(graph, beam, DEFAULT_GENERATORS)
+    assert background.take(graph, beam, DEFAULT_GENERATORS) is not None
+    kernels = [k for k in compile_graph(graph, options).kernels if k._twin is None]
+    modules = [compile_cuda(k.cuda_source, "sm_90", name=f"{k.lowered.kernel.name}.cu", cache_dir=str(tmp_path))
+               for k in kernels]
+    assert kernels and all(m.cached for m in modules)
