@@ -139,6 +139,11 @@ def fusionstitching_backend(gm: fx.GraphModule, example_inputs: list[Any], mode:
         raise ValueError(f"fusionstitching: unknown mode {mode!r}; known: None, 'reduce-overhead'")
     opts = _options(options)
     start, inside = time.perf_counter(), sum(COMPILE_SECONDS.values())
+    if opts.explore_ahead and torch.is_grad_enabled() and \
+            any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+        from fusionstitching.fusion import background
+
+        background.start()  # a backward will be explored ahead (``_Runner._explore_ahead``)
     try:
         return aot_autograd(
             fw_compiler=_compiler("forward", opts, mode), bw_compiler=_compiler("backward", opts, mode),

@@ -63,3 +63,4 @@ def explored_here(monkeypatch, request):
         from fusionstitching.fusion import background
 
         monkeypatch.setattr(background, "submit", lambda *args, **kwargs: False)
+        monkeypatch.setattr(background, "start", lambda: None)

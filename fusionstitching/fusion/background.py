@@ -150,6 +150,13 @@ def _worker() -> _Worker:
     return _WORKER
 
 
+def start() -> None:
+    """Start the worker, if none runs, so that its imports (seconds) are done by the time a graph
+    is sent: the backend calls this when a training graph arrives, before AOTAutograd traces it."""
+    with contextlib.suppress(Exception), _GUARD:
+        _worker()
+
+
 def submit(graph: Graph, options: Options, generators: Sequence[str], arch: str | None = None) -> bool:
     """Have the worker explore ``graph`` (as ``compile_graph`` would) for a later ``take``; whether
     it was sent. With ``arch`` (the GPU's, ``sm_90``) the worker then generates the plan's kernels
