@@ -139,6 +139,7 @@ def fusionstitching_backend(gm: fx.GraphModule, example_inputs: list[Any], mode:
         raise ValueError(f"fusionstitching: unknown mode {mode!r}; known: None, 'reduce-overhead'")
     opts = _options(options)
     start, inside = time.perf_counter(), sum(COMPILE_SECONDS.values())
+    _PARTITIONED.__dict__.pop("backward", None)  # one an earlier graph's failed compile left
     if opts.explore_ahead and torch.is_grad_enabled() and \
             any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
         from fusionstitching.fusion import background
@@ -431,7 +432,8 @@ class _Runner:
             from fusionstitching.runtime.kernel_call import device_arch
 
             arch = device_arch(_indexed(device))
-        background.submit(graph, self.options, self.options.generators or DEFAULT_GENERATORS, arch)
+        with timed("exploration"):  # keying and sending the graph
+            background.submit(graph, self.options, self.options.generators or DEFAULT_GENERATORS, arch)
 
     def _failed(self, err: BaseException, stage: str | None, gm: fx.GraphModule | None = None) -> None:
         """An internal error: raised with its evidence under ``Options(strict=True)``, else the graph
