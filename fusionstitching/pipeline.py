@@ -199,3 +199,29 @@ def explain_captured(captured: Captured, out: str | os.PathLike, options: Option
         compiled = compile_graph(graph, options)
         result.append((graph, compiled, dump(compiled, graph, Path(out), arch=arch)))
     return result
+
+
+def _compile_kernels(plan: FusionPlan, options: Options, arch: str) -> None:
+    """The plan's kernels generated as ``compile_plan`` generates them and compiled by NVRTC into
+    the disk cache for ``arch``, in a thread pool (NVRTC runs without the interpreter lock): the
+    explore-ahead worker's step after sending a plan (``fusion/background.py``). The cache's lock on
+    a source makes a compile the graph's first call starts meanwhile wait for this one and read it.
+    A kernel that fails is left to that call, which reports it."""
+    import contextlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fusionstitching.codegen.nvrtc import compile_cuda
+
+    kernels = [step.kernel for step in ordered_steps(plan) if step.kernel is not None and step.kernel._twin is None]
+
+    def build(kernel: GeneratedKernel) -> None:
+        with contextlib.suppress(Exception):
+            compile_cuda(kernel.cuda_source, arch, name=f"{kernel.lowered.kernel.name}.cu", cache_dir=options.cache_dir,
+                         cache_max_bytes=options.cache_max_bytes)
+
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1, max(1, len(kernels)))) as pool:
+        list(pool.map(build, kernels))
+
+
+if __name__ == "__main__":  # the explore-ahead worker (``fusion/background.py``)
+    background.serve(after=_compile_kernels)

@@ -31,14 +31,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from fusionstitching.graph.graph import Graph
 from fusionstitching.options import Options
 
-COUNTS = {"submitted": 0, "taken": 0}  # graphs sent to the worker; plans used from it
+COUNTS = {"submitted": 0, "taken": 0}
+# The worker's main module: the pipeline's, whose entry point calls ``serve`` with the step that
+# generates and compiles a plan's kernels (stages above this one).
+WORKER_MODULE = "fusionstitching.pipeline"  # graphs sent to the worker; plans used from it
 _HEADER = struct.Struct("<Q")
 
 
@@ -71,7 +74,7 @@ class _Worker:
         package_parent = str(Path(__file__).resolve().parent.parent.parent)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([package_parent, *filter(None, [env.get("PYTHONPATH")])])
-        self.process = subprocess.Popen([sys.executable, "-m", "fusionstitching.fusion.background"],
+        self.process = subprocess.Popen([sys.executable, "-m", WORKER_MODULE],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.lock = threading.Condition()
         self.results: dict[int, tuple[bool, Any, float]] = {}
@@ -218,8 +221,17 @@ def pending() -> int:
     return len(_PENDING)
 
 
-def _serve(source: IO[bytes], sink: IO[bytes]) -> None:
-    """The worker's loop: explore each request and send back its plan, or the error's text."""
+def serve(after: Callable[[Any, Options, str], None] | None = None) -> None:
+    """The worker's loop (its process's main): explore each request and send back its plan, or the
+    error's text; then, where the request names an arch, ``after(plan, options, arch)`` (the
+    pipeline compiles the plan's kernels). Messages go out on the original standard output only;
+    anything printed goes to standard error."""
+    channel = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    _serve(sys.stdin.buffer, channel, after)
+
+
+def _serve(source: IO[bytes], sink: IO[bytes], after: Callable[[Any, Options, str], None] | None) -> None:
     import fusionstitching  # noqa: F401 -- registers the code generator's lowering check
     from fusionstitching.fusion.explore import explore
     from fusionstitching.fusion.plan_cache import encode
@@ -241,36 +253,6 @@ def _serve(source: IO[bytes], sink: IO[bytes]) -> None:
             answer = (job, False, f"{type(err).__name__}: {err}", time.perf_counter() - start)
             plan = None
         _send(sink, answer)
-        if plan is not None and arch is not None:
-            _compile_kernels(plan, options, arch)
-
-
-def _compile_kernels(plan, options: Options, arch: str) -> None:
-    """The plan's kernels generated as ``pipeline.compile_plan`` generates them and compiled by
-    NVRTC into the disk cache, in a thread pool (NVRTC runs without the interpreter lock). The
-    cache's lock on a source makes a compile the graph's first call starts meanwhile wait for
-    this one and read it. Failures are left to that call."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from fusionstitching.codegen.nvrtc import compile_cuda
-    from fusionstitching.pipeline import ordered_steps
-
-    try:
-        kernels = [step.kernel for step in ordered_steps(plan) if step.kernel is not None and step.kernel._twin is None]
-    except Exception:  # noqa: BLE001
-        return
-
-    def build(kernel) -> None:
-        with contextlib.suppress(Exception):  # the first call compiles it again and reports the failure
-            compile_cuda(kernel.cuda_source, arch, name=f"{kernel.lowered.kernel.name}.cu", cache_dir=options.cache_dir,
-                         cache_max_bytes=options.cache_max_bytes)
-
-    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1, max(1, len(kernels)))) as pool:
-        list(pool.map(build, kernels))
-
-
-if __name__ == "__main__":
-    # Messages only on the original standard output; anything printed goes to standard error.
-    channel = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    _serve(sys.stdin.buffer, channel)
+        if plan is not None and arch is not None and after is not None:
+            with contextlib.suppress(Exception):  # the graph's first call compiles what is missing
+                after(plan, options, arch)
