@@ -6,9 +6,12 @@ graph before either is compiled, so the backward is known while the forward expl
 converts it then (``backend._Runner``) and ``submit``s it here, a worker process explores it while
 this process explores, generates and runs the forward, and the backward's ``compile_graph`` takes
 the plan (``take``) instead of exploring. The interpreter lock keeps a thread from doing this work
-alongside, so it is a process: started on the first submission, with ``sys.executable -m`` (no
-re-import of the user's script), talking pickled messages over its standard input and output, and
-ending when this process closes its input (at exit, or when it dies).
+alongside, so it is a process: started when a training graph arrives (``start``), running the
+pipeline's entry point with ``sys.executable -m`` (no re-import of the user's script), talking
+pickled messages over its standard input and output, and ending when this process closes its
+input (at exit, or when it dies). Given the GPU's arch, the worker then generates the plan's
+kernels and compiles them with NVRTC into the disk cache, where the backward's first call finds
+them (``pipeline._compile_kernels``).
 
 The worker explores the graph as ``explore`` would here: from the graph's JSON, the same options,
 solver and generators, with the same code. Its plan comes back as the plan cache's encoding
