@@ -109,6 +109,9 @@ class _Worker:
                 message = _receive(self.process.stdout)
             except Exception:  # noqa: BLE001 -- a damaged stream ends the worker's use
                 message = None
+            if message is None:
+                with contextlib.suppress(Exception):  # reaped, not left a zombie
+                    self.process.wait(timeout=10)
             with self.lock:
                 if message is None:
                     self.alive = False

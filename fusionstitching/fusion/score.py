@@ -283,6 +283,6 @@ def _reads_own_reduction(graph: Graph, nodes: Sequence[Node]) -> bool:
 def kernel_outputs(graph: Graph, nodes: Sequence[Node]) -> dict[str, Node]:
     """The nodes of a kernel read outside it: graph outputs and nodes with users elsewhere."""
     inside = {id(n) for n in nodes}
-    returned = {id(o) for o in graph.outputs if o is not None}
-    users = graph.index.users
+    index = graph.index
+    returned, users = index.output_ids, index.users
     return {n.name: n for n in nodes if id(n) in returned or any(id(u) not in inside for u in users[n])}
