@@ -41,10 +41,15 @@ from typing import IO, Any
 from fusionstitching.graph.graph import Graph
 from fusionstitching.options import Options
 
-COUNTS = {"submitted": 0, "taken": 0}
+COUNTS = {"submitted": 0, "taken": 0}  # graphs sent to the worker; plans used from it
 # The worker's main module: the pipeline's, whose entry point calls ``serve`` with the step that
-# generates and compiles a plan's kernels (stages above this one).
-WORKER_MODULE = "fusionstitching.pipeline"  # graphs sent to the worker; plans used from it
+# generates and compiles a plan's kernels (stages above this one). Running it imports the package
+# first, which registers the code generator's lowering check that exploration asks.
+WORKER_MODULE = "fusionstitching.pipeline"
+
+
+def _command() -> list[str]:
+    return [sys.executable, "-m", WORKER_MODULE]
 _HEADER = struct.Struct("<Q")
 
 
@@ -77,7 +82,7 @@ class _Worker:
         package_parent = str(Path(__file__).resolve().parent.parent.parent)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([package_parent, *filter(None, [env.get("PYTHONPATH")])])
-        self.process = subprocess.Popen([sys.executable, "-m", WORKER_MODULE],
+        self.process = subprocess.Popen(_command(),
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.lock = threading.Condition()
         self.results: dict[int, tuple[bool, Any, float]] = {}
@@ -238,7 +243,6 @@ def serve(after: Callable[[Any, Options, str], None] | None = None) -> None:
 
 
 def _serve(source: IO[bytes], sink: IO[bytes], after: Callable[[Any, Options, str], None] | None) -> None:
-    import fusionstitching  # noqa: F401 -- registers the code generator's lowering check
     from fusionstitching.fusion.explore import explore
     from fusionstitching.fusion.plan_cache import encode
     from fusionstitching.graph.serialize import from_json

@@ -109,3 +109,32 @@ def test_with_an_arch_the_worker_compiles_the_kernels_into_the_nvrtc_cache(graph
     modules = [compile_cuda(k.cuda_source, "sm_90", name=f"{k.lowered.kernel.name}.cu", cache_dir=str(tmp_path))
                for k in kernels]
     assert kernels and all(m.cached for m in modules)
+
+
+def test_sending_more_than_a_pipe_holds_does_not_wait_for_the_worker_to_read(monkeypatch):
+    """A worker busy importing reads nothing for seconds; the compile that sends must not wait."""
+    import gzip
+    import sys
+    import threading
+    from pathlib import Path
+
+    from fusionstitching.graph.serialize import from_json
+
+    text = gzip.decompress((Path(__file__).parents[1] / "data" / "unet_block_backward.json.gz").read_bytes()).decode()
+    big = from_json(text)
+    settings = [Options(strict=True, cache_plans=False, smem_limit=(48 - k) * 1024) for k in range(4)]  # 4 keys
+    assert len(settings) * len(big.to_json()) > 64 * 1024  # more than a pipe holds
+    monkeypatch.setattr(background, "_command", lambda: [sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(background, "_WORKER", None)
+    sent = []
+    sender = threading.Thread(target=lambda: sent.extend(background.submit(big, o, DEFAULT_GENERATORS)
+                                                         for o in settings), daemon=True)
+    sender.start()
+    sender.join(timeout=20)
+    sleeper = background._WORKER
+    try:
+        assert not sender.is_alive() and sent == [True] * len(settings)
+    finally:
+        sleeper.process.kill()
+        for options in settings:  # the dead worker answers nothing
+            assert background.take(big, options, DEFAULT_GENERATORS) is None
