@@ -18,6 +18,9 @@ solver and generators, with the same code. Its plan comes back as the plan cache
 (``plan_cache.encode``) and is decoded against the graph the backward compiler converted; it is
 used only where that graph's plan key (``plan_cache.plan_key``) is the key submitted, so a
 backward that converts differently (other strides, another name) is explored here as before.
+``take`` waits only for a graph the worker has begun: both processes explore at the same speed, so
+a worker still importing (seconds) or busy with another graph cannot answer before exploring here,
+started now, would; the graph is then explored here and the worker's late answer dropped.
 A worker that fails (an exception in exploration, a crash, an unpicklable option) costs nothing
 but its time: the graph is explored here, where an error surfaces through the compiler's failure
 policy as it always did. ``Options(explore_ahead=False)`` turns this off.
@@ -87,6 +90,9 @@ class _Worker:
         self.lock = threading.Condition()
         self.results: dict[int, tuple[bool, Any, float]] = {}
         self.alive = True
+        self.ready = False  # the worker's imports are done and it reads requests
+        self.started: set[int] = set()  # jobs the worker has begun exploring
+        self.dropped: set[int] = set()  # jobs explored here instead: their answers are not kept
         self.jobs = 0
         # Requests are written by a thread of their own: a pipe holds 64 KiB, a model's graph is
         # megabytes, and the worker reads nothing until its imports are done (seconds).
@@ -122,8 +128,18 @@ class _Worker:
                     self.alive = False
                     self.lock.notify_all()
                     return
-                job, ok, payload, seconds = message
-                self.results[job] = (ok, payload, seconds)
+                kind, *rest = message
+                if kind == "ready":
+                    self.ready = True
+                elif kind == "started":
+                    self.started.add(rest[0])
+                else:
+                    job, ok, payload, seconds = rest
+                    self.started.discard(job)
+                    if job in self.dropped:
+                        self.dropped.discard(job)
+                    else:
+                        self.results[job] = (ok, payload, seconds)
                 self.lock.notify_all()
 
     def submit(self, request: tuple) -> int | None:
@@ -138,8 +154,14 @@ class _Worker:
             return None
         return job
 
-    def wait(self, job: int) -> tuple[bool, Any, float] | None:
+    def claim(self, job: int) -> tuple[bool, Any, float] | None:
+        """The answer to ``job``, waiting for it if the worker has begun it; None where it failed,
+        died, or has not begun (the job is then dropped: exploring here is at least as quick)."""
         with self.lock:
+            if job not in self.results and job not in self.started:
+                if self.alive:
+                    self.dropped.add(job)
+                return None
             while job not in self.results and self.alive:
                 self.lock.wait()
             return self.results.pop(job, None)
@@ -198,8 +220,9 @@ def submit(graph: Graph, options: Options, generators: Sequence[str], arch: str 
 
 
 def take(graph: Graph, options: Options, generators: Sequence[str]):
-    """The plan the worker found for ``graph`` (waiting for it), with the seconds the worker
-    explored; None where nothing was submitted under this graph's key or the worker failed."""
+    """The plan the worker found for ``graph`` (waiting for it if the worker has begun it), with
+    the seconds the worker explored; None where nothing was submitted under this graph's key, the
+    worker failed, or it has not begun the graph (see the module note)."""
     if not _PENDING:
         return None
     from fusionstitching.fusion.plan_cache import decode, plan_key
@@ -213,7 +236,7 @@ def take(graph: Graph, options: Options, generators: Sequence[str]):
         worker = _WORKER
     if job is None or worker is None:
         return None
-    answer = worker.wait(job)
+    answer = worker.claim(job)
     if answer is None or not answer[0]:
         return None
     _, encoded, seconds = answer
@@ -232,11 +255,33 @@ def pending() -> int:
     return len(_PENDING)
 
 
+def ready() -> bool:
+    """Whether a worker runs and has finished its imports (it takes requests as they come)."""
+    worker = _WORKER
+    return worker is not None and worker.alive and worker.ready
+
+
+def started(graph: Graph, options: Options, generators: Sequence[str]) -> bool:
+    """Whether the worker has begun (or finished) exploring ``graph`` and not been asked for it."""
+    from fusionstitching.fusion.plan_cache import plan_key
+
+    try:
+        key = plan_key(graph, options.solver, generators, options)
+    except Exception:  # noqa: BLE001 -- a graph the key refuses was never submitted
+        return False
+    with _GUARD:
+        job, worker = _PENDING.get(key), _WORKER
+    if job is None or worker is None:
+        return False
+    with worker.lock:
+        return job in worker.started or job in worker.results
+
+
 def serve(after: Callable[[Any, Options, str], None] | None = None) -> None:
-    """The worker's loop (its process's main): explore each request and send back its plan, or the
-    error's text; then, where the request names an arch, ``after(plan, options, arch)`` (the
-    pipeline compiles the plan's kernels). Messages go out on the original standard output only;
-    anything printed goes to standard error."""
+    """The worker's loop (its process's main): say it is ready, then for each request say it has
+    begun, explore it and send back its plan, or the error's text; then, where the request names
+    an arch, ``after(plan, options, arch)`` (the pipeline compiles the plan's kernels). Messages go
+    out on the original standard output only; anything printed goes to standard error."""
     channel = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     _serve(sys.stdin.buffer, channel, after)
@@ -247,20 +292,22 @@ def _serve(source: IO[bytes], sink: IO[bytes], after: Callable[[Any, Options, st
     from fusionstitching.fusion.plan_cache import encode
     from fusionstitching.graph.serialize import from_json
 
+    _send(sink, ("ready",))
     while True:
         request = _receive(source)
         if request is None:
             return
         job, text, origins, checks, solver, generators, options, key, arch = request
+        _send(sink, ("started", job))
         start = time.perf_counter()
         try:
             graph = from_json(text)
             graph.origins = dict(origins)
             graph.checks = checks
             plan = explore(graph, solver=solver, options=options, generators=generators)
-            answer = (job, True, encode(plan, key), time.perf_counter() - start)
+            answer = ("done", job, True, encode(plan, key), time.perf_counter() - start)
         except Exception as err:  # noqa: BLE001 -- reported; the graph is explored where it is compiled
-            answer = (job, False, f"{type(err).__name__}: {err}", time.perf_counter() - start)
+            answer = ("done", job, False, f"{type(err).__name__}: {err}", time.perf_counter() - start)
             plan = None
         _send(sink, answer)
         if plan is not None and arch is not None and after is not None:

@@ -4,12 +4,15 @@ dies or a graph never sent leaves exploration to the compile."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 import fusionstitching
 from fusionstitching.fusion import background
 from fusionstitching.fusion.explore import DEFAULT_GENERATORS, explore
+from fusionstitching.fusion.plan_cache import plan_key
 from fusionstitching.options import Options
 from fusionstitching.pipeline import compile_graph
 
@@ -25,6 +28,14 @@ def graph():
     return captured.backward
 
 
+def _begun(graph, options) -> None:
+    """Wait until the worker has begun ``graph``: ``take`` waits only for a graph already begun."""
+    deadline = time.monotonic() + 120
+    while not background.started(graph, options, DEFAULT_GENERATORS):
+        assert time.monotonic() < deadline, "the worker never began the graph"
+        time.sleep(0.01)
+
+
 def _same_plans(a, b) -> None:
     assert [(p.nodes, str(p.schedule), p.score, p.origin) for p in a.patterns] == \
         [(p.nodes, str(p.schedule), p.score, p.origin) for p in b.patterns]
@@ -35,6 +46,7 @@ def _same_plans(a, b) -> None:
 def test_the_worker_finds_the_plan_exploring_here_finds(graph):
     options = Options(strict=True, cache_plans=False)
     assert background.submit(graph, options, DEFAULT_GENERATORS)
+    _begun(graph, options)
     taken = background.take(graph, options, DEFAULT_GENERATORS)
     assert taken is not None
     plan, seconds = taken
@@ -49,6 +61,7 @@ def test_a_graph_not_sent_or_planned_with_other_options_is_not_taken(graph):
     assert background.submit(graph, options, DEFAULT_GENERATORS)
     other = Options(strict=True, cache_plans=False, solver="beam")
     assert background.take(graph, other, DEFAULT_GENERATORS) is None  # another key: explored where compiled
+    _begun(graph, options)
     assert background.take(graph, options, DEFAULT_GENERATORS) is not None
 
 
@@ -57,16 +70,18 @@ def test_a_dead_worker_leaves_the_graph_to_the_compile_and_a_new_one_starts(grap
     assert background.submit(graph, options, DEFAULT_GENERATORS)
     dead = background._WORKER
     dead.process.kill()
+    with dead.lock:  # the reader sees the pipe close
+        assert dead.lock.wait_for(lambda: not dead.alive, timeout=60)
     assert background.take(graph, options, DEFAULT_GENERATORS) is None  # killed before its answer
-    assert not dead.alive
     compiled = compile_graph(graph, options)  # explored here
     assert compiled.plan.kernel_count > 0
     assert background.submit(graph, options, DEFAULT_GENERATORS)
     assert background._WORKER is not dead
+    _begun(graph, options)
     assert background.take(graph, options, DEFAULT_GENERATORS) is not None
 
 
-def test_a_training_backward_compiles_with_the_plan_sent_ahead_and_matches_eager():
+def test_a_training_backward_compiles_with_the_plan_sent_ahead_and_matches_eager(monkeypatch):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.GELU(),
                                 torch.nn.Linear(128, 64), torch.nn.Softmax(-1))
@@ -76,7 +91,16 @@ def test_a_training_backward_compiles_with_the_plan_sent_ahead_and_matches_eager
     x.grad = None
     model.zero_grad()
     taken = background.COUNTS["taken"]
-    compiled = fusionstitching.compile(model, options={"strict": True, "cache_plans": False})
+    options = {"strict": True, "cache_plans": False}
+    take = background.take
+
+    def take_begun(graph, options, generators):  # the small forward compiles faster than the worker starts
+        if plan_key(graph, options.solver, generators, options) in background._PENDING:
+            _begun(graph, options)
+        return take(graph, options, generators)
+
+    monkeypatch.setattr(background, "take", take_begun)
+    compiled = fusionstitching.compile(model, options=options)
     compiled(x).square().sum().backward()
     assert background.COUNTS["taken"] == taken + 1
     assert background.pending() == 0
@@ -100,10 +124,12 @@ def test_with_an_arch_the_worker_compiles_the_kernels_into_the_nvrtc_cache(graph
 
     options = Options(strict=True, cache_plans=False, cache_dir=str(tmp_path))
     assert background.submit(graph, options, DEFAULT_GENERATORS, arch="sm_90")
+    _begun(graph, options)
     assert background.take(graph, options, DEFAULT_GENERATORS) is not None
     # the worker takes requests in turn: once a second one is answered, the first's kernels are compiled
     beam = Options(strict=True, cache_plans=False, cache_dir=str(tmp_path), solver="beam")
     assert background.submit(graph, beam, DEFAULT_GENERATORS)
+    _begun(graph, beam)
     assert background.take(graph, beam, DEFAULT_GENERATORS) is not None
     kernels = [k for k in compile_graph(graph, options).kernels if k._twin is None]
     modules = [compile_cuda(k.cuda_source, "sm_90", name=f"{k.lowered.kernel.name}.cu", cache_dir=str(tmp_path))
@@ -138,3 +164,32 @@ def test_sending_more_than_a_pipe_holds_does_not_wait_for_the_worker_to_read(mon
         sleeper.process.kill()
         for options in settings:  # the dead worker answers nothing
             assert background.take(big, options, DEFAULT_GENERATORS) is None
+
+
+def test_a_graph_the_worker_has_not_begun_is_explored_here_and_its_late_answer_dropped(graph, monkeypatch):
+    """A worker still importing cannot answer before exploring here would: ``take`` does not wait."""
+    import sys
+
+    options = Options(strict=True, cache_plans=False)
+    monkeypatch.setattr(background, "_command", lambda: [sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(background, "_WORKER", None)
+    assert background.submit(graph, options, DEFAULT_GENERATORS)
+    sleeper = background._WORKER
+    try:
+        began = time.perf_counter()
+        assert not background.ready() and not background.started(graph, options, DEFAULT_GENERATORS)
+        assert background.take(graph, options, DEFAULT_GENERATORS) is None
+        assert time.perf_counter() - began < 5  # no wait for the sleeping worker
+        assert background.pending() == 0 and sleeper.dropped == {1}
+    finally:
+        sleeper.process.kill()
+    monkeypatch.undo()
+    # a real worker, once ready, begins a graph as soon as it is sent
+    background.start()
+    deadline = time.monotonic() + 120
+    while not background.ready():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert background.submit(graph, options, DEFAULT_GENERATORS)
+    _begun(graph, options)
+    assert background.take(graph, options, DEFAULT_GENERATORS) is not None
