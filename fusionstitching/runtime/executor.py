@@ -246,7 +246,10 @@ class CompiledGraph:
                 surveyed = False
             if surveyed:
                 tuner.prioritize(program.kernels)
-        outputs = program.run(tensors, tuner)
+        try:
+            outputs = program.run(tensors, tuner)
+        finally:
+            tuner.finish()
         chosen = iter(program.kernels)
         self.steps = [Step(s.kind, s.nodes, next(chosen)) if s.kernel is not None else s for s in self.steps]
         self.tuning = tuner

@@ -102,6 +102,57 @@ def precompile(kernels: Sequence[Any], arch: str, workers: int | None = None, *,
         list(pool.map(lambda k: _launcher(k, arch, cache_dir, cache_max_bytes), originals.values()))
 
 
+class CompileAhead:
+    """Compiles kernels for ``arch`` in a thread pool while the caller goes on (NVRTC runs without
+    the interpreter lock): the tuner hands it the candidates of the patterns it will measure next,
+    so that their compiles overlap the measuring of the ones before and use every core, where
+    ``precompile`` of one pattern's few candidates leaves most cores idle. ``wait`` before calling
+    a kernel submitted here; a compile that fails is left to that call, which reports it."""
+
+    def __init__(self, arch: str, workers: int | None = None, *, cache_dir: str | PathLike | None = None,
+                 cache_max_bytes: int = Options.cache_max_bytes) -> None:
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.arch = arch
+        self.workers = workers or min(16, os.cpu_count() or 1)
+        self._cache = (cache_dir, cache_max_bytes)
+        self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="fusionstitching-compile")
+        self._futures: dict[int, tuple[Any, Any]] = {}  # id of an original kernel -> (it, its compile)
+
+    def submit(self, kernels: Sequence[Any]) -> None:
+        for kernel in kernels:
+            while kernel._twin is not None:
+                kernel = kernel._twin
+            if id(kernel) in self._futures or self.arch in loaded(kernel).modules:  # made here, not in a thread
+                continue
+            self._futures[id(kernel)] = (kernel, self._pool.submit(self._compile, kernel))
+
+    def _compile(self, kernel: Any) -> None:
+        import contextlib
+
+        with contextlib.suppress(Exception):  # the kernel's call compiles it again and reports the error
+            _launcher(kernel, self.arch, *self._cache)
+
+    def in_flight(self) -> int:
+        """Compiles submitted and not finished."""
+        return sum(not future.done() for _, future in self._futures.values())
+
+    def wait(self, kernels: Sequence[Any]) -> None:
+        """Until the compiles of ``kernels`` submitted here are done."""
+        for kernel in kernels:
+            while kernel._twin is not None:
+                kernel = kernel._twin
+            _, future = self._futures.pop(id(kernel), (None, None))
+            if future is not None and not future.cancelled():
+                future.result()
+
+    def close(self) -> None:
+        """Drop the compiles not begun; the ones running finish in their threads."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._futures.clear()
+
+
 def check_inputs(kernel, tensors: Sequence[Any]) -> None:
     pattern, layouts = kernel.lowered.pattern, kernel.lowered.input_layouts
     if len(tensors) != len(pattern.inputs):

@@ -10,9 +10,11 @@ the program, in program order and with the call's own input values, goes through
    nothing is measured;
 2. otherwise the candidates are the plan's template and the tuning space's next best by the latency
    model (``schedule.tune.ranked_templates``; ``Options.tune_candidates`` in all, every one with
-   ``tune="exhaustive"``). Each is generated and compiled (NVRTC, in parallel), run once on the
-   call's inputs and checked against the plan's kernel within the dtype's tolerance (a candidate
-   that disagrees is dropped with a warning, and is an error under ``strict``), then timed: CUDA
+   ``tune="exhaustive"``). Each is generated and compiled (NVRTC, in parallel; the candidates of
+   the patterns the program reaches next are made and compiled in the background meanwhile,
+   ``_look_ahead``, so that compiles fill the cores), run once on the call's inputs and checked
+   against the plan's kernel within the dtype's tolerance (a candidate that disagrees is dropped
+   with a warning, and is an error under ``strict``), then timed: CUDA
    events around single launches, each after a GPU spin (so that the host's launch latency is not
    timed) and an L2 flush (a read of twice its size), candidates interleaved over rounds, the
    median per candidate. The fastest replaces the plan's template only if it beats it by more
@@ -120,6 +122,9 @@ class Tuner:
         self._surveyed: dict[str, float | None] = {}  # key -> the plan's kernel's measured µs (``survey_kernel``)
         self.surveyed = 0  # patterns timed by the survey
         self._spent = (0.0, 0)  # seconds and characters of the candidates made so far
+        self._order: list[tuple[str, GeneratedKernel]] = []  # each pattern's first kernel, in program order
+        # candidates made ahead (``_look_ahead``): key -> (them, the seconds making them took)
+        self._prepared: dict[str, tuple[list[GeneratedKernel], float]] = {}
 
     def prioritize(self, kernels: Sequence[GeneratedKernel]) -> None:
         """Keep the budget for the patterns with the most to gain: a program's kernels are tuned as
@@ -135,6 +140,10 @@ class Tuner:
         compile seconds per character, which counts exploration too; after each measured pattern
         it is what making its candidates took, and the patterns still ahead are chosen again with
         the budget left (``_choose``)."""
+        firsts: dict[str, GeneratedKernel] = {}
+        for kernel in kernels:
+            firsts.setdefault(self.key(kernel), kernel)
+        self._order = list(firsts.items())  # the order ``_look_ahead`` makes candidates in
         if self.budget_s is None:
             return
         by_key: dict[str, tuple[float, GeneratedKernel]] = {}
@@ -297,45 +306,25 @@ class Tuner:
 
     def _tune(self, key: str, kernel: GeneratedKernel, nodes: list[Node], inputs: Sequence[Any],
               start: float) -> str:
-        """Measure the candidates of ``kernel``'s pattern; store them; the winner's canonical text.
-        Candidates are generated while the budget lasts, counting each one's generation time for the
-        next (a huge packed kernel's alternatives cost seconds each)."""
+        """Measure the candidates of ``kernel``'s pattern (``_candidates``, or those ``_look_ahead``
+        made while an earlier pattern was measured); store them; the winner's canonical text."""
         current = canonical(kernel.template, nodes)
         if self.options.tune != "exhaustive" and self._at_the_floor(kernel):
             self.at_floor += 1
             return current
-        limit = None if self.options.tune == "exhaustive" else self.options.tune_candidates
-        ranked = iter_ranked_templates(self.graph, nodes, self.spec, self.bandwidth, self.options.smem_limit)
-        candidates: list[GeneratedKernel] = [kernel]
-        last_began, cut = start, False
-        while limit is None or len(candidates) < limit:
-            began = time.perf_counter()
-            predicted = max(began - last_began, self.seconds_per_character * len(kernel.cuda_source))
-            if self.budget_s is not None and began - start + self.seconds + predicted >= self.budget_s:
-                cut = True  # one more candidate (as long as the last one took, or as compiling one costs) overruns
-                break
-            last_began = began
-            template = next(ranked, None)  # its lowering check counts as part of its time
-            if template is None:
-                break
-            if canonical(template, nodes) == current:
-                continue
-            try:
-                made = self._generate(nodes, template, kernel)
-            except Exception as err:
-                if self.options.strict:
-                    raise
-                warnings.warn(f"{kernel.name}: candidate {template} does not build ({err})", TuningWarning,
-                              stacklevel=3)
-                continue
-            if made.lowered.aliases == kernel.lowered.aliases:
-                candidates.append(made)
+        prepared = self._prepared.pop(key, None)
+        if prepared is not None:  # made ahead while an earlier pattern was measured
+            candidates, made_s, cut = [kernel, *prepared[0]], prepared[1], False
+        else:
+            candidates, cut = self._candidates(kernel, nodes, start)
+            made_s = 0.0
         if len(candidates) == 1:  # the only template of the space, or the budget allowed no other
             self.over_budget += cut
             return current
+        self._look_ahead(key, candidates[1:])
         times = self.measure(candidates, inputs)
         seconds, characters = self._spent
-        self._spent = (seconds + time.perf_counter() - start,
+        self._spent = (seconds + time.perf_counter() - start + made_s,
                        characters + sum(len(c.cuda_source) for c in candidates[1:]))
         by_text = {canonical(c.template, nodes): c for c in candidates}
         measured = []
@@ -363,6 +352,75 @@ class Tuner:
         logger.info("tuned %s: %d candidates, %s %.1f µs (plan's %.1f µs)", kernel.name, len(measured),
                     best.template, best.us, measured[0].us)
         return best.template
+
+    def _candidates(self, kernel: GeneratedKernel, nodes: list[Node], start: float | None = None
+                    ) -> tuple[list[GeneratedKernel], bool]:
+        """``kernel`` and the tuning space's next best templates for its pattern, generated, and
+        whether the budget cut them short. With ``start`` (when this pattern's tuning began), a
+        candidate is made only while the budget lasts, counting each one's generation time for the
+        next (a huge packed kernel's alternatives cost seconds each); without, ``_choose`` has
+        already fitted the pattern's candidates in the budget."""
+        current = canonical(kernel.template, nodes)
+        limit = None if self.options.tune == "exhaustive" else self.options.tune_candidates
+        ranked = iter_ranked_templates(self.graph, nodes, self.spec, self.bandwidth, self.options.smem_limit)
+        candidates: list[GeneratedKernel] = [kernel]
+        last_began = start
+        while limit is None or len(candidates) < limit:
+            began = time.perf_counter()
+            if start is not None and last_began is not None and self.budget_s is not None:
+                predicted = max(began - last_began, self.seconds_per_character * len(kernel.cuda_source))
+                if began - start + self.seconds + predicted >= self.budget_s:
+                    return candidates, True  # one more (as long as the last took, or as compiling one costs) overruns
+            last_began = began
+            template = next(ranked, None)  # its lowering check counts as part of its time
+            if template is None:
+                break
+            if canonical(template, nodes) == current:
+                continue
+            try:
+                made = self._generate(nodes, template, kernel)
+            except Exception as err:
+                if self.options.strict:
+                    raise
+                warnings.warn(f"{kernel.name}: candidate {template} does not build ({err})", TuningWarning,
+                              stacklevel=4)
+                continue
+            if made.lowered.aliases == kernel.lowered.aliases:
+                candidates.append(made)
+        return candidates, False
+
+    def _look_ahead(self, key: str, candidates: Sequence[GeneratedKernel]) -> None:
+        """Where ``measure`` compiles in the background (``GpuMeasure.compile_ahead``): start
+        compiling this pattern's candidates, then make the candidates of the patterns the program
+        reaches next that the budget keeps (``_choose``) and start theirs, until the compiles in
+        flight fill the threads. Measuring a pattern then finds its candidates compiled, or being
+        compiled, instead of compiling a handful on as many cores. The time spent making them
+        counts when they are measured (``_spent``)."""
+        ahead = getattr(self.measure, "compile_ahead", None)
+        if ahead is None:
+            return
+        ahead(candidates)
+        keys = [k for k, _ in self._order]
+        if key not in keys:
+            return
+        for later, kernel in self._order[keys.index(key) + 1:]:
+            if self.measure.room_ahead() <= 0:
+                break
+            if later in self._decided or later in self._prepared or (self._worth is not None and later not in self._worth):
+                continue
+            if self._at_the_floor(kernel) or (self.library is not None and self.library.winner(later) is not None):
+                continue
+            began = time.perf_counter()
+            made, _ = self._candidates(kernel, self._nodes(kernel))
+            self._prepared[later] = (made[1:], time.perf_counter() - began)
+            ahead(made[1:])
+
+    def finish(self) -> None:
+        """Tuning is over: background compiles not begun are dropped."""
+        close = getattr(self.measure, "close", None)
+        if close is not None:
+            close()
+        self._prepared.clear()
 
     def _faster_warm(self, candidate: GeneratedKernel, plan: GeneratedKernel, inputs: Sequence[Any],
                      name: str) -> bool:
@@ -435,6 +493,30 @@ class GpuMeasure:
         self.options = options
         self.rounds = rounds
         self._flush: Any = None
+        self._ahead: Any = None  # kernel_call.CompileAhead, made on first use
+
+    def compile_ahead(self, kernels: Sequence[GeneratedKernel]) -> None:
+        """Start compiling ``kernels`` (candidates to be measured later) in the background."""
+        from fusionstitching.runtime.kernel_call import CompileAhead, device_arch
+
+        if self._ahead is None:
+            self._ahead = CompileAhead(device_arch(self.device), cache_dir=self.options.cache_dir,
+                                       cache_max_bytes=self.options.cache_max_bytes)
+        self._ahead.submit(kernels)
+
+    def room_ahead(self) -> int:
+        """How many more compiles would keep the background compiles' threads busy."""
+        if self._ahead is None:
+            import os
+
+            return min(16, os.cpu_count() or 1)
+        return max(0, self._ahead.workers - self._ahead.in_flight())
+
+    def close(self) -> None:
+        """Drop the background compiles not begun (tuning is over)."""
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
 
     def __call__(self, kernels: Sequence[GeneratedKernel], inputs: Sequence[Any],
                  flush: bool = True) -> list[float | None]:
@@ -448,6 +530,8 @@ class GpuMeasure:
         )
 
         cache = {"cache_dir": self.options.cache_dir, "cache_max_bytes": self.options.cache_max_bytes}
+        if self._ahead is not None:
+            self._ahead.wait(kernels)
         precompile(kernels, device_arch(self.device), cache_dir=self.options.cache_dir,
                    cache_max_bytes=self.options.cache_max_bytes)
         aliased = sorted(set(kernels[0].lowered.aliases.values()))

@@ -452,6 +452,39 @@ def test_precompile_compiles_each_distinct_source_once(monkeypatch):
     assert len(seen) == len(set(seen))  # nothing compiled twice
 
 
+def test_compile_ahead_compiles_in_the_background_each_source_once_and_precompile_finds_them(monkeypatch, tmp_path):
+    """``CompileAhead`` (the tuner's background compiles): each distinct source once, twins with
+    their original; after ``wait`` the kernels hold their modules and ``precompile`` compiles
+    nothing; after ``close`` nothing is left in flight."""
+    import threading
+
+    from fusionstitching.codegen import nvrtc
+    from fusionstitching.runtime import kernel_call
+
+    _, captured = capture_workload("layernorm", train=True)
+    compiled = compile_plan(explore(captured.backward))
+    seen, threads = [], set()
+    real = nvrtc.compile_cuda
+
+    def counting(source, arch, **kwargs):
+        seen.append(source)
+        threads.add(threading.current_thread().name)
+        return real(source, arch, **kwargs)
+
+    monkeypatch.setattr(nvrtc, "compile_cuda", counting)
+    ahead = kernel_call.CompileAhead("sm_90", workers=2, cache_dir=tmp_path)
+    ahead.submit(compiled.kernels)
+    ahead.submit(compiled.kernels)  # handed again: not compiled again
+    ahead.wait(compiled.kernels)
+    assert ahead.in_flight() == 0
+    assert len(seen) == len(set(seen)) == len({k.cuda_source for k in compiled.kernels})
+    assert all(name.startswith("fusionstitching-compile") for name in threads)
+    assert all("sm_90" in kernel_call.loaded(k).modules for k in compiled.kernels if k._twin is None)
+    kernel_call.precompile(compiled.kernels, "sm_90", cache_dir=tmp_path)
+    assert len(seen) == len(set(seen))
+    ahead.close()
+
+
 @pytest.mark.parametrize("shape", [(), (5,), (3, 4), (2, 0, 7), (1, 1, 9), (4, 3, 2, 8)])
 def test_preallocated_outputs_have_torch_contiguous_strides(shape):
     """Outputs allocated by strides (``_empty_strided_cuda``) match ``torch.empty``'s layout."""

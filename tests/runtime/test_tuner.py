@@ -498,3 +498,55 @@ def test_the_survey_runs_on_scratch_copies_with_the_strides_of_the_updated_input
     (scratch,) = program.program.seen
     copy, original = scratch[position], tensors[position]
     assert copy is not original and copy.stride() == original.stride() and torch.equal(copy, original)
+
+
+class CompilesAhead(LastIsFastest):
+    """``LastIsFastest`` with ``GpuMeasure``'s background compiles, logging what it was handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, list[str]]] = []
+        self.closed = False
+
+    def __call__(self, kernels, inputs, flush=True):
+        if flush:
+            self.log.append(("measure", [str(k.template) for k in kernels]))
+        return super().__call__(kernels, inputs, flush)
+
+    def compile_ahead(self, kernels):
+        self.log.append(("compile", [str(k.template) for k in kernels]))
+
+    def room_ahead(self):
+        return 16
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_next_patterns_candidates_are_made_and_compiled_while_one_is_measured():
+    """With a measure that compiles in the background, the later pattern's candidates are made and
+    handed over before the first pattern is measured; both patterns are measured on the candidates,
+    and reach the choices, a tuner without it has."""
+    import torch
+
+    from fusionstitching.frontend.torch_fx import capture
+
+    def fn(a, b):
+        return torch.softmax(a, -1), torch.nn.functional.layer_norm(b, (1024,))
+
+    compiled = compile_graph(capture(fn, torch.randn(4096, 1024), torch.randn(32768, 1024)).forward,
+                             Options(strict=True))
+    small, large = compiled.kernels
+    plain, ahead = LastIsFastest(), CompilesAhead()
+    chosen = {}
+    for measure in (plain, ahead):
+        tuner = Tuner(compiled.graph, Options(strict=True), "Test GPU", "sm_90", measure, None)
+        tuner.prioritize(compiled.kernels)
+        chosen[measure] = [str(tuner.kernel_for(k, []).template) for k in (small, large)]
+        tuner.finish()
+        assert tuner.tuned == 2 and not tuner._prepared
+    assert chosen[plain] == chosen[ahead] and ahead.calls == plain.calls
+    kinds = [kind for kind, _ in ahead.log]
+    assert kinds == ["compile", "compile", "measure", "compile", "measure"]
+    assert ahead.log[1][1] == plain.calls[1][1:]  # the LayerNorm's candidates, before the softmax is measured
+    assert ahead.log[0][1] == plain.calls[0][1:] and ahead.closed
