@@ -123,8 +123,9 @@ class Tuner:
         self.surveyed = 0  # patterns timed by the survey
         self._spent = (0.0, 0)  # seconds and characters of the candidates made so far
         self._order: list[tuple[str, GeneratedKernel]] = []  # each pattern's first kernel, in program order
-        # candidates made ahead (``_look_ahead``): key -> (them, the seconds making them took)
-        self._prepared: dict[str, tuple[list[GeneratedKernel], float]] = {}
+        # candidates made ahead (``_look_ahead``): key -> (the kernel they were made for, them, the
+        # seconds making them took)
+        self._prepared: dict[str, tuple[GeneratedKernel, list[GeneratedKernel], float]] = {}
 
     def prioritize(self, kernels: Sequence[GeneratedKernel]) -> None:
         """Keep the budget for the patterns with the most to gain: a program's kernels are tuned as
@@ -314,7 +315,12 @@ class Tuner:
             return current
         prepared = self._prepared.pop(key, None)
         if prepared is not None:  # made ahead while an earlier pattern was measured
-            candidates, made_s, cut = [kernel, *prepared[0]], prepared[1], False
+            made_for, made, made_s = prepared
+            if made_for is not kernel:  # made for the pattern's first kernel, passed over then
+                began = time.perf_counter()
+                made = self._retargeted(made, self._nodes(made_for), nodes, kernel)
+                made_s += time.perf_counter() - began
+            candidates, cut = [kernel, *made], False
         else:
             candidates, cut = self._candidates(kernel, nodes, start)
             made_s = 0.0
@@ -414,8 +420,27 @@ class Tuner:
                 continue
             began = time.perf_counter()
             made, _ = self._candidates(kernel, self._nodes(kernel))
-            self._prepared[later] = (made[1:], time.perf_counter() - began)
+            self._prepared[later] = (kernel, made[1:], time.perf_counter() - began)
             ahead(made[1:])
+
+    def _retargeted(self, made: Sequence[GeneratedKernel], made_nodes: list[Node], nodes: list[Node],
+                    kernel: GeneratedKernel) -> list[GeneratedKernel]:
+        """Candidates made for another kernel of the pattern (``made_nodes``), made again for
+        ``kernel``'s ``nodes`` with the same templates (twins of them where their values agree)."""
+        result = []
+        for candidate in made:
+            template = renamed(canonical(candidate.template, made_nodes), nodes)
+            try:
+                again = self._generate(nodes, template, kernel)
+            except Exception as err:
+                if self.options.strict:
+                    raise
+                warnings.warn(f"{kernel.name}: candidate {template} does not build ({err})", TuningWarning,
+                              stacklevel=4)
+                continue
+            if again.lowered.aliases == kernel.lowered.aliases:
+                result.append(again)
+        return result
 
     def finish(self) -> None:
         """Tuning is over: background compiles not begun are dropped."""

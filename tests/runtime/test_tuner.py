@@ -550,3 +550,31 @@ def test_the_next_patterns_candidates_are_made_and_compiled_while_one_is_measure
     assert kinds == ["compile", "compile", "measure", "compile", "measure"]
     assert ahead.log[1][1] == plain.calls[1][1:]  # the LayerNorm's candidates, before the softmax is measured
     assert ahead.log[0][1] == plain.calls[0][1:] and ahead.closed
+
+
+def test_candidates_made_ahead_for_a_patterns_first_kernel_serve_another_kernel_of_it():
+    """The candidates ``_look_ahead`` made for a pattern's first kernel, which the budget passed
+    over, are made again for the kernel of the pattern tuned later (its own nodes): no template
+    names another kernel's nodes, and the choice is the one a tuner without them makes."""
+    import torch
+
+    from fusionstitching.frontend.torch_fx import capture
+
+    def fn(a, b, c):
+        return torch.nn.functional.layer_norm(c, (1024,)), torch.softmax(a, -1), torch.softmax(b, -1)
+
+    compiled = compile_graph(capture(fn, torch.randn(4096, 1024), torch.randn(4096, 1024),
+                                     torch.randn(32768, 1024)).forward, Options(strict=True))
+    first, one, other = compiled.kernels
+    ahead = CompilesAhead()
+    tuner = Tuner(compiled.graph, Options(strict=True), "Test GPU", "sm_90", ahead, None)
+    tuner.prioritize(compiled.kernels)
+    assert tuner.key(one) == tuner.key(other) != tuner.key(first)
+    tuner.kernel_for(first, [])
+    assert tuner.key(one) in tuner._prepared  # made for ``one``, which is now passed over
+    chosen = tuner.kernel_for(other, [])
+    measure = LastIsFastest()
+    expected = Tuner(compiled.graph, Options(strict=True), "Test GPU", "sm_90", measure, None).kernel_for(other, [])
+    assert chosen is not other and str(chosen.template) == str(expected.template)
+    assert set(chosen.lowered.pattern.nodes) == set(other.lowered.pattern.nodes)
+    assert ahead.calls[-1] == measure.calls[0]  # the same candidates, named after ``other``'s nodes
