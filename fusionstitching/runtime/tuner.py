@@ -254,9 +254,9 @@ class Tuner:
                             self.hits += 1
                             COUNTS["perflib hits"] += 1
                         else:
-                            text = self._tune(key, kernel, nodes, inputs, start)
+                            text = self._tune_or_keep(key, kernel, nodes, inputs, start)
                 else:
-                    text = self._tune(key, kernel, nodes, inputs, start)
+                    text = self._tune_or_keep(key, kernel, nodes, inputs, start)
                 self._decided[key] = text
             if text == canonical(kernel.template, nodes):
                 return kernel
@@ -304,6 +304,19 @@ class Tuner:
             return first.twin(self.graph, nodes, template)
         kernel = self._made[made_key] = generate(self.graph, nodes, template, name=like.name, in_place=in_place)
         return kernel
+
+    def _tune_or_keep(self, key: str, kernel: GeneratedKernel, nodes: list[Node], inputs: Sequence[Any],
+                      start: float) -> str:
+        """``_tune``; where tuning itself fails (not the plan's kernel), the plan's template, with a
+        warning (an error under ``strict``): a failure to choose never costs the graph its kernels."""
+        try:
+            return self._tune(key, kernel, nodes, inputs, start)
+        except Exception as err:
+            if self.options.strict:
+                raise
+            warnings.warn(f"{kernel.name}: tuning failed ({type(err).__name__}: {err}); the plan's template runs",
+                          TuningWarning, stacklevel=3)
+            return canonical(kernel.template, nodes)
 
     def _tune(self, key: str, kernel: GeneratedKernel, nodes: list[Node], inputs: Sequence[Any],
               start: float) -> str:

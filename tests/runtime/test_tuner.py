@@ -13,7 +13,7 @@ from fusionstitching.cli import capture_workload
 from fusionstitching.cost.perflib import FILE_NAME, Measured, PerfLib
 from fusionstitching.options import Options
 from fusionstitching.pipeline import compile_graph
-from fusionstitching.runtime.tuner import COUNTS, Tuner
+from fusionstitching.runtime.tuner import COUNTS, Tuner, TuningWarning
 from fusionstitching.schedule.tune import canonical
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -578,3 +578,20 @@ def test_candidates_made_ahead_for_a_patterns_first_kernel_serve_another_kernel_
     assert chosen is not other and str(chosen.template) == str(expected.template)
     assert set(chosen.lowered.pattern.nodes) == set(other.lowered.pattern.nodes)
     assert ahead.calls[-1] == measure.calls[0]  # the same candidates, named after ``other``'s nodes
+
+
+def test_a_failure_of_tuning_itself_keeps_the_plans_template_with_a_warning_or_raises_when_strict():
+    compiled = _layernorm()
+    kernel = compiled.kernels[0]
+
+    def broken(kernels, inputs, flush=True):
+        raise KeyError("a bug in choosing")
+
+    tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", broken, None)
+    tuner._tune = lambda *args: broken([], [])
+    with pytest.warns(TuningWarning, match="tuning failed"):
+        assert tuner.kernel_for(kernel, []) is kernel
+    strict = Tuner(compiled.graph, Options(strict=True), "Test GPU", "sm_90", broken, None)
+    strict._tune = lambda *args: broken([], [])
+    with pytest.raises(KeyError):
+        strict.kernel_for(kernel, [])
