@@ -341,7 +341,7 @@ class Tuner:
             self.over_budget += cut
             return current
         began = time.perf_counter()
-        self._look_ahead(key, candidates[1:])
+        self._look_ahead(key, candidates[1:], start)
         ahead_s = time.perf_counter() - began  # counted when the patterns made ahead are measured
         times = self.measure(candidates, inputs)
         seconds, characters = self._spent
@@ -410,13 +410,14 @@ class Tuner:
                 candidates.append(made)
         return candidates, False
 
-    def _look_ahead(self, key: str, candidates: Sequence[GeneratedKernel]) -> None:
+    def _look_ahead(self, key: str, candidates: Sequence[GeneratedKernel], start: float) -> None:
         """Where ``measure`` compiles in the background (``GpuMeasure.compile_ahead``): start
         compiling this pattern's candidates, then make the candidates of the patterns the program
         reaches next that the budget keeps (``_choose``) and start theirs, until the compiles in
-        flight fill the threads. Measuring a pattern then finds its candidates compiled, or being
-        compiled, instead of compiling a handful on as many cores. The time spent making them
-        counts when they are measured (``_spent``)."""
+        flight fill the threads or the budget is spent (``start``: when this pattern's tuning
+        began). Measuring a pattern then finds its candidates compiled, or being compiled, instead
+        of compiling a handful on as many cores. The time spent making them counts when they are
+        measured (``_spent``)."""
         ahead = getattr(self.measure, "compile_ahead", None)
         if ahead is None:
             return
@@ -426,6 +427,8 @@ class Tuner:
             return
         for later, kernel in self._order[keys.index(key) + 1:]:
             if self.measure.room_ahead() <= 0:
+                break
+            if self.budget_s is not None and self.seconds + time.perf_counter() - start >= self.budget_s:
                 break
             if later in self._decided or later in self._prepared or (self._worth is not None and later not in self._worth):
                 continue

@@ -595,3 +595,27 @@ def test_a_failure_of_tuning_itself_keeps_the_plans_template_with_a_warning_or_r
     strict._tune = lambda *args: broken([], [])
     with pytest.raises(KeyError):
         strict.kernel_for(kernel, [])
+
+
+def test_nothing_is_made_ahead_once_the_budget_is_spent():
+    """A budget spent while a pattern is measured makes no candidates for the patterns after it."""
+    import time
+
+    import torch
+
+    from fusionstitching.frontend.torch_fx import capture
+
+    def fn(a, b):
+        return torch.softmax(a, -1), torch.nn.functional.layer_norm(b, (1024,))
+
+    compiled = compile_graph(capture(fn, torch.randn(4096, 1024), torch.randn(32768, 1024)).forward,
+                             Options(strict=True))
+    small, large = compiled.kernels
+    ahead = CompilesAhead()
+    tuner = Tuner(compiled.graph, Options(strict=True), "Test GPU", "sm_90", ahead, None, budget_s=1000.0)
+    tuner.prioritize(compiled.kernels)
+    tuner._worth = {tuner.key(small), tuner.key(large)}
+    tuner._look_ahead(tuner.key(small), [], start=-1e9)  # began long ago: the budget is spent
+    assert not tuner._prepared
+    tuner._look_ahead(tuner.key(small), [], start=time.perf_counter())
+    assert tuner.key(large) in tuner._prepared
