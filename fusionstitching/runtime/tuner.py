@@ -398,17 +398,23 @@ class Tuner:
                 break
             if canonical(template, nodes) == current:
                 continue
-            try:
-                made = self._generate(nodes, template, kernel)
-            except Exception as err:
-                if self.options.strict:
-                    raise
-                warnings.warn(f"{kernel.name}: candidate {template} does not build ({err})", TuningWarning,
-                              stacklevel=4)
-                continue
-            if made.lowered.aliases == kernel.lowered.aliases:
+            made = self._candidate(nodes, template, kernel)
+            if made is not None:
                 candidates.append(made)
         return candidates, False
+
+    def _candidate(self, nodes: list[Node], template, kernel: GeneratedKernel) -> GeneratedKernel | None:
+        """``kernel``'s pattern generated with ``template``; None where it does not build (a warning,
+        an error under ``strict``) or updates other inputs in place than ``kernel`` (the program's
+        order of steps depends on them)."""
+        try:
+            made = self._generate(nodes, template, kernel)
+        except Exception as err:
+            if self.options.strict:
+                raise
+            warnings.warn(f"{kernel.name}: candidate {template} does not build ({err})", TuningWarning, stacklevel=5)
+            return None
+        return made if made.lowered.aliases == kernel.lowered.aliases else None
 
     def _look_ahead(self, key: str, candidates: Sequence[GeneratedKernel], start: float) -> None:
         """Where ``measure`` compiles in the background (``GpuMeasure.compile_ahead``): start
@@ -443,20 +449,8 @@ class Tuner:
                     kernel: GeneratedKernel) -> list[GeneratedKernel]:
         """Candidates made for another kernel of the pattern (``made_nodes``), made again for
         ``kernel``'s ``nodes`` with the same templates (twins of them where their values agree)."""
-        result = []
-        for candidate in made:
-            template = renamed(canonical(candidate.template, made_nodes), nodes)
-            try:
-                again = self._generate(nodes, template, kernel)
-            except Exception as err:
-                if self.options.strict:
-                    raise
-                warnings.warn(f"{kernel.name}: candidate {template} does not build ({err})", TuningWarning,
-                              stacklevel=4)
-                continue
-            if again.lowered.aliases == kernel.lowered.aliases:
-                result.append(again)
-        return result
+        again = (self._candidate(nodes, renamed(canonical(c.template, made_nodes), nodes), kernel) for c in made)
+        return [c for c in again if c is not None]
 
     def finish(self) -> None:
         """Tuning is over: background compiles not begun are dropped."""
