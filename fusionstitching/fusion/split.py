@@ -1,21 +1,25 @@
 """The reduction-splitting pass that runs before exploration (DESIGN.md "Fusion exploration").
 
-A reduction the code generator runs with too few threads underfills the GPU: a bias gradient sums
-4096 rows into 768 columns, and with a thread per column only 768 threads loop 4096 times each.
-For every reduce the pass estimates, with the latency evaluator (``cost/latency.py``), the time
-of the reduction as one kernel and as a partial reduce over ``p`` chunks plus a final reduce (one
-more launch), for every ``p`` that divides the split dim (``graph.transforms.split_dim``) and
-leaves chunks of at least ``MIN_CHUNK`` elements; it splits with the best ``p`` when that saves at
-least ``MIN_GAIN`` of the time. Each kernel's time is the largest of its memory time (the bandwidth
-model), its latency estimate, and the time its threads wait on loads: a thread that reduces n
-elements issues n dependent global loads, of which about ``LOADS_IN_FLIGHT`` overlap (the loop is
-unrolled), each taking ``LOAD_LATENCY_CYCLES``. The latency evaluator's CPI counts issue cycles
-only, which is right for a full GPU whose warps hide each other's loads but far too optimistic for
-the 768 threads of an unsplit bias gradient, which is exactly the case this pass is for.
+A reduction the code generator runs with too few threads underfills the GPU: a weight gradient sums
+8192 rows into 256 columns, and the column template runs it on 8 blocks whose threads loop over 256
+rows each. For every reduce the pass estimates, with the latency evaluator (``cost/latency.py``),
+the GPU time of the reduction as one kernel and as a partial reduce over ``p`` chunks plus a final
+reduce, for every ``p`` that divides the split dim (``graph.transforms.split_dim``) and leaves
+chunks of at least ``MIN_CHUNK`` elements; it splits with the best ``p`` when that saves at least
+``MIN_GAIN`` of the time. Each kernel's time is the largest of its memory time (the bandwidth
+model, whose floor is a kernel's least GPU time), its latency estimate, and the floor plus the time
+its threads wait on loads: a thread that reduces n elements issues n global loads, of which about
+``LOADS_IN_FLIGHT`` overlap (the loop is unrolled), each taking ``LOAD_LATENCY_CYCLES``. The
+latency evaluator's CPI counts issue cycles only, which is right for a full GPU whose warps hide
+each other's loads but far too optimistic for a reduction on a few blocks, which is exactly the
+case this pass is for. The final kernel is charged its own floor and no host launch: the pass
+compares GPU time, and it splits only reductions long enough that a launch is queued well ahead.
 
 How many threads a reduce gets follows the default template of the schedule stage: a warp per row
 when the last dim is reduced (up to 1024 long), a block per row beyond, one block for a reduction
-to a scalar, and a thread per output element when the last dim is kept (column reduction).
+to a scalar; a column reduction (the last dim kept) whose columns fill a warp's lanes gets the
+column template (``schedule/grouping.column_template``: 32 columns per block, up to 32 warps over
+the reduced rows), other column reductions a thread per output element.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from fusionstitching.cost.gpu_spec import GpuSpec
 from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.transforms import row_loop_dim, split_dim, split_reductions, variance_pairs
+from fusionstitching.schedule.grouping import column_warps
 
 THREADS = 256
 MIN_CHUNK = 8
@@ -36,6 +41,7 @@ LOAD_LATENCY_CYCLES = 600  # a global load that misses the caches, H100-class GP
 LOADS_IN_FLIGHT = 4
 MIN_GAIN = 0.25
 WARP_ROW_MAX = 1024
+WARP_SIZE = 32
 STITCH_MIN_ROWS = 1024
 MAX_ROUNDS = 4  # splits of one reduction: one per reduced dim of a 4-d tensor
 STITCH_ROWS = 8  # rows per part of a column reduction stitched to row reductions (8 warps per block)
@@ -72,7 +78,21 @@ def reduction_threads(node: Node) -> int:
     if len(operand.shape) - 1 in dims:
         length = math.prod(operand.shape[d] for d in dims)
         return node.size * (32 if length <= WARP_ROW_MAX else THREADS)
+    if _columns(node):
+        return column_threads(node.size, operand.size // node.size)
     return node.size
+
+
+def _columns(node: Node) -> bool:
+    """Whether the column template takes ``node``: its innermost dim is kept and fills warps' lanes."""
+    shape = node.operands[0].shape
+    return len(shape) - 1 not in set(node.attrs["dims"]) and shape[-1] % WARP_SIZE == 0
+
+
+def column_threads(outputs: int, rows: int) -> int:
+    """Threads of the column template for a column sum of ``rows`` rows into ``outputs`` elements:
+    a lane per output, a warp per ``rows / warps`` rows."""
+    return outputs * column_warps(rows)
 
 
 class ReductionSplitter:
@@ -86,7 +106,7 @@ class ReductionSplitter:
         latency = kernel_latency_us(self.spec, blocks, THREADS, work)
         nbytes = (node.operands[0].size + node.size) * node.dtype.itemsize
         loads = node.operands[0].size / threads * LOAD_LATENCY_CYCLES / LOADS_IN_FLIGHT / (self.spec.clock_ghz * 1e3)
-        return max(latency, self.memory.time_us(nbytes), loads)
+        return max(latency, self.memory.time_us(nbytes), self.memory.floor_us + loads)
 
     def decide(self, node: Node, force: bool = False) -> SplitDecision | None:
         """The split that saves the most estimated time, if it saves ``MIN_GAIN`` of it (``force``:
@@ -104,8 +124,9 @@ class ReductionSplitter:
             partial_out = node.size * parts
             partial = _shaped(node, operand.size, partial_out)
             final = _shaped(node, partial_out, node.size)
-            after = (self.kernel_us(partial, _threads_like(node, partial_out)) + self.kernel_us(final, node.size)
-                     + self.memory.launch_us)
+            # the final sum of the parts is a column reduction of ``parts`` rows
+            final_threads = column_threads(node.size, parts) if _columns(node) else node.size
+            after = self.kernel_us(partial, _threads_like(node, partial_out)) + self.kernel_us(final, final_threads)
             # Forced (no template builds it whole): the most parts, the most threads, since the
             # estimate, which sees no gain, cannot rank the splits.
             if best is None or (parts > best[1] if force else after < best[0]):
@@ -127,7 +148,10 @@ def _unbuildable(graph: Graph, node: Node, smem_limit: int) -> bool:
 
 
 def _threads_like(node: Node, outputs: int) -> int:
-    """Threads of the partial reduce: its output elements, or warps of rows for row reductions."""
+    """Threads of the partial reduce: a lane and warps of the part's rows for column reductions, its
+    output elements, or warps of rows for row reductions."""
+    if _columns(node):
+        return column_threads(outputs, node.operands[0].size // outputs)
     return reduction_threads(node) * outputs // max(node.size, 1)
 
 
@@ -186,7 +210,8 @@ def row_loop_parts(node: Node, spec: GpuSpec) -> int | None:
 def split_underfilled_reductions(graph: Graph, spec: GpuSpec, memory: BandwidthModel, smem_limit: int = 48 * 1024
                                  ) -> tuple[Graph, list[SplitDecision]]:
     """Split every reduce that is faster as partial + final, then the partials that are still
-    underfilled, up to ``MAX_ROUNDS`` times: a split divides one reduced dim, and a reduction over
+    underfilled and the final sums of stitched partials (a LayerNorm's weight gradient over 65536
+    rows leaves 8192 partial rows to sum), up to ``MAX_ROUNDS`` times: a split divides one reduced dim, and a reduction over
     several large dims (BatchNorm's statistics over N, H and W of an NCHW tensor: 25 million points
     into 256 channels) needs a split of each before its threads have a bounded share of the points.
     A reduce that no template builds alone (too many points per thread) is split even where the
@@ -201,6 +226,7 @@ def split_underfilled_reductions(graph: Graph, spec: GpuSpec, memory: BandwidthM
         decisions += made
         held = _variance_partials(graph, [d for d in made if d.variance])
         fresh = {n.name for n in graph.nodes if n.op == "reduce" and n.name not in before and n.name not in held}
+        fresh |= {d.node for d in made if d.stitched}  # the final sums of the stitched partials
     return graph, decisions
 
 

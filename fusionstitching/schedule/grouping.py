@@ -336,6 +336,17 @@ def _wide_columns(reductions: list[Node]) -> bool:
     return True
 
 
+def column_warps(rows: int, dim: int | None = None, max_warps: int = 32) -> int:
+    """Warps of the column template over ``rows`` reduced rows, split along a reduced dim of size
+    ``dim`` (all of them when None): a power of two up to ``max_warps`` that divides ``dim`` and
+    leaves each warp at least 8 rows."""
+    dim = rows if dim is None else dim
+    warps = 1
+    while warps < max_warps and dim % (2 * warps) == 0 and rows // (2 * warps) >= 8:
+        warps *= 2
+    return warps
+
+
 def column_template(pattern, reductions: list[Node], max_warps: int = 32) -> KernelSchedule:
     """Column reductions (e.g. the final sum of per-block partials, a bias gradient): the innermost
     kept dim goes to the lanes (``GRID-CTA_32``: each warp reads whole 128-byte rows), the last
@@ -349,9 +360,7 @@ def column_template(pattern, reductions: list[Node], max_warps: int = 32) -> Ker
     rows_total = math.prod(space[d] for d in reduced)
     warps, last = 1, max(reduced)
     for d in sorted(reduced, reverse=True):  # the reduced dim that takes the most warps; the last on ties
-        w = 1
-        while w < max_warps and space[d] % (2 * w) == 0 and rows_total // (2 * w) >= 8:
-            w *= 2
+        w = column_warps(rows_total, space[d], max_warps)
         if w > warps:
             warps, last = w, d
     dims: list[tuple[Tile, ...]] = []
