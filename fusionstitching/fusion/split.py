@@ -1,25 +1,33 @@
 """The reduction-splitting pass that runs before exploration (DESIGN.md "Fusion exploration").
 
-A reduction the code generator runs with too few threads underfills the GPU: a weight gradient sums
-8192 rows into 256 columns, and the column template runs it on 8 blocks whose threads loop over 256
-rows each. For every reduce the pass estimates, with the latency evaluator (``cost/latency.py``),
-the GPU time of the reduction as one kernel and as a partial reduce over ``p`` chunks plus a final
-reduce, for every ``p`` that divides the split dim (``graph.transforms.split_dim``) and leaves
-chunks of at least ``MIN_CHUNK`` elements; it splits with the best ``p`` when that saves at least
-``MIN_GAIN`` of the time. Each kernel's time is the largest of its memory time (the bandwidth
-model, whose floor is a kernel's least GPU time), its latency estimate, and the floor plus the time
-its threads wait on loads: a thread that reduces n elements issues n global loads, of which about
-``LOADS_IN_FLIGHT`` overlap (the loop is unrolled), each taking ``LOAD_LATENCY_CYCLES``. The
-latency evaluator's CPI counts issue cycles only, which is right for a full GPU whose warps hide
-each other's loads but far too optimistic for a reduction on a few blocks, which is exactly the
-case this pass is for. The final kernel is charged its own floor and no host launch: the pass
-compares GPU time, and it splits only reductions long enough that a launch is queued well ahead.
+A reduction the code generator runs with too few threads underfills the GPU: a bias gradient sums
+4096 rows into 768 columns, and with a thread per column only 768 threads loop 4096 times each.
+For every reduce the pass estimates, with the latency evaluator (``cost/latency.py``), the time
+of the reduction as one kernel and as a partial reduce over ``p`` chunks plus a final reduce (one
+more launch), for every ``p`` that divides the split dim (``graph.transforms.split_dim``) and
+leaves chunks of at least ``MIN_CHUNK`` elements; it splits with the best ``p`` when that saves at
+least ``MIN_GAIN`` of the time. Each kernel's time is the largest of its memory time (the bandwidth
+model), its latency estimate, and the time its threads wait on loads: a thread that reduces n
+elements issues n dependent global loads, of which about ``LOADS_IN_FLIGHT`` overlap (the loop is
+unrolled), each taking ``LOAD_LATENCY_CYCLES``. The latency evaluator's CPI counts issue cycles
+only, which is right for a full GPU whose warps hide each other's loads but far too optimistic for
+the 768 threads of an unsplit bias gradient, which is exactly the case this pass is for.
 
 How many threads a reduce gets follows the default template of the schedule stage: a warp per row
 when the last dim is reduced (up to 1024 long), a block per row beyond, one block for a reduction
-to a scalar; a column reduction (the last dim kept) whose columns fill a warp's lanes gets the
-column template (``schedule/grouping.column_template``: 32 columns per block, up to 32 warps over
-the reduced rows), other column reductions a thread per output element.
+to a scalar, and a thread per output element when the last dim is kept (column reduction): fused
+with its producers and consumers, a column reduction often runs so (the thread-serial and packed
+templates), and splitting it lets its partial fuse with the producers on many threads.
+
+The final sum of stitched partials (LayerNorm's dγ and dβ: the row kernel writes a partial row per
+8 rows) is different: its operand is written by another kernel, so it runs alone, and alone a
+column reduction whose columns fill a warp's lanes takes the column template
+(``schedule/grouping.column_template``: 32 columns a block, up to 32 warps over the rows). Such a
+reduce, and the partials split from it, are estimated with that template's threads, with the
+kernel's floor (the bandwidth model's least GPU time) added to the time its threads wait on loads,
+and without the host's launch cost: the final sum of 8192 partial rows into 256 columns runs on 8
+blocks (36 µs on an H200, 6 µs split in 16 parts), that of 512 rows into 768 columns fills
+enough SMs (2.5 µs, no split gains).
 """
 
 from __future__ import annotations
@@ -69,8 +77,9 @@ class SplitDecision:
                 f"{self.after_us:.1f} us as partial + final){paired}")
 
 
-def reduction_threads(node: Node) -> int:
-    """Threads the default template gives a reduce (see the module docstring)."""
+def reduction_threads(node: Node, alone: bool = False) -> int:
+    """Threads the default template gives a reduce (``alone``: in a kernel by itself; see the
+    module docstring)."""
     operand = node.operands[0]
     dims = set(node.attrs["dims"])
     if node.size == 1:
@@ -78,20 +87,20 @@ def reduction_threads(node: Node) -> int:
     if len(operand.shape) - 1 in dims:
         length = math.prod(operand.shape[d] for d in dims)
         return node.size * (32 if length <= WARP_ROW_MAX else THREADS)
-    if _columns(node):
+    if alone and _warp_columns(node):
         return column_threads(node.size, operand.size // node.size)
     return node.size
 
 
-def _columns(node: Node) -> bool:
-    """Whether the column template takes ``node``: its innermost dim is kept and fills warps' lanes."""
+def _warp_columns(node: Node) -> bool:
+    """Whether ``node`` keeps its innermost dim and that dim fills warps' lanes (the column template)."""
     shape = node.operands[0].shape
     return len(shape) - 1 not in set(node.attrs["dims"]) and shape[-1] % WARP_SIZE == 0
 
 
 def column_threads(outputs: int, rows: int) -> int:
-    """Threads of the column template for a column sum of ``rows`` rows into ``outputs`` elements:
-    a lane per output, a warp per ``rows / warps`` rows."""
+    """Threads of the column template summing ``rows`` rows into ``outputs`` elements: a lane per
+    output, warps over the rows."""
     return outputs * column_warps(rows)
 
 
@@ -100,18 +109,19 @@ class ReductionSplitter:
         self.spec = spec
         self.memory = memory
 
-    def kernel_us(self, node: Node, threads: int) -> float:
+    def kernel_us(self, node: Node, threads: int, alone: bool = False) -> float:
         blocks = max(1, math.ceil(threads / THREADS))
         work = instructions_per_thread([node], blocks, THREADS)
         latency = kernel_latency_us(self.spec, blocks, THREADS, work)
         nbytes = (node.operands[0].size + node.size) * node.dtype.itemsize
         loads = node.operands[0].size / threads * LOAD_LATENCY_CYCLES / LOADS_IN_FLIGHT / (self.spec.clock_ghz * 1e3)
-        return max(latency, self.memory.time_us(nbytes), self.memory.floor_us + loads)
+        return max(latency, self.memory.time_us(nbytes), loads + (self.memory.floor_us if alone else 0.0))
 
-    def decide(self, node: Node, force: bool = False) -> SplitDecision | None:
+    def decide(self, node: Node, force: bool = False, alone: bool = False) -> SplitDecision | None:
         """The split that saves the most estimated time, if it saves ``MIN_GAIN`` of it (``force``:
-        the split into the most parts, whatever it saves)."""
-        before = self.kernel_us(node, reduction_threads(node))
+        the split into the most parts, whatever it saves; ``alone``: a reduce in a kernel by itself,
+        estimated as the module docstring says)."""
+        before = self.kernel_us(node, reduction_threads(node, alone), alone)
         operand = node.operands[0]
         dims = tuple(node.attrs["dims"])
         dim = max(dims, key=lambda d: operand.shape[d])
@@ -124,9 +134,12 @@ class ReductionSplitter:
             partial_out = node.size * parts
             partial = _shaped(node, operand.size, partial_out)
             final = _shaped(node, partial_out, node.size)
-            # the final sum of the parts is a column reduction of ``parts`` rows
-            final_threads = column_threads(node.size, parts) if _columns(node) else node.size
-            after = self.kernel_us(partial, _threads_like(node, partial_out)) + self.kernel_us(final, final_threads)
+            if alone and _warp_columns(node):
+                after = (self.kernel_us(partial, column_threads(partial_out, operand.size // partial_out), True)
+                         + self.kernel_us(final, column_threads(node.size, parts), True))
+            else:
+                after = (self.kernel_us(partial, _threads_like(node, partial_out)) + self.kernel_us(final, node.size)
+                         + (0.0 if alone else self.memory.launch_us))
             # Forced (no template builds it whole): the most parts, the most threads, since the
             # estimate, which sees no gain, cannot rank the splits.
             if best is None or (parts > best[1] if force else after < best[0]):
@@ -148,10 +161,7 @@ def _unbuildable(graph: Graph, node: Node, smem_limit: int) -> bool:
 
 
 def _threads_like(node: Node, outputs: int) -> int:
-    """Threads of the partial reduce: a lane and warps of the part's rows for column reductions, its
-    output elements, or warps of rows for row reductions."""
-    if _columns(node):
-        return column_threads(outputs, node.operands[0].size // outputs)
+    """Threads of the partial reduce: its output elements, or warps of rows for row reductions."""
     return reduction_threads(node) * outputs // max(node.size, 1)
 
 
@@ -210,24 +220,43 @@ def row_loop_parts(node: Node, spec: GpuSpec) -> int | None:
 def split_underfilled_reductions(graph: Graph, spec: GpuSpec, memory: BandwidthModel, smem_limit: int = 48 * 1024
                                  ) -> tuple[Graph, list[SplitDecision]]:
     """Split every reduce that is faster as partial + final, then the partials that are still
-    underfilled and the final sums of stitched partials (a LayerNorm's weight gradient over 65536
-    rows leaves 8192 partial rows to sum), up to ``MAX_ROUNDS`` times: a split divides one reduced dim, and a reduction over
+    underfilled, up to ``MAX_ROUNDS`` times: a split divides one reduced dim, and a reduction over
     several large dims (BatchNorm's statistics over N, H and W of an NCHW tensor: 25 million points
     into 256 channels) needs a split of each before its threads have a bounded share of the points.
     A reduce that no template builds alone (too many points per thread) is split even where the
     estimate sees no gain: unsplit it would run outside the generated kernels."""
     decisions: list[SplitDecision] = []
     fresh: set[str] | None = None  # the reduces a round may split: all at first, then the new partials
+    alone: set[str] = set()  # the final sums of stitched partials and the partials split from them
     for _ in range(MAX_ROUNDS):
         before = {n.name for n in graph.nodes}
-        graph, made = _split_round(graph, spec, memory, fresh, smem_limit)
+        graph, made = _split_round(graph, spec, memory, fresh, smem_limit, alone)
         if not made:
             break
         decisions += made
         held = _variance_partials(graph, [d for d in made if d.variance])
         fresh = {n.name for n in graph.nodes if n.op == "reduce" and n.name not in before and n.name not in held}
-        fresh |= {d.node for d in made if d.stitched}  # the final sums of the stitched partials
+        split_alone = {d.node for d in made if d.node in alone and not d.stitched}
+        alone = {d.node for d in made if d.stitched} | _partials_of(graph, split_alone, fresh)
+        fresh |= {d.node for d in made if d.stitched}
     return graph, decisions
+
+
+def _partials_of(graph: Graph, finals: set[str], fresh: set[str]) -> set[str]:
+    """The new reduces (``fresh``) that the reduces ``finals`` read, through the views and converts
+    between a partial and its final."""
+    found, stack, seen = set(), [o for name in finals for o in graph.node(name).operands], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op == "reduce":
+            if node.name in fresh:
+                found.add(node.name)
+            continue
+        stack.extend(node.operands)
+    return found
 
 
 def _variance_partials(graph: Graph, decisions: list[SplitDecision]) -> set[str]:
@@ -244,7 +273,7 @@ def _variance_partials(graph: Graph, decisions: list[SplitDecision]) -> set[str]
 
 
 def _split_round(graph: Graph, spec: GpuSpec, memory: BandwidthModel, only: set[str] | None,
-                 smem_limit: int) -> tuple[Graph, list[SplitDecision]]:
+                 smem_limit: int, alone: set[str]) -> tuple[Graph, list[SplitDecision]]:
     splitter = ReductionSplitter(spec, memory)
     decisions, blocks, loops = [], {}, {}
     row_shapes = _row_reduced_shapes(graph)
@@ -263,7 +292,7 @@ def _split_round(graph: Graph, spec: GpuSpec, memory: BandwidthModel, only: set[
             size = node.operands[0].shape[max(node.attrs["dims"])]
             decisions.append(SplitDecision(node.name, size // rows, 0.0, 0.0, stitched=True))
             continue
-        decision = splitter.decide(node)
+        decision = splitter.decide(node, alone=node.name in alone)
         if decision is None and _unbuildable(graph, node, smem_limit):
             decision = splitter.decide(node, force=True)
         if decision is not None:

@@ -40,9 +40,9 @@ def _inputs(kernel, rng):
     return arrays
 
 
-def _check_candidates(graph, limit=None, options=None) -> int:
+def _check_candidates(graph, limit=None) -> int:
     """Every ranked template of every kernel of ``graph``'s plan simulates like the plan's kernel."""
-    compiled = compile_graph(graph, options or Options(strict=True))
+    compiled = compile_graph(graph, Options(strict=True))
     plan_graph, rng, checked = compiled.graph, np.random.default_rng(0), 0
     for kernel in compiled.kernels:
         nodes = sorted(kernel.lowered.pattern.nodes, key=plan_graph.index.position.__getitem__)
@@ -326,20 +326,17 @@ def test_the_model_ranks_per_channel_work_shared_first_and_the_plan_takes_it():
 
 
 def test_a_column_sum_over_many_rows_takes_the_model_template_that_splits_its_rows_over_warps():
-    """The default rule sums each part of a column sum split in many parts (196 parts of 512 rows of
-    a BatchNorm's per-channel sums of [N·H·W, C]) with one thread per column over few blocks; the
-    model ranks splitting the rows of each part over the warps of more blocks first, and the plan
-    takes it (``model_choice`` covers reductions)."""
+    """The default rule sums each part of a long column sum's rows with one thread per column over
+    few blocks (a BatchNorm's per-channel sums of [N·H·W, C]); the model ranks splitting the rows
+    of each part over the warps of more blocks first, and the plan takes it (``model_choice``
+    covers reductions)."""
     from fusionstitching.frontend.torch_fx import capture
     from fusionstitching.graph.pattern import resolve_pattern
-    from fusionstitching.graph.transforms import split_reductions
     from fusionstitching.schedule.grouping import choose_template
     from fusionstitching.schedule.tune import model_choice, model_estimate_us
 
     forward = capture(lambda x, y: (x * y).sum(0), torch.randn(100352, 256), torch.randn(100352, 256)).forward
-    (reduce,) = [n.name for n in forward.nodes if n.op == "reduce"]
-    split = split_reductions(forward, {reduce: 196}, {}, {}, {})
-    compiled = compile_graph(split, Options(strict=True, split_reductions=False))
+    compiled = compile_graph(forward, Options(strict=True))
     graph = compiled.graph
     kernel = max(compiled.kernels, key=lambda k: k.moved_bytes)
     nodes = sorted(kernel.lowered.pattern.nodes, key=graph.index.position.__getitem__)
@@ -378,25 +375,21 @@ def test_elementwise_patterns_without_broadcast_work_keep_one_point_per_thread()
 
 @pytest.mark.parametrize("dtype, widths", [(torch.float32, {2, 4}), (torch.bfloat16, {2, 4, 8})])
 def test_column_sums_are_offered_several_adjacent_columns_per_thread(dtype, widths):
-    """A column sum's partial (split into 32 parts of 64 rows, a thread per column) and a column sum
-    with an epilogue (a bias gradient cast back) are offered templates whose threads take 2, 4 or 8
-    adjacent columns, up to 16 bytes of the summed operand per row, and each computes what the
-    plan's does."""
+    """A column sum's partial (split into parts, a thread per column) and a column sum with an
+    epilogue (a bias gradient cast back) are offered templates whose threads take 2, 4 or 8 adjacent
+    columns, up to 16 bytes of the summed operand per row, and each computes what the plan's does."""
     from fusionstitching.frontend.torch_fx import capture
-    from fusionstitching.graph.transforms import reduce_in_two_steps, split_reductions
 
-    unsplit = Options(strict=True, split_reductions=False)
     for fn in (lambda x: x.sum(0), lambda x: (x.float().sum(0) * 0.5).to(dtype)):
-        forward, _ = reduce_in_two_steps(capture(fn, torch.randn(2048, 512, dtype=dtype)).forward)
-        forward = split_reductions(forward, {n.name: 32 for n in forward.nodes if n.op == "reduce"})
-        compiled = compile_graph(forward, unsplit)
+        forward = capture(fn, torch.randn(2048, 512, dtype=dtype)).forward
+        compiled = compile_graph(forward, Options(strict=True))
         offered = set()
         for kernel in compiled.kernels:
             nodes = sorted(kernel.lowered.pattern.nodes, key=compiled.graph.index.position.__getitem__)
             texts = [str(t) for t in ranked_templates(compiled.graph, nodes, SPEC, BANDWIDTH)]
             offered |= {v for v in (2, 4, 8) if any(f"-THREAD_{v}]" in t or f"-THREAD_{v};" in t for t in texts)}
         assert offered == widths, offered
-        assert _check_candidates(forward, options=unsplit) >= len(widths)
+        assert _check_candidates(forward) >= len(widths)
 
 
 def test_per_row_work_is_offered_a_block_per_row():
