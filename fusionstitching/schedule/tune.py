@@ -50,7 +50,6 @@ from fusionstitching.graph.pattern import iteration_space as _space
 from fusionstitching.schedule.grouping import (
     _LOWERING,
     DEFAULT_THREADS,
-    SECTOR_BYTES,
     LoweringCheck,
     _batched,
     _candidate_templates,
@@ -149,8 +148,7 @@ def model_estimate_us(pattern, template: KernelSchedule, spec: GpuSpec, bandwidt
     as ``fusion/estimate.py`` counts them, the time to
     issue every thread's instructions (``issue_bound_us``, times the classes of an interleaving a
     warp's diverging lanes run one after the other, ``diverging_classes``) and M(V) the pattern's DRAM traffic
-    (inputs read once, a sector per element where a reduction's lanes run along an outer dim,
-    ``strided_spaces``; outputs written once). The instructions count each node as often as the
+    (inputs read once, outputs written once). The instructions count each node as often as the
     template evaluates it (``evaluations``): a value broadcast into a root is computed again by
     every thread that reads it, once per thread over its THREAD tiles."""
     launch = template.launch
@@ -162,31 +160,8 @@ def model_estimate_us(pattern, template: KernelSchedule, spec: GpuSpec, bandwidt
     if rounds:
         latency = max(latency, waves(spec, launch.blocks, launch.threads) * rounds * spec.memory_latency_us)
     issue = issue_bound_us(spec, cycles * launch.blocks * launch.threads) * diverging_classes(pattern, template)
-    strided = strided_spaces(pattern, template)
-    moved = sum(n.size * n.dtype.itemsize * (SECTOR_BYTES // n.dtype.itemsize if n.shape in strided else 1)
-                for n in pattern.inputs)
-    moved += sum(n.size * n.dtype.itemsize for n in pattern.outputs)
+    moved = sum(n.size * n.dtype.itemsize for n in list(pattern.inputs) + list(pattern.outputs))
     return max(latency, issue, bandwidth.time_us(moved))
-
-
-def strided_spaces(pattern, template: KernelSchedule) -> set[tuple[int, ...]]:
-    """The spaces of the reductions whose lanes (``CTA`` tiles) the template puts on dims other
-    than the innermost, whose rows are at least a memory sector long: each lane of a warp then
-    loads from a sector of its own, and the inputs of that shape move a sector per element
-    (``SECTOR_BYTES`` / element size times their bytes). A LayerNorm's final dγ/dβ sums of
-    [4096, 384] partials with the lanes over the rows (``[CTA, GRID-WARP_8]``) ran at 8 % of a
-    copy's bandwidth where the model counted their bytes once."""
-    by_name = {n.name: n for n in pattern.nodes}
-    spaces = set()
-    for sched in template.schedules:
-        root = by_name.get(sched.root)
-        if root is None or root.op != "reduce":
-            continue
-        space = _space(root)
-        lanes = [d for d, tiles in enumerate(sched.dims) if any(t.level == Level.CTA for t in tiles)]
-        if lanes and len(space) - 1 not in lanes and space[-1] * root.operands[0].dtype.itemsize >= SECTOR_BYTES:
-            spaces.add(tuple(space))
-    return spaces
 
 
 def diverging_classes(pattern, template: KernelSchedule) -> int:

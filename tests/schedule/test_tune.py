@@ -349,32 +349,6 @@ def test_a_column_sum_over_many_rows_takes_the_model_template_that_splits_its_ro
     assert model_estimate_us(pattern, chosen, SPEC, BANDWIDTH) < model_estimate_us(pattern, default, SPEC, BANDWIDTH)
 
 
-def test_lanes_over_the_rows_of_a_column_sum_move_a_sector_per_element():
-    """Column sums of [4096, 384] (a LayerNorm's final dγ/dβ sums): templates whose lanes run
-    along the rows load a 32-byte sector per f32 element, and the model ranks the column template,
-    lanes along the columns, first."""
-    from fusionstitching.graph.graph import GraphBuilder
-    from fusionstitching.graph.ops import DType
-    from fusionstitching.graph.pattern import resolve_pattern
-    from fusionstitching.schedule.grouping import column_template
-    from fusionstitching.schedule.tune import model_estimate_us, strided_spaces
-
-    b = GraphBuilder("final_sums")
-    partials = b.parameter((4096, 384), DType.F32, "partials")
-    graph = b.build([b.reduce(partials, (0,), "sum")])
-    nodes = [n for n in graph.nodes if n.op != "parameter"]
-    pattern = resolve_pattern(graph, nodes)
-    templates = ranked_templates(graph, nodes, SPEC, BANDWIDTH)
-    assert str(templates[0]) == str(column_template(pattern, nodes))
-    assert strided_spaces(pattern, templates[0]) == set()
-    strided = [t for t in templates if strided_spaces(pattern, t)]
-    assert strided, [str(t) for t in templates]
-    for template in strided:
-        assert "CTA" in str(template).split(",")[0]  # lanes on the rows
-        floor = BANDWIDTH.time_us(4096 * 384 * 4)
-        assert model_estimate_us(pattern, template, SPEC, BANDWIDTH) >= BANDWIDTH.time_us(8 * 4096 * 384 * 4) > floor
-
-
 def test_a_row_softmax_keeps_the_default_rule_template():
     """The model ranks no template of a softmax's row reductions faster than the default rule's."""
     from fusionstitching.frontend.torch_fx import capture
