@@ -26,8 +26,7 @@ column reduction whose columns fill a warp's lanes takes the column template
 reduce, and the partials split from it, are estimated with that template's threads, with the
 kernel's floor (the bandwidth model's least GPU time) added to the time its threads wait on loads,
 and without the host's launch cost: the final sum of 8192 partial rows into 256 columns runs on 8
-blocks (36 µs on an H200, 6 µs split in 16 parts), that of 512 rows into 768 columns fills
-enough SMs (2.5 µs, no split gains).
+blocks and is split, that of 512 rows into 768 columns is not (CHANGELOG.md has the measurements).
 """
 
 from __future__ import annotations
@@ -220,7 +219,8 @@ def row_loop_parts(node: Node, spec: GpuSpec) -> int | None:
 def split_underfilled_reductions(graph: Graph, spec: GpuSpec, memory: BandwidthModel, smem_limit: int = 48 * 1024
                                  ) -> tuple[Graph, list[SplitDecision]]:
     """Split every reduce that is faster as partial + final, then the partials that are still
-    underfilled, up to ``MAX_ROUNDS`` times: a split divides one reduced dim, and a reduction over
+    underfilled and the final sums of stitched partials (judged alone, see the module docstring),
+    up to ``MAX_ROUNDS`` times: a split divides one reduced dim, and a reduction over
     several large dims (BatchNorm's statistics over N, H and W of an NCHW tensor: 25 million points
     into 256 channels) needs a split of each before its threads have a bounded share of the points.
     A reduce that no template builds alone (too many points per thread) is split even where the
