@@ -21,6 +21,9 @@ the program, in program order and with the call's own input values, goes through
    than the noise and, timed against it again with the inputs left in L2 by the launch before (no
    flush, as a kernel often finds them in a program), is no slower there either. Every measurement
    and the winner go to the library.
+3. a template other than the plan's, measured or read from the library, is made at once for every
+   kernel of the pattern in the program, and those kernels are compiled together: their scalar
+   constants may differ (each layer's dropout stream), so each can be a source of its own.
 
 When the budget (``Options.tune_budget``) cannot measure every pattern, the patterns it measures are
 the ones with the most to gain. ``prioritize`` orders them first by the latency evaluator's time;
@@ -123,6 +126,7 @@ class Tuner:
         self.surveyed = 0  # patterns timed by the survey
         self._spent = (0.0, 0)  # seconds and characters of the candidates made so far
         self._order: list[tuple[str, GeneratedKernel]] = []  # each pattern's first kernel, in program order
+        self._kernels: dict[str, list[GeneratedKernel]] = {}  # key -> the program's kernels of the pattern
         # candidates made ahead (``_look_ahead``): key -> (the kernel they were made for, them, the
         # seconds making them took)
         self._prepared: dict[str, tuple[GeneratedKernel, list[GeneratedKernel], float]] = {}
@@ -142,8 +146,10 @@ class Tuner:
         it is what making its candidates took, and the patterns still ahead are chosen again with
         the budget left (``_choose``)."""
         firsts: dict[str, GeneratedKernel] = {}
+        self._kernels = {}
         for kernel in kernels:
             firsts.setdefault(self.key(kernel), kernel)
+            self._kernels.setdefault(self.key(kernel), []).append(kernel)
         self._order = list(firsts.items())  # the order ``_look_ahead`` makes candidates in
         if self.budget_s is None:
             return
@@ -258,6 +264,8 @@ class Tuner:
                 else:
                     text = self._tune_or_keep(key, kernel, nodes, inputs, start)
                 self._decided[key] = text
+                if text != canonical(kernel.template, nodes):
+                    self._make_the_others(key, text, kernel)
             if text == canonical(kernel.template, nodes):
                 return kernel
             try:
@@ -274,6 +282,28 @@ class Tuner:
             if self._patterns and self._spent[1] != measured:  # a pattern was measured: its cost per character
                 self.seconds_per_character = self._spent[0] / self._spent[1]
                 self._choose()
+
+    def _make_the_others(self, key: str, text: str, kernel: GeneratedKernel) -> None:
+        """The chosen template's kernels for the pattern's other kernels in the program
+        (``prioritize``), generated now and compiled together (``measure.compile``, where it has
+        one), while ``kernel_for`` counts the time. Kernels of one structure whose inlined scalars
+        differ (each layer's dropout stream) are not twins: each is its own source, and left to
+        their launches they would compile one after another, outside the budget. One that does not
+        build raises under ``strict``, else is left to ``kernel_for``, which reports it when the
+        program reaches it."""
+        made = []
+        for other in self._kernels.get(key, ()):
+            if other is kernel:
+                continue
+            nodes = self._nodes(other)
+            try:
+                made.append(self._generate(nodes, renamed(text, nodes), other))
+            except Exception:  # reported by ``kernel_for`` at this kernel's turn
+                if self.options.strict:
+                    raise
+        compile_all = getattr(self.measure, "compile", None)
+        if made and compile_all is not None:
+            compile_all(made)
 
     def _at_the_floor(self, kernel: GeneratedKernel) -> bool:
         """Whether the kernel takes less than twice the GPU's latency floor (the time of the smallest
@@ -540,6 +570,14 @@ class GpuMeasure:
             self._ahead = CompileAhead(device_arch(self.device), cache_dir=self.options.cache_dir,
                                        cache_max_bytes=self.options.cache_max_bytes)
         self._ahead.submit(kernels)
+
+    def compile(self, kernels: Sequence[GeneratedKernel]) -> None:
+        """Compile ``kernels`` now, in parallel (the chosen template's kernels for a pattern's
+        other kernels, ``Tuner._make_the_others``)."""
+        from fusionstitching.runtime.kernel_call import device_arch, precompile
+
+        precompile(kernels, device_arch(self.device), cache_dir=self.options.cache_dir,
+                   cache_max_bytes=self.options.cache_max_bytes)
 
     def room_ahead(self) -> int:
         """How many more compiles would keep the background compiles' threads busy."""

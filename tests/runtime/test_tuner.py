@@ -619,3 +619,47 @@ def test_nothing_is_made_ahead_once_the_budget_is_spent():
     assert not tuner._prepared
     tuner._look_ahead(tuner.key(small), [], start=time.perf_counter())
     assert tuner.key(large) in tuner._prepared
+
+
+class CompilesChosen(LastIsFastest):
+    """``LastIsFastest`` that logs the kernels handed to ``compile`` (``GpuMeasure.compile``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.compiled: list[list] = []
+
+    def compile(self, kernels):
+        self.compiled.append(list(kernels))
+
+
+def test_a_winner_is_made_and_compiled_at_once_for_the_patterns_kernels_whose_scalars_differ(tmp_path):
+    """Two softmaxes of one structure, scaled by different constants: their kernels are not twins.
+    Once the first is decided for another template than the plan's, the second's kernel with that
+    template is made and handed to ``compile`` together (not compiled alone at its launch), and
+    the second's turn returns a twin of it; a second tuner reading the winner from the library
+    does the same and measures nothing."""
+    import torch
+
+    from fusionstitching.frontend.torch_fx import capture
+
+    def fn(a, w, v):
+        return torch.softmax((torch.softmax((a @ w) * 2.0, -1) @ v) * 3.0, -1)
+
+    compiled = compile_graph(capture(fn, torch.randn(4096, 1024), torch.randn(1024, 1024),
+                                     torch.randn(1024, 1024)).forward, Options(strict=True))
+    first, second = compiled.kernels
+    assert second._twin is None and first.cuda_source != second.cuda_source
+    for measure in (CompilesChosen(), CompilesChosen()):
+        tuner = Tuner(compiled.graph, Options(strict=True), "Test GPU", "sm_90", measure, PerfLib(tmp_path / FILE_NAME))
+        assert tuner.key(first) == tuner.key(second)
+        tuner.prioritize(compiled.kernels)
+        chosen = tuner.kernel_for(first, [])
+        assert str(chosen.template) != str(first.template)
+        [made] = measure.compiled
+        assert len(made) == 1 and made[0].lowered.pattern.outputs == second.lowered.pattern.outputs
+        assert canonical(made[0].template, tuner._nodes(second)) == canonical(chosen.template, tuner._nodes(first))
+        later = tuner.kernel_for(second, [])
+        assert later._twin is made[0] and later.cuda_source == made[0].cuda_source != chosen.cuda_source
+        assert measure.compiled == [made]  # nothing more to compile at the second's turn
+    assert len(measure.calls) == 0 and tuner.hits == 1
+
