@@ -57,3 +57,33 @@ def test_the_compiled_graph_runs_the_steps_the_pipeline_generated_and_ordered():
     inputs = [rng.standard_normal(p.shape).astype(p.dtype.numpy) for p in graph.parameters]
     for got, want in zip(compiled.run_numpy(inputs), reference.evaluate(graph, inputs)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_two_layers_dropouts_share_one_kernel_source_and_each_draws_its_own_numbers():
+    """Each dropout's stream is an input its kernel reads: the dropouts after two matmuls are one
+    source (the second kernel is the first's twin: one generation, one compile), and the simulated
+    kernels give the reference's numbers, different for each stream."""
+    import torch.nn.functional as F
+
+    from fusionstitching.frontend.torch_fx import capture
+    from fusionstitching.graph.reference import evaluate
+    from fusionstitching.options import Options
+    from fusionstitching.pipeline import compile_graph
+
+    def fn(x, w, v):
+        first = F.dropout(x @ w, 0.5, True)
+        return first, F.dropout(first @ v, 0.5, True)
+
+    x, w, v = torch.randn(64, 32), torch.randn(32, 32), torch.eye(32)
+    graph = capture(fn, x, w, v).forward
+    compiled = compile_graph(graph, Options(strict=True))
+    one, other = compiled.kernels
+    assert other._twin is one and one.cuda_source == other.cuda_source
+    tensors = [x, w, v, torch.tensor(-12345678901), torch.tensor(2**40 + 3)]
+    assert [p.name for p in graph.parameters][3:] == ["rng_seed", "rng_offset"]
+    got = compiled(*tensors)
+    want = evaluate(graph, [t.numpy() for t in tensors])
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), e, rtol=1e-5, atol=1e-5)
+    kept = [(g != 0).numpy() for g in got]
+    assert not np.array_equal(kept[0], kept[1])  # v is the identity: equal streams would drop the same

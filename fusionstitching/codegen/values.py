@@ -622,9 +622,10 @@ class ValueEmitter:
         vector of 4 or 8 consecutive elements), the block is ``base / 4 + c // 4`` and the word the
         constant ``c % 4``: the elements of one block share one counter, so one Philox evaluation
         serves four elements (it dominates a dropout kernel's instructions otherwise)."""
-        seed_node, offset_node = node.operands
+        seed_node, offset_node, stream_node = node.operands
         seed = self.value(seed_node, ())
         offset = self.value(offset_node, ())
+        stream = self.value(stream_node, (self.idx(0),))  # read, not inlined: one source for every stream
         linear = self.linear(index, _row_major(node.shape))
         split = self._aligned(linear, 4)
         if split is not None:
@@ -635,7 +636,7 @@ class ValueEmitter:
             wide = K.Cast(linear, "u64")
             quad = K.Binary("shr", wide, K.Const(2, "u64"), "u64")
             word = K.Cast(K.Binary("and", wide, K.Const(3, "u64"), "u64"), "u32")
-        counter = (K.Cast(quad, "u32"), K.Const(node.attrs["stream"] & 0xFFFFFFFF, "u32"),
+        counter = (K.Cast(quad, "u32"), K.Cast(K.Cast(stream, "u64"), "u32"),
                    K.Cast(K.Cast(offset, "u64"), "u32"),
                    K.Cast(K.Binary("shr", K.Cast(offset, "u64"), K.Const(32, "u64"), "u64"), "u32"))
         key = (K.Cast(K.Cast(seed, "u64"), "u32"),

@@ -146,7 +146,5 @@ class RngState:
         if self.seed is None:
             self.seed = self.builder.parameter((), DType.I64, name="rng_seed")
             self.offset = self.builder.parameter((), DType.I64, name="rng_offset")
-        stream = self.streams
         self.streams += 1
-        return self.builder.node("rng_uniform", [self.seed, self.offset], shape=tuple(shape), dtype=dtype,
-                                 stream=stream)
+        return self.builder.rng_uniform(self.seed, self.offset, self.streams - 1, shape, dtype)

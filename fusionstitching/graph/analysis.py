@@ -23,10 +23,10 @@ operands (inside the pattern by position, outside by input number, shape, dtype 
 nodes are outputs and which outputs overwrite an input in place. Two patterns with one structure
 lower to the same kernel up to names (the twelve layers of a transformer give twelve copies of each
 of its patterns); with ``scalar_values`` the values of the scalar constants a kernel inlines are part
-of it too, so that equal structures also compute equal values. A random op's ``stream`` (the counter
-word that keeps each dropout's numbers apart) is such a value: without ``scalar_values`` it is left
-out, so the twelve dropout layers of a transformer are one structure for the schedule checks and
-the tuner, while their kernels, which inline it, differ.
+of it too, so that equal structures also compute equal values. A random op's stream (the counter
+word that keeps each dropout's numbers apart) is an input of shape [1], read by the kernel, not a
+value it inlines: the twelve dropout layers of a transformer are one structure, and one kernel
+source.
 """
 
 from __future__ import annotations
@@ -393,8 +393,7 @@ def pattern_structure(graph: Graph, members: Sequence[Node], aliased: Mapping[No
         output = id(node) in index.output_ids or any(u not in local for u in index.users[node])
         alias = aliased.get(node)
         alias_key = inputs.get(alias, -1) if alias is not None else None
-        attrs = node.attrs if scalar_values else {k: v for k, v in node.attrs.items() if k not in VALUE_ATTRS}
-        items.append((node.op, node.shape, node.dtype, _frozen_attrs(attrs), tuple(operands), output,
+        items.append((node.op, node.shape, node.dtype, _frozen_attrs(node.attrs), tuple(operands), output,
                       alias_key, node.layout))
     return tuple(items)
 
@@ -405,11 +404,6 @@ def _frozen(value):
     if isinstance(value, list):
         return tuple(value)
     return value
-
-
-# Attributes that are values a kernel inlines, not structure: the schedule and its speed do not
-# depend on them (``pattern_structure`` without ``scalar_values`` leaves them out).
-VALUE_ATTRS = frozenset({"stream"})
 
 
 def _frozen_attrs(attrs) -> tuple:

@@ -303,9 +303,12 @@ def _dot_general(op, operands, attrs, declared):
 
 
 def _rng(op, operands, attrs, declared):
-    for x in operands:
-        if x.shape != () or x.dtype != DType.I64:
-            raise VerifyError(f"rng_uniform seed/offset {x.name} must be an i64 scalar, found {x.dtype.value}{list(x.shape)}")
+    """Operands: the seed and offset (i64 scalars) and the stream, an i64 of shape [1] (a kernel
+    input, not an inlined constant: the dropouts of a model's layers, which differ only in their
+    streams, share one kernel source)."""
+    for x, shape in zip(operands, ((), (), (1,))):
+        if x.shape != shape or x.dtype != DType.I64:
+            raise VerifyError(f"rng_uniform operand {x.name} must be i64{list(shape)}, found {x.dtype.value}{list(x.shape)}")
     if declared[1] not in (DType.F32, DType.F64, DType.F16, DType.BF16):
         raise VerifyError(f"rng_uniform gives floats, declared {declared[1].value}")
     return declared
@@ -449,6 +452,12 @@ class GraphBuilder:
     def constant(self, value: Any, dtype: DType, shape: Sequence[int] = ()) -> Node:
         array = np.broadcast_to(np.asarray(value).astype(dtype.numpy), tuple(shape)).copy()
         return self.node("constant", shape=array.shape, dtype=dtype, name="c", value=array)
+
+    def rng_uniform(self, seed: Node, offset: Node, stream: int, shape: Sequence[int], dtype: DType) -> Node:
+        """Uniforms in [0, 1) of ``stream`` (its own numbers for one seed and offset); the stream
+        is a constant input of shape [1] (``graph._rng``)."""
+        return self.node("rng_uniform", [seed, offset, self.constant([stream], DType.I64, (1,))],
+                         shape=tuple(shape), dtype=dtype)
 
     def build(
         self,

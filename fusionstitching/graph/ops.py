@@ -139,7 +139,7 @@ def _table() -> dict[str, OpInfo]:
             2,
             {"lhs_batch": "ints", "rhs_batch": "ints", "lhs_contract": "ints", "rhs_contract": "ints"},
         ),
-        OpInfo("rng_uniform", Category.RANDOM, 2, {"stream": "int"}),
+        OpInfo("rng_uniform", Category.RANDOM, 3, {}),
         OpInfo("parameter", Category.PARAMETER, 0, {"index": "int"}),
         OpInfo("constant", Category.CONSTANT, 0, {"value": "array"}),
         OpInfo("library", Category.LIBRARY, None, {"target": "str", "call": "call", "out_index": "int"}),

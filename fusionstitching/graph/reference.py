@@ -467,8 +467,8 @@ def rng_uniform(shape: Sequence[int], seed: int, offset: int, stream: int = 0) -
 
 
 def _rng_uniform(node: Node, args: list[np.ndarray]) -> np.ndarray:
-    seed, offset = (int(a) for a in args)
-    return _store(rng_uniform(node.shape, seed, offset, node.attrs["stream"]), node.dtype)
+    seed, offset, stream = int(args[0]), int(args[1]), int(np.asarray(args[2]).reshape(-1)[0])
+    return _store(rng_uniform(node.shape, seed, offset, stream), node.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def test_nodes_from_constants_and_scalar_parameters_sit_just_before_their_first_
     b = GraphBuilder("order")
     x = b.parameter((4, 8), DType.F32, "x")
     seed, offset = b.parameter((), DType.I64, "seed"), b.parameter((), DType.I64, "offset")
-    u = b.node("rng_uniform", [seed, offset], shape=(4, 8), dtype=DType.F32, stream=0)
+    u = b.rng_uniform(seed, offset, 0, shape=(4, 8), dtype=DType.F32)
     keep = b.compare("LT", u, b.broadcast(b.constant(0.9, DType.F32), (4, 8), ()))
     h = b.unary("exp", b.unary("tanh", x))
     dropped = b.select(keep, h, b.broadcast(b.constant(0.0, DType.F32), (4, 8), ()))

@@ -47,7 +47,7 @@ def test_philox_known_answers(counter, key, expected):
 def rng_graph(shape, dtype=DType.F32, stream=0):
     b = GraphBuilder()
     seed, offset = b.parameter((), DType.I64, "seed"), b.parameter((), DType.I64, "offset")
-    return b.build([b.node("rng_uniform", [seed, offset], shape=shape, dtype=dtype, stream=stream)])
+    return b.build([b.rng_uniform(seed, offset, stream, shape=shape, dtype=dtype)])
 
 
 def test_rng_counter_layout():

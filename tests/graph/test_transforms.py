@@ -402,7 +402,7 @@ def test_merge_duplicates_leaves_distinct_values_outputs_and_draws_apart():
     x = b.parameter((4, 8), DType.F32, "x")
     seed = b.parameter((), DType.I64, "seed")
     offset = b.parameter((), DType.I64, "offset")
-    draws = [b.node("rng_uniform", [seed, offset], shape=(4, 8), dtype=DType.F32, stream=0) for _ in range(2)]
+    draws = [b.rng_uniform(seed, offset, 0, shape=(4, 8), dtype=DType.F32) for _ in range(2)]
     pads = [b.node("pad", [x], low=(0, 0), high=(1, 0), interior=(0, 0), value=v) for v in (0.0, -0.0)]
     sums = [b.reduce(x, (1,), "sum"), b.reduce(x, (0,), "sum"), b.reduce(x, (1,), "max")]
     twin_outputs = [b.unary("exp", x), b.unary("exp", x)]  # distinct outputs stay distinct tensors
