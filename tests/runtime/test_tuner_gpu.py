@@ -194,3 +194,39 @@ def test_a_measured_choice_beats_the_models_first_choice(tmp_path):
     # at least one measured choice beats the model's (CHANGELOG.md names them: the batched
     # GroupNorm's block size on an H100, the channel sums' partial kernel's on an H200)
     assert faster, "no tuned template beat the plan's"
+
+
+def test_a_winner_over_the_plans_template_runs_in_every_kernel_of_its_pattern(tmp_path, monkeypatch):
+    """Two kernels of one structure whose inlined scalars differ (not twins): when tuning picks
+    another template than the plan's for the first, both kernels are made with it and compiled
+    together (``GpuMeasure.compile``), and the call gives eager's values. The timing is replaced
+    so that the plan's template loses; the candidates are built, compiled and run for real."""
+    from fusionstitching.runtime import tuner as T
+
+    real = T.GpuMeasure.__call__
+
+    def plan_loses(self, kernels, inputs, flush=True):
+        times = real(self, kernels, inputs, flush)
+        return [None if t is None else (1000.0 if k == 0 else 1.0 + k) for k, t in enumerate(times)]
+
+    compiled_together: list[int] = []
+    compile_all = T.GpuMeasure.compile
+
+    def counting(self, kernels):
+        compiled_together.append(len(kernels))
+        return compile_all(self, kernels)
+
+    monkeypatch.setattr(T.GpuMeasure, "__call__", plan_loses)
+    monkeypatch.setattr(T.GpuMeasure, "compile", counting)
+
+    def fn(a, w, v):
+        return torch.softmax((torch.softmax((a @ w) * 2.0, -1) @ v) * 3.0, -1)
+
+    torch._dynamo.reset()
+    a, w, v = (torch.randn(4096, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda") / 32,
+               torch.randn(1024, 1024, device="cuda") / 32)
+    f = torch.compile(fn, backend="fusionstitching",
+                      options={"cache_dir": str(tmp_path), "strict": True, "tune_budget": float("inf")})
+    torch.testing.assert_close(f(a, w, v), fn(a, w, v), rtol=1e-4, atol=1e-5)
+    assert compiled_together == [1]  # the second softmax's kernel, made with the first's winner
+    torch.testing.assert_close(f(a, w, v), fn(a, w, v), rtol=1e-4, atol=1e-5)
