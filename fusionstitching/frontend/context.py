@@ -146,5 +146,5 @@ class RngState:
         if self.seed is None:
             self.seed = self.builder.parameter((), DType.I64, name="rng_seed")
             self.offset = self.builder.parameter((), DType.I64, name="rng_offset")
-        self.streams += 1
-        return self.builder.rng_uniform(self.seed, self.offset, self.streams - 1, shape, dtype)
+        stream, self.streams = self.streams, self.streams + 1
+        return self.builder.rng_uniform(self.seed, self.offset, stream, shape, dtype)

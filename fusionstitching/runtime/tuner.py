@@ -22,8 +22,8 @@ the program, in program order and with the call's own input values, goes through
    flush, as a kernel often finds them in a program), is no slower there either. Every measurement
    and the winner go to the library.
 3. a template other than the plan's, measured or read from the library, is made at once for every
-   kernel of the pattern in the program, and those kernels are compiled together: their scalar
-   constants may differ (each layer's dropout stream), so each can be a source of its own.
+   kernel of the pattern in the program, and those kernels are compiled together: the scalar
+   constants they inline may differ (a scale, an epsilon), so each can be a source of its own.
 
 When the budget (``Options.tune_budget``) cannot measure every pattern, the patterns it measures are
 the ones with the most to gain. ``prioritize`` orders them first by the latency evaluator's time;
@@ -148,8 +148,9 @@ class Tuner:
         firsts: dict[str, GeneratedKernel] = {}
         self._kernels = {}
         for kernel in kernels:
-            firsts.setdefault(self.key(kernel), kernel)
-            self._kernels.setdefault(self.key(kernel), []).append(kernel)
+            key = self.key(kernel)
+            firsts.setdefault(key, kernel)
+            self._kernels.setdefault(key, []).append(kernel)
         self._order = list(firsts.items())  # the order ``_look_ahead`` makes candidates in
         if self.budget_s is None:
             return
@@ -286,9 +287,9 @@ class Tuner:
     def _make_the_others(self, key: str, text: str, kernel: GeneratedKernel) -> None:
         """The chosen template's kernels for the pattern's other kernels in the program
         (``prioritize``), generated now and compiled together (``measure.compile``, where it has
-        one), while ``kernel_for`` counts the time. Kernels of one structure whose inlined scalars
-        differ (each layer's dropout stream) are not twins: each is its own source, and left to
-        their launches they would compile one after another, outside the budget. One that does not
+        one), while ``kernel_for`` counts the time. Kernels of one structure whose inlined scalar
+        constants differ are not twins: each is its own source, and left to their launches they
+        would compile one after another, outside the budget. One that does not
         build raises under ``strict``, else is left to ``kernel_for``, which reports it when the
         program reaches it."""
         made = []
@@ -600,15 +601,12 @@ class GpuMeasure:
         from fusionstitching.runtime.kernel_call import (
             allocate_outputs,
             call_generated,
-            device_arch,
-            precompile,
         )
 
         cache = {"cache_dir": self.options.cache_dir, "cache_max_bytes": self.options.cache_max_bytes}
         if self._ahead is not None:
             self._ahead.wait(kernels)
-        precompile(kernels, device_arch(self.device), cache_dir=self.options.cache_dir,
-                   cache_max_bytes=self.options.cache_max_bytes)
+        self.compile(kernels)
         aliased = sorted(set(kernels[0].lowered.aliases.values()))
         scratch = list(inputs)
         for j in aliased:  # inputs overwritten in place: copies, never the user's tensors
