@@ -67,6 +67,10 @@ _NAME = "fusionstitching name"  # the key of a backward's name, reserved when it
 # The backward graph the partitioner just made, for the forward compiler that AOTAutograd calls next
 # (``_partition``): its exploration can start before the backward is compiled.
 _PARTITIONED = threading.local()
+_PAIR = "fusionstitching pair"  # the key of a backward's ``_Pair`` under async compilation, in its meta
+# Background compiles (``Options.async_compile``): one thread, graphs compiled in the order met.
+_COMPILER: list[Any] = []  # [the executor], made at the first background compile
+_PENDING: list[Any] = []  # futures of the background compiles submitted, for ``wait_for_compiles``
 
 
 class FallbackWarning(UserWarning):
@@ -92,6 +96,8 @@ def stats() -> dict[str, Any]:
     from fusionstitching.runtime.tuner import COUNTS
 
     result: dict[str, Any] = dict(_STATS)
+    for key in ("compilations", "eager while compiling"):
+        result.setdefault(key, 0)
     result["tuned"] = COUNTS["tuned"]
     result["perflib hits"] = COUNTS["perflib hits"]
     result["plan cache hits"] = plan_cache.COUNTS["hits"]
@@ -112,6 +118,61 @@ def reset_stats() -> None:
     plan_cache.COUNTS.update(hits=0, stored=0)
     COMPILE_SECONDS.clear()
     PADDING_CHOICES.update(measured=0, padded=0)
+
+
+class _Pair:
+    """A training forward and its backward under ``Options.async_compile``, so that a backward
+    takes the path its forward took. The forward runs in PyTorch until both graphs have compiled
+    (``backward_ready``), counting those calls (``eager_forwards``); then it switches. A backward
+    runs in PyTorch until the forward has switched and for as many calls as forwards ran in
+    PyTorch (a training step's backward follows its forward), then compiled. If either graph fails
+    to compile, both stay in PyTorch."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.eager_forwards = 0
+        self.switched = False  # the forward runs compiled from now on
+        self.backward_ready = False  # the backward's compile finished (successful or not)
+        self.backward_compiled = False  # ... and gave a program
+        self.backward_calls = 0
+        self.abandoned = False  # one of them does not compile: both run in PyTorch
+        self.error: BaseException | None = None  # the backward's compile error, for ``strict``
+
+    def __deepcopy__(self, memo: dict) -> _Pair:
+        """One pair, shared: AOTAutograd hands the backward compiler a deep copy of the graph whose
+        metadata holds it."""
+        return self
+
+
+def _background(job: Callable[[], Any]) -> Any:
+    """Run ``job`` in the background compile thread; its future. A job not begun when the
+    interpreter exits is skipped (the exit waits only for one running)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run() -> Any:
+        if not threading.main_thread().is_alive():  # the interpreter is exiting
+            return None
+        return job()
+
+    if not _COMPILER:
+        _COMPILER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusionstitching-async"))
+    future = _COMPILER[0].submit(run)
+    _PENDING.append(future)
+    return future
+
+
+def wait_for_compiles(timeout: float | None = None) -> bool:
+    """Wait until the background compiles (``Options(async_compile=True)``) submitted so far have
+    finished; whether they all did within ``timeout`` seconds. Their graphs switch to the compiled
+    programs at their next calls."""
+    from concurrent.futures import wait
+
+    pending = list(_PENDING)
+    done, not_done = wait(pending, timeout=timeout)
+    for future in done:
+        if future in _PENDING:
+            _PENDING.remove(future)
+    return not not_done
 
 
 def _options(options: Options | dict | None) -> Options:
@@ -187,12 +248,15 @@ def _compiler(kind: str, options: Options, mode: str | None
         name = gm.meta.get(_NAME) if kind == "backward" else None
         name = name or _named(kind)
         backward = _PARTITIONED.__dict__.pop("backward", None) if kind == "forward" else None
+        pair = gm.meta.get(_PAIR) if kind == "backward" else None
+        if backward is not None and options.async_compile:
+            pair = backward.meta[_PAIR] = _Pair()
         if backward is not None and options.explore_ahead:
             backward.meta[_NAME] = _named("backward")  # the name its conversion ahead used
         else:
             backward = None
         return _Runner(gm, example_inputs, name, options, mode, _saved_outputs() if kind == "forward" else slice(0, 0),
-                       backward)
+                       backward, pair, kind)
 
     return compile_graph
 
@@ -201,9 +265,12 @@ class _Runner:
     """One ATen graph: compiled per shape signature, called with AOTAutograd's boxed arguments."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], name: str, options: Options,
-                 mode: str | None = None, saved: slice = slice(0, 0), backward: fx.GraphModule | None = None) -> None:
+                 mode: str | None = None, saved: slice = slice(0, 0), backward: fx.GraphModule | None = None,
+                 pair: _Pair | None = None, kind: str = "inference") -> None:
         """``backward``: a training forward's backward graph, explored ahead once the layouts of
-        the tensors saved for it are chosen (``_explore_ahead``)."""
+        the tensors saved for it are chosen (``_explore_ahead``). ``pair``: the forward and backward
+        of a training graph under ``Options.async_compile``; ``kind``: "forward", "backward" or
+        "inference"."""
         # Called with one list of arguments. An instance attribute, not a class one: TorchDynamo's
         # ``disable`` around a backward compiler's result copies the instance's ``__dict__`` only.
         self._boxed_call = True
@@ -234,21 +301,119 @@ class _Runner:
         self.static_key: tuple | None = None
         self.static = None
         self.proven = False  # the static specialization has run once
+        # Under ``Options.async_compile``: the background compile of the static specialization, and
+        # whether calls still choose between PyTorch and the compiled program (``_compiled_path``).
+        self.kind = kind
+        self.pair = pair
+        self.pending: Any = None
+        self.deciding = False
+        tensors_only = all(isinstance(x, torch.Tensor) for x in example_inputs)
+        if options.async_compile and tensors_only and not _symbolic(example_inputs):
+            key = self.static_key = _signature(example_inputs)
+            self.deciding = True
+            self.pending = _background(lambda: self._compile_in_background(gm, example_inputs, key, backward))
+            return
+        if pair is not None and kind == "forward":  # compiled at once (or per call): no PyTorch calls to pair up
+            pair.switched = True
+        elif pair is not None:
+            pair.backward_ready = pair.backward_compiled = True
         if not _symbolic(example_inputs):
             key = _signature(example_inputs)
-            traced, numbers = gm, {}
-            if _symbolic_metadata(gm):  # concrete inputs, symbolic sizes in the graph's metadata
-                concrete = self._concrete(example_inputs)
-                if concrete is None:
-                    return
-                traced, numbers = concrete
-            self.numbers[key] = numbers
-            self.static = self._compile(traced, example_inputs, key, choose_layouts=True, backward=backward)
+            self.static = self._compile_static(gm, example_inputs, key, choose_layouts=True, backward=backward)
             _report_output_strides(self.outputs, self.promised)
-            if all(isinstance(x, torch.Tensor) for x in example_inputs):
+            if tensors_only:
                 self.static_key = key
             else:
                 self.static = None
+
+    def _compile_static(self, gm: fx.GraphModule, inputs: list[Any], key: tuple, choose_layouts: bool,
+                        backward: fx.GraphModule | None):
+        """The specialization for the example inputs' shapes (None where the graph runs in PyTorch)."""
+        traced, numbers = gm, {}
+        if _symbolic_metadata(gm):  # concrete inputs, symbolic sizes in the graph's metadata
+            concrete = self._concrete(inputs)
+            if concrete is None:
+                return None
+            traced, numbers = concrete
+        self.numbers[key] = numbers
+        return self._compile(traced, inputs, key, choose_layouts=choose_layouts, backward=backward)
+
+    def _compile_in_background(self, gm: fx.GraphModule, inputs: list[Any], key: tuple,
+                               backward: fx.GraphModule | None):
+        """The background job of ``Options.async_compile``: the static specialization, its kernels
+        compiled for its GPU too. Saved tensors keep eager's layouts (AOTAutograd learns the
+        forward's layouts before the backward compiles, which no longer waits for the forward)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        compiled = None
+        try:
+            compiled = self._compile_static(gm, inputs, key, choose_layouts=False, backward=backward)
+            if compiled is not None and compiled.device is not None and compiled.device.type == "cuda":
+                compiled.tune_budget_s = 0.0  # the call that takes over measures nothing
+                with unset_fake_temporarily(), torch.cuda.device(compiled.device):
+                    try:
+                        compiled.prepare(compiled.device)
+                    except Exception as err:  # noqa: BLE001 -- the failure policy: any internal error
+                        self._failed(err, "nvrtc")
+                        compiled = None
+            return compiled
+        except BaseException as err:
+            if self.kind == "backward" and self.pair is not None:
+                self.pair.error = err
+            raise
+        finally:
+            if self.kind == "backward" and self.pair is not None:
+                with self.pair.lock:
+                    self.pair.backward_ready, self.pair.backward_compiled = True, compiled is not None
+
+    def _compiled_path(self) -> bool:
+        """Under ``Options.async_compile``: whether this call leaves PyTorch for the compiled
+        program (``_Pair`` for a training graph's rule); at the first that does, the background
+        compile's result is taken (its error raised under ``strict``). A graph whose partner does
+        not compile runs in PyTorch from then on, as announced by ``_fall_back``."""
+        pair = self.pair
+        if pair is not None and self.kind == "backward":
+            with pair.lock:
+                call, pair.backward_calls = pair.backward_calls, pair.backward_calls + 1
+                abandoned = pair.abandoned
+                if not abandoned and (not pair.switched or call < pair.eager_forwards):
+                    return False
+            if abandoned:
+                self._take()
+                self.deciding = False
+                if self.fallback is None:
+                    self._fall_back("its forward runs in PyTorch (Options.async_compile pairs them)")
+                return True  # to the fallback's path
+        elif pair is not None:
+            with pair.lock:
+                if not (self.pending.done() and pair.backward_ready):
+                    pair.eager_forwards += 1
+                    return False
+                self.deciding = False
+                try:
+                    self._take()
+                except BaseException:
+                    pair.abandoned = True
+                    raise
+                if self.static is None or not pair.backward_compiled:
+                    pair.abandoned = True
+                    if pair.error is not None and self.options.strict:
+                        raise pair.error
+                    if self.fallback is None:
+                        self._fall_back("its backward runs in PyTorch (Options.async_compile pairs them)")
+                    return True  # to the fallback's path
+                pair.switched = True
+            return True
+        elif not self.pending.done():
+            return False
+        self._take()
+        self.deciding = False
+        return True
+
+    def _take(self) -> None:
+        if self.pending is not None:
+            future, self.pending = self.pending, None
+            self.static = future.result()
 
     def __call__(self, args: list[Any]) -> list[Any]:
         compiled = self.static
@@ -258,6 +423,9 @@ class _Runner:
                 args = list(args) + _rng_state(args)
             return compiled.run(args, trusted=True)[: self.outputs]
         args = list(args)
+        if self.deciding and not self._compiled_path():
+            _STATS["eager while compiling"] += 1
+            return self._eager(args)
         if self.fallback is not None:
             return self._eager(args)
         key = self.static_key if self.static_key is not None else _signature(args)
@@ -391,6 +559,7 @@ class _Runner:
         if backward is not None:
             self._explore_ahead(backward, promised)
         compiled = compile_graph(graph, self.options, self.mode, device=device, output_devices=output_devices)
+        _STATS["compilations"] += 1
         if choose_layouts:  # the one compile whose layouts AOTAutograd is told
             self.promised = promised
         plan = compiled.plan

@@ -284,7 +284,11 @@ def serve(after: Callable[[Any, Options, str], None] | None = None) -> None:
     out on the original standard output only; anything printed goes to standard error."""
     channel = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    _serve(sys.stdin.buffer, channel, after)
+    try:
+        _serve(sys.stdin.buffer, channel, after)
+    except BrokenPipeError:  # the parent exited (or closed the worker) first: nothing is waiting
+        with contextlib.suppress(OSError):
+            channel.close()
 
 
 def _serve(source: IO[bytes], sink: IO[bytes], after: Callable[[Any, Options, str], None] | None) -> None:

@@ -102,6 +102,9 @@ class CompiledGraph:
         self.compile_seconds = 0.0  # exploration and code generation (set by ``pipeline.compile_graph``)
         self._tuned = False  # whether the first GPU call chose the schedules (``_run_tuning``)
         self.tuning: Any = None  # that call's Tuner: what was measured or read from the library
+        # The first GPU call's seconds of measuring; None: ``Options.tune_budget`` of the compile
+        # seconds. 0 reads the performance library and measures nothing (a background compile's).
+        self.tune_budget_s: float | None = None
 
     @property
     def counts(self) -> Counter[str]:
@@ -188,16 +191,7 @@ class CompiledGraph:
                 self._check_inputs(tensors, device)
             elif self._elsewhere is None:
                 self._elsewhere = self._to_move(tensors, device)
-            program = self._programs.get(device)
-            if program is None:
-                start = time.perf_counter()
-                with timed("nvrtc"):
-                    program = GpuProgram(graph, self.steps, device, self._constant, _library_function,
-                                         self.options)
-                self.compile_seconds += time.perf_counter() - start  # NVRTC (``precompile``)
-                if self.mode == "reduce-overhead":
-                    program = GraphedProgram(program)
-                self._programs[device] = program
+            program = self.prepare(device)
             if trusted:
                 self._trusted = program
         originals = tensors
@@ -213,6 +207,20 @@ class CompiledGraph:
             outputs = self._run_tuning(program, tensors)
         return self._finish(originals, outputs)
 
+    def prepare(self, device: Any) -> GpuProgram | GraphedProgram:
+        """The program for CUDA ``device``, made (its kernels compiled by NVRTC) at the first ask; a
+        background compile (``Options.async_compile``) asks before the first call."""
+        program = self._programs.get(device)
+        if program is None:
+            start = time.perf_counter()
+            with timed("nvrtc"):
+                program = GpuProgram(self.graph, self.steps, device, self._constant, _library_function, self.options)
+            self.compile_seconds += time.perf_counter() - start  # NVRTC (``precompile``)
+            if self.mode == "reduce-overhead":
+                program = GraphedProgram(program)
+            self._programs[device] = program
+        return program
+
     def _run_tuning(self, program: GpuProgram | GraphedProgram, tensors: Sequence[Any]) -> list[Any]:
         """The first GPU call: each kernel's schedule is chosen as it comes (``runtime/tuner.py``),
         then the steps hold the chosen kernels. A failure of tuning itself (not of a kernel's run)
@@ -224,9 +232,10 @@ class CompiledGraph:
         self._tuned = True
         try:
             characters = sum(len(k.cuda_source) for k in self.kernels if k._twin is None) or 1
-            tuner = gpu_tuner(self.graph, self.options, program.device,
-                              budget_s=max(self.options.tune_budget * self.compile_seconds,
-                                           self.options.tune_min_seconds),
+            budget_s = self.tune_budget_s
+            if budget_s is None:
+                budget_s = max(self.options.tune_budget * self.compile_seconds, self.options.tune_min_seconds)
+            tuner = gpu_tuner(self.graph, self.options, program.device, budget_s=budget_s,
                               seconds_per_character=self.compile_seconds / characters)
         except Exception as err:
             if self.options.strict:
@@ -235,7 +244,7 @@ class CompiledGraph:
                           f"templates", TuningWarning, stacklevel=3)
             return program.run(tensors)
         tuner.prioritize(program.kernels)
-        if tuner.leaves_out():
+        if budget_s > 0 and tuner.leaves_out():
             try:
                 surveyed = self._survey(program, tensors, tuner)
             except Exception as err:  # the budget then goes by the latency evaluator's order
