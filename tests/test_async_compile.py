@@ -1,0 +1,187 @@
+"""``Options(async_compile=True)``: a graph's calls run in PyTorch while it compiles in the
+background, then the compiled program takes over; a training forward and its backward take one
+path per step; a graph whose partner does not compile stays in PyTorch, announced. Compiles are
+held back by an event (``_held``) so that each test decides when they finish.
+
+On a CPU the compiled programs run in the simulator; on a GPU (``-m gpu``) their kernels are
+compiled in the background thread too and launched.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+
+import pytest
+import torch
+
+import fusionstitching
+from fusionstitching import pipeline
+from fusionstitching.backend import CompileFailure, FallbackWarning, reset_stats, stats, wait_for_compiles
+
+_EVENTS: list[threading.Event] = []  # released at each test's end, whatever happened
+
+
+def _held(monkeypatch, which: str | None = "", fail: str | None = None) -> threading.Event:
+    """Make compiles of graphs whose name starts with ``which`` (every graph: "") wait for the
+    returned event; those whose name starts with ``fail`` then raise."""
+    release = threading.Event()
+    _EVENTS.append(release)
+    plain = pipeline.compile_graph
+
+    def compile_graph(graph, *args, **kwargs):
+        if which is not None and graph.name.startswith(which):
+            assert release.wait(300), "the test never released the compile"
+        if fail is not None and graph.name.startswith(fail):
+            raise RuntimeError(f"injected failure compiling {graph.name}")
+        return plain(graph, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "compile_graph", compile_graph)
+    return release
+
+
+def _model(device: str = "cpu") -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.LayerNorm(96)).to(device)
+
+
+# a loss whose gradient through the LayerNorm is not zero (a sum of squares of its rows would be)
+_WEIGHTS = torch.randn(32, 96, generator=torch.Generator().manual_seed(1))
+
+
+def _step(fn, model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A training step of ``fn`` (``model`` or its compiled form): output, input and weight gradients."""
+    x = x.detach().clone().requires_grad_(True)
+    model.zero_grad()
+    y = fn(x)
+    (y * _WEIGHTS).sum().backward()
+    return y.detach(), x.grad, model[0].weight.grad.clone()
+
+
+def _close(got, want) -> None:
+    """Each tensor within 1e-5 of eager's in relative norm (f32; sums in another order)."""
+    for a, b in zip(got, want):
+        a, b = a.detach().double().cpu(), b.detach().double().cpu()
+        assert float((a - b).norm()) <= 1e-5 * float(b.norm()), float((a - b).norm() / b.norm())
+
+
+def _eager_calls() -> int:
+    return stats()["eager while compiling"]
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    torch._dynamo.reset()
+    reset_stats()
+    yield
+    for event in _EVENTS:
+        event.set()
+    _EVENTS.clear()
+    wait_for_compiles(300)
+    torch._dynamo.reset()
+
+
+def _run_inference(monkeypatch, device: str) -> None:
+    release = _held(monkeypatch)
+    model = _model(device)
+    compiled = fusionstitching.compile(model, options={"async_compile": True})
+    with torch.no_grad():
+        for k in range(3):  # the compile waits: every call runs in PyTorch (its ATen graph)
+            x = torch.randn(32, 64, device=device)
+            _close([compiled(x)], [model(x)])
+        assert _eager_calls() == 3 and stats()["compilations"] == 0
+        release.set()
+        assert wait_for_compiles(300)
+        assert stats()["compilations"] == 1 and stats().get("fallbacks", 0) == 0
+        for k in range(2):  # the compiled program from now on
+            x = torch.randn(32, 64, device=device)
+            _close([compiled(x)], [model(x)])
+        assert _eager_calls() == 3 and stats().get("cache hits", 0) >= 1
+
+
+def test_an_inference_graph_runs_in_pytorch_until_its_background_compile_is_done(monkeypatch):
+    _run_inference(monkeypatch, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_the_background_compile_builds_the_kernels_and_they_take_over(monkeypatch):
+    _run_inference(monkeypatch, "cuda")
+
+
+def test_a_forward_waits_for_its_backward_and_each_backward_takes_its_forwards_path(monkeypatch):
+    release = _held(monkeypatch, which="backward")
+    model, reference = _model(), _model()
+    compiled = fusionstitching.compile(model, options={"async_compile": True})
+    xs = [torch.randn(32, 64) for _ in range(4)]
+    _close(_step(compiled, model, xs[0]), _step(reference, reference, xs[0]))
+    assert _eager_calls() == 2  # the forward and the backward, both in PyTorch
+    # the forward's compile is done, the backward's is held: the forward stays in PyTorch
+    import time
+    deadline = time.monotonic() + 300
+    while stats()["compilations"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats()["compilations"] == 1
+    first = xs[1].clone().requires_grad_(True)
+    model.zero_grad()
+    y1 = compiled(first)  # in PyTorch: its backward has not compiled
+    assert _eager_calls() == 3
+    release.set()
+    assert wait_for_compiles(300) and stats()["compilations"] == 2
+    second = xs[2].clone().requires_grad_(True)
+    y2 = compiled(second)  # both compiled: the forward switches
+    assert _eager_calls() == 3
+    # the backward of the forward that ran in PyTorch runs in PyTorch, the other's compiled,
+    # whatever their order
+    (y2 * _WEIGHTS).sum().backward()
+    (y1 * _WEIGHTS).sum().backward()
+    assert _eager_calls() == 4
+    ref1, ref2 = xs[1].clone().requires_grad_(True), xs[2].clone().requires_grad_(True)
+    reference.zero_grad()
+    r1, r2 = reference(ref1), reference(ref2)
+    (r2 * _WEIGHTS).sum().backward()
+    (r1 * _WEIGHTS).sum().backward()
+    _close((y1, y2, first.grad, second.grad, model[0].weight.grad),
+           (r1, r2, ref1.grad, ref2.grad, reference[0].weight.grad))
+    _close(_step(compiled, model, xs[3]), _step(reference, reference, xs[3]))  # steps compiled from now on
+    assert _eager_calls() == 4 and stats().get("fallbacks", 0) == 0
+
+
+def test_a_backward_that_does_not_compile_keeps_its_forward_in_pytorch_announced(monkeypatch):
+    _held(monkeypatch, which=None, fail="backward")
+    model, reference = _model(), _model()
+    compiled = fusionstitching.compile(model, options={"async_compile": True, "strict": False})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _close(_step(compiled, model, torch.ones(32, 64)), _step(reference, reference, torch.ones(32, 64)))
+        assert wait_for_compiles(300)
+        for k in range(3):
+            x = torch.randn(32, 64)
+            _close(_step(compiled, model, x), _step(reference, reference, x))
+    messages = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    assert any("injected failure" in m for m in messages), messages
+    assert any("its backward runs in PyTorch" in m for m in messages), messages
+    assert stats().get("fallbacks", 0) == 2
+
+
+def test_under_strict_a_background_compiles_error_is_raised_at_a_call(monkeypatch):
+    release = _held(monkeypatch, fail="inference")
+    model = _model()
+    compiled = fusionstitching.compile(model, options={"async_compile": True})
+    with torch.no_grad():
+        x = torch.randn(32, 64)
+        _close([compiled(x)], [model(x)])  # in PyTorch while the compile waits
+        release.set()
+        wait_for_compiles(300)
+        with pytest.raises(CompileFailure, match="injected failure"):
+            compiled(x)
+
+
+def test_compilations_count_each_shape_specialization():
+    model = copy.deepcopy(_model())
+    compiled = torch.compile(model, backend="fusionstitching", dynamic=False)
+    with torch.no_grad():
+        for rows in (8, 16, 16, 8):
+            compiled(torch.randn(rows, 64))
+    assert stats()["compilations"] == 2 and stats()["eager while compiling"] == 0
