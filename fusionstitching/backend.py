@@ -349,7 +349,7 @@ class _Runner:
         try:
             compiled = self._compile_static(gm, inputs, key, choose_layouts=False, backward=backward)
             if compiled is not None and compiled.device is not None and compiled.device.type == "cuda":
-                compiled.tune_budget_s = 0.0  # the call that takes over measures nothing
+                compiled.library_only = True  # the call that takes over measures nothing
                 with unset_fake_temporarily(), torch.cuda.device(compiled.device):
                     try:
                         compiled.prepare(compiled.device)

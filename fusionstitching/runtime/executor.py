@@ -102,9 +102,9 @@ class CompiledGraph:
         self.compile_seconds = 0.0  # exploration and code generation (set by ``pipeline.compile_graph``)
         self._tuned = False  # whether the first GPU call chose the schedules (``_run_tuning``)
         self.tuning: Any = None  # that call's Tuner: what was measured or read from the library
-        # The first GPU call's seconds of measuring; None: ``Options.tune_budget`` of the compile
-        # seconds. 0 reads the performance library and measures nothing (a background compile's).
-        self.tune_budget_s: float | None = None
+        # The first GPU call reads the performance library and measures nothing, not even a
+        # survey: the call that takes over from a background compile (``Options.async_compile``).
+        self.library_only = False
 
     @property
     def counts(self) -> Counter[str]:
@@ -232,9 +232,8 @@ class CompiledGraph:
         self._tuned = True
         try:
             characters = sum(len(k.cuda_source) for k in self.kernels if k._twin is None) or 1
-            budget_s = self.tune_budget_s
-            if budget_s is None:
-                budget_s = max(self.options.tune_budget * self.compile_seconds, self.options.tune_min_seconds)
+            budget_s = 0.0 if self.library_only else \
+                max(self.options.tune_budget * self.compile_seconds, self.options.tune_min_seconds)
             tuner = gpu_tuner(self.graph, self.options, program.device, budget_s=budget_s,
                               seconds_per_character=self.compile_seconds / characters)
         except Exception as err:
@@ -244,7 +243,7 @@ class CompiledGraph:
                           f"templates", TuningWarning, stacklevel=3)
             return program.run(tensors)
         tuner.prioritize(program.kernels)
-        if budget_s > 0 and tuner.leaves_out():
+        if not self.library_only and tuner.leaves_out():
             try:
                 surveyed = self._survey(program, tensors, tuner)
             except Exception as err:  # the budget then goes by the latency evaluator's order

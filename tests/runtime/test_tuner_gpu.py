@@ -209,15 +209,25 @@ def test_a_winner_over_the_plans_template_runs_in_every_kernel_of_its_pattern(tm
         times = real(self, kernels, inputs, flush)
         return [None if t is None else (1000.0 if k == 0 else 1.0 + k) for k, t in enumerate(times)]
 
-    compiled_together: list[int] = []
-    compile_all = T.GpuMeasure.compile
+    compiled_together: list[int] = []  # kernels per compile made for a winner's other kernels
+    compile_all, make_the_others = T.GpuMeasure.compile, T.Tuner._make_the_others
+    inside = [False]
 
     def counting(self, kernels):
-        compiled_together.append(len(kernels))
+        if inside[0]:
+            compiled_together.append(len(kernels))
         return compile_all(self, kernels)
+
+    def recording(self, *args):
+        inside[0] = True
+        try:
+            return make_the_others(self, *args)
+        finally:
+            inside[0] = False
 
     monkeypatch.setattr(T.GpuMeasure, "__call__", plan_loses)
     monkeypatch.setattr(T.GpuMeasure, "compile", counting)
+    monkeypatch.setattr(T.Tuner, "_make_the_others", recording)
 
     def fn(a, w, v):
         return torch.softmax((torch.softmax((a @ w) * 2.0, -1) @ v) * 3.0, -1)
