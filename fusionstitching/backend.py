@@ -47,6 +47,7 @@ to audit, the one place where this package keeps state across calls.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 import traceback
@@ -71,6 +72,7 @@ _PAIR = "fusionstitching pair"  # the key of a backward's ``_Pair`` under async 
 # Background compiles (``Options.async_compile``): one thread, graphs compiled in the order met.
 _COMPILER: list[Any] = []  # [the executor], made at the first background compile
 _PENDING: list[Any] = []  # futures of the background compiles submitted, for ``wait_for_compiles``
+_SWITCH_INTERVAL_S = 1e-4  # the interpreter's thread switch interval while a background compile runs
 
 
 class FallbackWarning(UserWarning):
@@ -152,7 +154,16 @@ def _background(job: Callable[[], Any]) -> Any:
     def run() -> Any:
         if not threading.main_thread().is_alive():  # the interpreter is exiting
             return None
-        return job()
+        # Each PyTorch op the caller's thread runs meanwhile releases the interpreter lock and
+        # takes it back, waiting up to the switch interval (5 ms by default) while this thread
+        # holds it: hundreds of ops per call would wait seconds. A short interval while compiling
+        # keeps the calls near their own speed.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, _SWITCH_INTERVAL_S))
+        try:
+            return job()
+        finally:
+            sys.setswitchinterval(interval)
 
     if not _COMPILER:
         _COMPILER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusionstitching-async"))
