@@ -1,11 +1,19 @@
 """fusionstitching: a just-in-time fusion compiler for memory-intensive deep-learning graphs.
 
-Public API: ``torch.compile(model, backend="fusionstitching")`` (or ``compile``), ``stats``, ``capture``
+Public API: ``torch.compile(model, backend="fusionstitching")`` (or ``compile``), ``stats``,
+``wait_for_compiles`` (``Options(async_compile=True)``), ``capture``
 (PyTorch → IR graphs), ``explain`` (every stage's output for a callable's graphs, as files),
 ``Options``; ``fusionstitching.fusion.explore`` plans. See README.md and docs/architecture.md.
 """
 
-from fusionstitching.backend import CompileFailure, FallbackWarning, compile, register, stats
+from fusionstitching.backend import (
+    CompileFailure,
+    FallbackWarning,
+    compile,
+    register,
+    stats,
+    wait_for_compiles,
+)
 from fusionstitching.frontend.torch_fx import Captured, capture
 from fusionstitching.graph.graph import Graph, GraphBuilder, Layout, Node
 from fusionstitching.graph.ops import Category, DType
@@ -13,7 +21,7 @@ from fusionstitching.options import Options
 from fusionstitching.schedule.grouping import register_lowering_check
 
 __all__ = ["Captured", "Category", "CompileFailure", "DType", "FallbackWarning", "Graph", "GraphBuilder", "Layout",
-           "Node", "Options", "capture", "compile", "explain", "stats"]
+           "Node", "Options", "capture", "compile", "explain", "stats", "wait_for_compiles"]
 __version__ = "0.1.0"
 
 

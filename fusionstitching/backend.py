@@ -18,6 +18,9 @@ makes runs repeatable.
 Numbers among the inputs (sizes TorchDynamo passes for symbolic shapes, Python scalars) are part of
 the shape signature and become constants of that specialization.
 
+``Options(async_compile=True)`` compiles a graph of static shapes in a background thread while its
+calls run in PyTorch (``_Pair`` keeps a training step's forward and backward on one path).
+
 ``mode="reduce-overhead"`` replays each compiled graph from a CUDA graph after its second call
 (``runtime.program.GraphedProgram``); outputs are then overwritten by the next call, as with
 Inductor's CUDA graphs.
@@ -86,7 +89,9 @@ class CompileFailure(RuntimeError):
 
 def stats() -> dict[str, Any]:
     """Counts since the process started: compiled graphs, kernels, library calls, views, fallbacks,
-    shape specializations and cache hits; ``"tuned"`` (patterns whose schedules were measured) and
+    shape specializations and cache hits; ``"compilations"`` (graphs planned and compiled, one per
+    specialization); ``"eager while compiling"`` (calls run in PyTorch while their graph compiled
+    in the background, ``Options.async_compile``); ``"tuned"`` (patterns whose schedules were measured) and
     ``"perflib hits"`` (patterns whose schedule came from the performance library); ``"plan cache
     hits"`` (graphs whose plan was read from the plan cache, ``fusion/plan_cache.py``); ``"surveyed"``
     (patterns whose plan kernel a first call timed to spend its tuning budget); ``"padded
