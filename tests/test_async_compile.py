@@ -185,3 +185,27 @@ def test_compilations_count_each_shape_specialization():
         for rows in (8, 16, 16, 8):
             compiled(torch.randn(rows, 64))
     assert stats()["compilations"] == 2 and stats()["eager while compiling"] == 0
+
+
+def test_a_dropouts_backward_uses_the_mask_its_forward_drew_on_either_path(monkeypatch):
+    """Dropout draws its mask in the forward (in PyTorch from torch's generator, compiled from a
+    seed drawn from it): the gradient of each step is its own forward's mask, before, across and
+    after the switch."""
+    release = _held(monkeypatch)
+
+    def fn(x):
+        return torch.nn.functional.dropout(x * 3.0, 0.5, training=True)
+
+    compiled = fusionstitching.compile(fn, options={"async_compile": True})
+    for step in range(6):
+        if step == 2:
+            release.set()
+            assert wait_for_compiles(300)
+        x = (torch.rand(64, 256) + 0.5).requires_grad_(True)
+        y = compiled(x)
+        y.sum().backward()
+        kept = y.detach() != 0
+        assert 0.3 < kept.float().mean() < 0.7
+        torch.testing.assert_close(y.detach(), torch.where(kept, x.detach() * 6.0, 0.0))
+        torch.testing.assert_close(x.grad, kept.float() * 6.0)
+    assert _eager_calls() == 4 and stats()["compilations"] == 2
