@@ -97,6 +97,18 @@ def test_a_small_run_on_the_cpu_times_and_checks_every_system():
     assert table.count("\n") == 2 + len(results) - 1 and "skipped:" in table
 
 
+def test_the_async_system_is_timed_compiled_against_aot_eagers_first_call():
+    from fusionstitching import stats
+
+    before = stats()["compilations"]
+    results = suite.run(["layernorm_train"], ("eager", "aot_eager", "fusionstitching-async"), device="cpu",
+                        small=True, rounds=1, progress=lambda _: None)
+    _, aot, ours = results
+    assert aot.error == 0.0 and aot.first_call_s > 0
+    assert ours.first_call_s > 0 and ours.error < 1e-5  # the compared call runs after the compiles
+    assert stats()["compilations"] - before == 2  # forward and backward, in the background
+
+
 ZOO_PIECES = ("rotary", "groupnorm_silu_train", "instancenorm", "cross_entropy", "resnet50_train", "resnet50_infer", "gpt2_train",
               "llama_train", "llama_infer")
 

@@ -42,8 +42,12 @@ import torch
 from fusionstitching.bench import workloads as W
 
 TOP_KERNELS = 20  # kernels kept per result, by GPU time
-# "fusionstitching-untuned": the plan's templates, no schedule measured (``Options(tune="off")``)
-SYSTEMS = ("eager", "inductor", "fusionstitching", "fusionstitching-untuned", "xla")
+# "fusionstitching-untuned": the plan's templates, no schedule measured (``Options(tune="off")``);
+# "fusionstitching-async": compiled in the background while the first calls run in PyTorch
+# (``Options(async_compile=True)``), its first call against "aot_eager"'s (TorchDynamo and
+# AOTAutograd, the graphs run by PyTorch); its rounds are timed once its compiles are done.
+SYSTEMS = ("eager", "inductor", "fusionstitching", "fusionstitching-untuned", "fusionstitching-async", "aot_eager",
+           "xla")
 DEFAULT_SYSTEMS = ("eager", "inductor", "fusionstitching")
 
 # Kernels that are not memory-intensive work, by name: GEMMs of cuBLAS (gemm, gemv, nvjet, xmma,
@@ -376,12 +380,16 @@ def _compiled(case: Case, system: str, cache_dir: str | None = None, options: di
     torch._dynamo.reset()
     if system == "inductor":
         return torch.compile(case.fn, backend="inductor")
-    if system in ("fusionstitching", "fusionstitching-untuned"):
+    if system == "aot_eager":
+        return torch.compile(case.fn, backend="aot_eager")
+    if system in ("fusionstitching", "fusionstitching-untuned", "fusionstitching-async"):
         import fusionstitching  # noqa: F401  (registers the backend)
 
         chosen = dict(options or {})
         if system == "fusionstitching-untuned":
             chosen["tune"] = "off"
+        if system == "fusionstitching-async":
+            chosen["async_compile"] = True
         if cache_dir is not None:
             chosen["cache_dir"] = cache_dir
         return torch.compile(case.fn, backend="fusionstitching", options=chosen or None)
@@ -418,6 +426,10 @@ def _torch_system(case: Case, system: str, device: torch.device, progress: Calla
     step()
     _synchronize(device)
     first = time.perf_counter() - start
+    if system == "fusionstitching-async":  # the rounds time the compiled program
+        from fusionstitching import wait_for_compiles
+
+        wait_for_compiles()
     return step, lambda _: _synchronize(device), first, _tensors
 
 
