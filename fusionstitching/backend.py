@@ -75,6 +75,9 @@ _PAIR = "fusionstitching pair"  # the key of a backward's ``_Pair`` under async 
 # Background compiles (``Options.async_compile``): one thread, graphs compiled in the order met.
 _COMPILER: list[Any] = []  # [the executor], made at the first background compile
 _PENDING: list[Any] = []  # futures of the background compiles submitted, for ``wait_for_compiles``
+# the counts ``stats()`` always reports, 0 until something happens
+_COUNTED = ("graphs", "compilations", "kernels", "library calls", "views", "fallbacks", "shape specializations",
+            "cache hits", "eager while compiling")
 _SWITCH_INTERVAL_S = 1e-4  # the interpreter's thread switch interval while a background compile runs
 
 
@@ -95,16 +98,15 @@ def stats() -> dict[str, Any]:
     ``"perflib hits"`` (patterns whose schedule came from the performance library); ``"plan cache
     hits"`` (graphs whose plan was read from the plan cache, ``fusion/plan_cache.py``); ``"surveyed"``
     (patterns whose plan kernel a first call timed to spend its tuning budget); ``"padded
-    GEMMs"`` (library GEMMs of unaligned sizes measured faster on zero-padded operands). Every value
-    is an int but ``"compile seconds"``: a dict from compile phase (``_host.PHASES``) to the seconds
+    GEMMs"`` (library GEMMs of unaligned sizes measured faster on zero-padded operands). Every key
+    is there from the start (0 until it happens); every value is an int but ``"compile seconds"``: a dict from compile phase (``_host.PHASES``) to the seconds
     spent in it (``_host.timed``)."""
     from fusionstitching.fusion import plan_cache
     from fusionstitching.runtime.program import PADDING_CHOICES
     from fusionstitching.runtime.tuner import COUNTS
 
-    result: dict[str, Any] = dict(_STATS)
-    for key in ("compilations", "eager while compiling"):
-        result.setdefault(key, 0)
+    result: dict[str, Any] = {key: _STATS[key] for key in _COUNTED}
+    result.update(_STATS)
     result["tuned"] = COUNTS["tuned"]
     result["perflib hits"] = COUNTS["perflib hits"]
     result["plan cache hits"] = plan_cache.COUNTS["hits"]
