@@ -396,8 +396,7 @@ class _Runner:
                 abandoned = pair.abandoned
                 if not abandoned and (not pair.switched or call < pair.eager_forwards):
                     return False
-            if abandoned:
-                self._take()
+            if abandoned:  # its own compile, done or not, is not waited for
                 self.deciding = False
                 if self.fallback is None:
                     self._fall_back("its forward runs in PyTorch (Options.async_compile pairs them)")
@@ -424,8 +423,8 @@ class _Runner:
             return True
         elif not self.pending.done():
             return False
-        self._take()
         self.deciding = False
+        self._take()
         return True
 
     def _take(self) -> None:
