@@ -74,7 +74,8 @@ _PARTITIONED = threading.local()
 _PAIR = "fusionstitching pair"  # the key of a backward's ``_Pair`` under async compilation, in its meta
 # Background compiles (``Options.async_compile``): one thread, graphs compiled in the order met.
 _COMPILER: list[Any] = []  # [the executor], made at the first background compile
-_PENDING: list[Any] = []  # futures of the background compiles submitted, for ``wait_for_compiles``
+_PENDING: list[Any] = []  # futures of the background compiles not finished, for ``wait_for_compiles``
+_PENDING_LOCK = threading.Lock()
 # the counts ``stats()`` always reports, 0 until something happens
 _COUNTED = ("graphs", "compilations", "kernels", "library calls", "views", "fallbacks", "shape specializations",
             "cache hits", "eager while compiling")
@@ -162,9 +163,8 @@ def _background(job: Callable[[], Any]) -> Any:
         if not threading.main_thread().is_alive():  # the interpreter is exiting
             return None
         # Each PyTorch op the caller's thread runs meanwhile releases the interpreter lock and
-        # takes it back, waiting up to the switch interval (5 ms by default) while this thread
-        # holds it: hundreds of ops per call would wait seconds. A short interval while compiling
-        # keeps the calls near their own speed.
+        # takes it back, waiting up to the switch interval while this thread holds it, once per
+        # op. A short interval while compiling keeps those waits near an op's own host time.
         interval = sys.getswitchinterval()
         sys.setswitchinterval(min(interval, _SWITCH_INTERVAL_S))
         try:
@@ -175,8 +175,16 @@ def _background(job: Callable[[], Any]) -> Any:
     if not _COMPILER:
         _COMPILER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusionstitching-async"))
     future = _COMPILER[0].submit(run)
-    _PENDING.append(future)
+    with _PENDING_LOCK:
+        _PENDING.append(future)
+    future.add_done_callback(_forget)  # a finished compile's program belongs to its runner only
     return future
+
+
+def _forget(future: Any) -> None:
+    with _PENDING_LOCK:
+        if future in _PENDING:
+            _PENDING.remove(future)
 
 
 def wait_for_compiles(timeout: float | None = None) -> bool:
@@ -185,12 +193,9 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
     programs at their next calls."""
     from concurrent.futures import wait
 
-    pending = list(_PENDING)
-    done, not_done = wait(pending, timeout=timeout)
-    for future in done:
-        if future in _PENDING:
-            _PENDING.remove(future)
-    return not not_done
+    with _PENDING_LOCK:
+        pending = list(_PENDING)
+    return not wait(pending, timeout=timeout).not_done
 
 
 def _options(options: Options | dict | None) -> Options:

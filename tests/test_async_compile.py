@@ -176,6 +176,8 @@ def test_under_strict_a_background_compiles_error_is_raised_at_a_call(monkeypatc
         wait_for_compiles(300)
         with pytest.raises(CompileFailure, match="injected failure"):
             compiled(x)
+        with pytest.raises(CompileFailure, match="injected failure"):  # again, not a half-switched runner's error
+            compiled(x)
 
 
 def test_compilations_count_each_shape_specialization():
@@ -216,3 +218,14 @@ def test_stats_report_every_count_from_the_start():
     for key in ("graphs", "compilations", "kernels", "library calls", "views", "fallbacks",
                 "shape specializations", "cache hits", "eager while compiling", "tuned", "perflib hits"):
         assert counts[key] == 0, key
+
+
+def test_a_finished_compile_is_not_kept_by_the_pending_list(monkeypatch):
+    from fusionstitching import backend
+
+    model = _model()
+    compiled = fusionstitching.compile(model, options={"async_compile": True})
+    with torch.no_grad():
+        compiled(torch.randn(32, 64))
+    assert wait_for_compiles(300)
+    assert backend._PENDING == []  # the program lives in its runner only (freed with it)

@@ -284,14 +284,20 @@ def serve(after: Callable[[Any, Options, str], None] | None = None) -> None:
     out on the original standard output only; anything printed goes to standard error."""
     channel = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    try:
-        _serve(sys.stdin.buffer, channel, after)
-    except BrokenPipeError:  # the parent exited (or closed the worker) first: nothing is waiting
-        with contextlib.suppress(OSError):
-            channel.close()
+    _serve(sys.stdin.buffer, channel, after)
+    with contextlib.suppress(OSError):  # a parent gone: the buffered rest has nowhere to go
+        channel.close()
 
 
 def _serve(source: IO[bytes], sink: IO[bytes], after: Callable[[Any, Options, str], None] | None) -> None:
+    """``_answer`` until the input ends, or quietly once the parent has gone (a closed pipe)."""
+    try:
+        _answer(source, sink, after)
+    except BrokenPipeError:  # the parent exited (or closed the worker) first: nothing is waiting
+        return
+
+
+def _answer(source: IO[bytes], sink: IO[bytes], after: Callable[[Any, Options, str], None] | None) -> None:
     from fusionstitching.fusion.explore import explore
     from fusionstitching.fusion.plan_cache import encode
     from fusionstitching.graph.serialize import from_json

@@ -193,3 +193,18 @@ def test_a_graph_the_worker_has_not_begun_is_explored_here_and_its_late_answer_d
     assert background.submit(graph, options, DEFAULT_GENERATORS)
     _begun(graph, options)
     assert background.take(graph, options, DEFAULT_GENERATORS) is not None
+
+
+def test_a_worker_whose_parent_has_gone_stops_quietly():
+    """The parent exited before the worker said it was ready: the closed pipe ends the worker
+    without a traceback."""
+    import io
+
+    class Gone(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    assert background._serve(io.BytesIO(), Gone(), None) is None
