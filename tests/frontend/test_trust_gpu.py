@@ -67,8 +67,8 @@ def test_an_index_out_of_range_stops_the_call_naming_the_op():
 
 
 _BAD_CLASS = textwrap.dedent("""
-    import torch, fusionstitching
-    f = torch.compile(lambda x, t: (torch.nn.functional.one_hot(t, 4) * x).sum(-1), backend="fusionstitching")
+    import sys, torch, fusionstitching
+    f = torch.compile(lambda x, t: (torch.nn.functional.one_hot(t, 4) * x).sum(-1), backend=sys.argv[1])
     x, t = torch.randn(3, 4, device="cuda"), torch.tensor([0, 4, 1], device="cuda")
     f(x, t)
     torch.cuda.synchronize()
@@ -79,8 +79,14 @@ _BAD_CLASS = textwrap.dedent("""
 @needs_cuda
 def test_a_failed_runtime_assertion_stops_the_call_naming_it():
     """``F.one_hot``'s class-range assertion (``aten._assert_async``) is a check whose kernel traps
-    where eager raises; run apart, as above."""
-    done = subprocess.run([sys.executable, "-c", _BAD_CLASS], capture_output=True, text=True, timeout=300, check=False)
+    where eager raises; run apart, as above. Some torch builds trace ``one_hot`` on CUDA without the
+    assertion (``aot_eager`` then returns a value too): the graph holds nothing to check."""
+    traced = subprocess.run([sys.executable, "-c", _BAD_CLASS, "aot_eager"], capture_output=True, text=True,
+                            timeout=300, check=False)
+    if "NO ERROR" in traced.stdout:
+        pytest.skip("this torch traces one_hot on CUDA without its class-range assertion")
+    done = subprocess.run([sys.executable, "-c", _BAD_CLASS, "fusionstitching"], capture_output=True, text=True,
+                          timeout=300, check=False)
     assert "NO ERROR" not in done.stdout
     assert done.returncode != 0
     assert "index out of range in _assert_async" in done.stdout + done.stderr
