@@ -19,7 +19,12 @@ Numbers among the inputs (sizes TorchDynamo passes for symbolic shapes, Python s
 the shape signature and become constants of that specialization.
 
 ``Options(async_compile=True)`` compiles a graph of static shapes in a background thread while its
-calls run in PyTorch (``_Pair`` keeps a training step's forward and backward on one path).
+calls run in PyTorch (``_Pair`` keeps a training step's forward and backward on one path). An
+inference graph of symbolic shapes compiles each new shape signature in the background likewise
+(``_Runner._specialization``): the calls of a signature run in PyTorch until its program is ready.
+The specializations of a symbolic training graph still compile at their first call: which backward
+call belongs to which forward's signature is not known ahead, and a step's two graphs must take one
+path.
 
 ``mode="reduce-overhead"`` replays each compiled graph from a CUDA graph after its second call
 (``runtime.program.GraphedProgram``); outputs are then overwritten by the next call, as with
@@ -330,6 +335,9 @@ class _Runner:
         self.pair = pair
         self.pending: Any = None
         self.deciding = False
+        # Under ``Options.async_compile``, an inference graph's specializations other than the
+        # static one: {signature: future of its background compile} until a call takes it.
+        self.jobs: dict[tuple, Any] = {}
         tensors_only = all(isinstance(x, torch.Tensor) for x in example_inputs)
         if options.async_compile and tensors_only and not _symbolic(example_inputs):
             key = self.static_key = _signature(example_inputs)
@@ -340,6 +348,8 @@ class _Runner:
             pair.switched = True
         elif pair is not None:
             pair.backward_ready = pair.backward_compiled = True
+        if options.async_compile and kind == "inference":
+            return  # each signature compiles in the background at its first call (``_specialization``)
         if not _symbolic(example_inputs):
             key = _signature(example_inputs)
             self.static = self._compile_static(gm, example_inputs, key, choose_layouts=True, backward=backward)
@@ -350,7 +360,7 @@ class _Runner:
                 self.static = None
 
     def _compile_static(self, gm: fx.GraphModule, inputs: list[Any], key: tuple, choose_layouts: bool,
-                        backward: fx.GraphModule | None):
+                        backward: fx.GraphModule | None, publish: bool = True):
         """The specialization for the example inputs' shapes (None where the graph runs in PyTorch)."""
         traced, numbers = gm, {}
         if _symbolic_metadata(gm):  # concrete inputs, symbolic sizes in the graph's metadata
@@ -359,7 +369,7 @@ class _Runner:
                 return None
             traced, numbers = concrete
         self.numbers[key] = numbers
-        return self._compile(traced, inputs, key, choose_layouts=choose_layouts, backward=backward)
+        return self._compile(traced, inputs, key, choose_layouts=choose_layouts, backward=backward, publish=publish)
 
     def _compile_in_background(self, gm: fx.GraphModule, inputs: list[Any], key: tuple,
                                backward: fx.GraphModule | None):
@@ -370,7 +380,8 @@ class _Runner:
 
         compiled = None
         try:
-            compiled = self._compile_static(gm, inputs, key, choose_layouts=False, backward=backward)
+            # published by the call that takes it (``_take``, ``_specialization``), once prepared
+            compiled = self._compile_static(gm, inputs, key, choose_layouts=False, backward=backward, publish=False)
             if compiled is not None and compiled.device is not None and compiled.device.type == "cuda":
                 compiled.library_only = True  # the call that takes over measures nothing
                 with unset_fake_temporarily(), torch.cuda.device(compiled.device):
@@ -436,6 +447,8 @@ class _Runner:
         if self.pending is not None:
             future, self.pending = self.pending, None
             self.static = future.result()
+            if self.static is not None:
+                self.compiled[self.static_key] = self.static
 
     def __call__(self, args: list[Any]) -> list[Any]:
         compiled = self.static
@@ -456,7 +469,13 @@ class _Runner:
         if compiled is None:
             with self.lock:
                 compiled = self.compiled.get(key)
-                if compiled is None:
+                if compiled is None and self.static_key is None and self.options.async_compile \
+                        and self.kind == "inference":
+                    compiled = self._specialization(key, args)
+                    if compiled is None:
+                        return self._eager(args)
+                    first = True
+                elif compiled is None:
                     if len(self.compiled) >= self.options.max_specializations:
                         return self._beyond_limit(args)
                     _STATS["shape specializations"] += 1
@@ -481,6 +500,34 @@ class _Runner:
         for k, value in self.numbers.get(key, {}).items():
             results[k] = value
         return results
+
+    def _specialization(self, key: tuple, args: list[Any]):
+        """Under ``Options.async_compile``, an inference graph's program for the signature ``key``
+        (the runner's lock held): the background compile's result once it is done, else None, and
+        the call runs in PyTorch (``stats()["eager while compiling"]``). The first call of a new
+        signature submits its compile, made from fakes of the call's arguments (their shapes,
+        strides, dtypes and devices) and its numbers; past ``Options.max_specializations``
+        signatures, further ones run in PyTorch as without async compilation. A compile that
+        fails is reported when a call takes it: under ``strict`` its error is raised there."""
+        job = self.jobs.get(key)
+        if job is None:
+            if len(self.compiled) + len(self.jobs) >= self.options.max_specializations:
+                self._beyond_limit(args)
+                return None
+            _STATS["shape specializations"] += 1
+            fakes = _fakes(args)
+            self.jobs[key] = _background(lambda: self._compile_in_background(self.gm, fakes, key, None))
+            _STATS["eager while compiling"] += 1
+            return None
+        if not job.done():
+            _STATS["eager while compiling"] += 1
+            return None
+        del self.jobs[key]
+        compiled = job.result()  # the compile's error, raised under strict
+        if compiled is None:  # announced by the compile (``_failed``)
+            return None
+        self.compiled[key] = compiled
+        return compiled
 
     def _first_run(self, compiled, tensors: list[Any], args: list[Any]) -> list[Any]:
         """The first call of a specialization: an internal error here (a kernel that does not
@@ -534,19 +581,21 @@ class _Runner:
             return None
 
     def _compile(self, gm: fx.GraphModule, inputs: list[Any], key: tuple, choose_layouts: bool = False,
-                 backward: fx.GraphModule | None = None):
+                 backward: fx.GraphModule | None = None, publish: bool = True):
+        """The specialization ``key`` compiled (None where the graph runs in PyTorch); ``publish``:
+        kept in ``self.compiled`` at once, where calls find it."""
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         # AOTAutograd may call the compiler under its fake mode; constants of the graph are real.
         with unset_fake_temporarily():
             try:
-                return self._compile_real(gm, inputs, key, choose_layouts, backward)
+                return self._compile_real(gm, inputs, key, choose_layouts, backward, publish)
             except Exception as err:  # noqa: BLE001 -- the failure policy: any internal error
                 self._failed(err, None, gm)
                 return None
 
     def _compile_real(self, gm: fx.GraphModule, inputs: list[Any], key: tuple, choose_layouts: bool = False,
-                      backward: fx.GraphModule | None = None):
+                      backward: fx.GraphModule | None = None, publish: bool = True):
         from fusionstitching.frontend.context import Unsupported
         from fusionstitching.frontend.torch_fx import convert
         from fusionstitching.fusion.padding import padded_layouts
@@ -588,7 +637,8 @@ class _Runner:
         _STATS["kernels"] += plan.kernel_count
         _STATS["library calls"] += plan.library_count
         _STATS["views"] += len(plan.views)
-        self.compiled[key] = compiled
+        if publish:
+            self.compiled[key] = compiled
         return compiled
 
     def _explore_ahead(self, backward: fx.GraphModule, promised: dict[int, tuple[int, ...]]) -> None:
@@ -776,6 +826,16 @@ def _symbolic(inputs: list[Any]) -> bool:
 def _symbolic_metadata(gm: fx.GraphModule) -> bool:
     """Whether a placeholder's traced value is a symbolic size or has symbolic sizes."""
     return _symbolic([node.meta.get("val") for node in gm.graph.nodes if node.op == "placeholder"])
+
+
+def _fakes(args: list[Any]) -> list[Any]:
+    """Fake tensors of ``args``' shapes, strides, dtypes and devices (numbers as they are): what a
+    background compile needs of a call's arguments, without keeping their memory alive."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                if isinstance(a, torch.Tensor) else a for a in args]
 
 
 def _signature(inputs: list[Any]) -> tuple:

@@ -229,3 +229,104 @@ def test_a_finished_compile_is_not_kept_by_the_pending_list(monkeypatch):
         compiled(torch.randn(32, 64))
     assert wait_for_compiles(300)
     assert backend._PENDING == []  # the program lives in its runner only (freed with it)
+
+
+def _dynamic(model: torch.nn.Module, **options):
+    """``model`` compiled with its first dim dynamic from the first call (TorchDynamo's symbolic shapes)."""
+    return fusionstitching.compile(model, options={"async_compile": True, **options}, dynamic=True)
+
+
+def _run_symbolic(monkeypatch, device: str) -> None:
+    release = _held(monkeypatch)
+    model = _model(device)
+    compiled = _dynamic(model)
+    with torch.no_grad():
+        for rows in (8, 16, 8):  # both signatures' compiles wait: every call runs in PyTorch
+            x = torch.randn(rows, 64, device=device)
+            _close([compiled(x)], [model(x)])
+        assert _eager_calls() == 3 and stats()["compilations"] == 0
+        assert stats()["shape specializations"] == 2  # one compile per signature, not per call
+        release.set()
+        assert wait_for_compiles(300)
+        assert stats()["compilations"] == 2
+        for rows in (8, 16, 16, 8):  # compiled from now on
+            x = torch.randn(rows, 64, device=device)
+            _close([compiled(x)], [model(x)])
+        assert _eager_calls() == 3
+        x = torch.randn(24, 64, device=device)  # a third shape: in PyTorch at its first call, then compiled
+        _close([compiled(x)], [model(x)])
+        assert _eager_calls() == 4
+        assert wait_for_compiles(300)
+        _close([compiled(x)], [model(x)])
+    assert _eager_calls() == 4 and stats()["compilations"] == 3 and stats()["fallbacks"] == 0
+
+
+def test_each_new_shape_of_a_symbolic_graph_compiles_in_the_background(monkeypatch):
+    _run_symbolic(monkeypatch, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_each_new_shapes_kernels_are_built_in_the_background(monkeypatch):
+    _run_symbolic(monkeypatch, "cuda")
+
+
+def test_past_the_limit_a_symbolic_graphs_new_shapes_run_in_pytorch_announced(monkeypatch):
+    model = _model()
+    compiled = _dynamic(model, max_specializations=2)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in (8, 16, 24, 24):
+            x = torch.randn(rows, 64)
+            _close([compiled(x)], [model(x)])
+            wait_for_compiles(300)
+    messages = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    assert len(messages) == 1 and "Options.max_specializations" in messages[0], messages
+    assert stats()["compilations"] == 2
+
+
+def test_under_strict_a_symbolic_graphs_failed_compile_is_raised_at_the_call_that_takes_it(monkeypatch):
+    release = _held(monkeypatch, fail="inference")
+    model = _model()
+    compiled = _dynamic(model)
+    with torch.no_grad():
+        x = torch.randn(8, 64)
+        _close([compiled(x)], [model(x)])
+        release.set()
+        assert wait_for_compiles(300)
+        with pytest.raises(CompileFailure, match="injected failure"):
+            compiled(x)
+
+
+def test_a_symbolic_graphs_failed_compile_leaves_it_in_pytorch_announced(monkeypatch):
+    _held(monkeypatch, which=None, fail="inference")
+    model = _model()
+    compiled = _dynamic(model, strict=False)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in (8, 8, 16):
+            x = torch.randn(rows, 64)
+            _close([compiled(x)], [model(x)])
+            wait_for_compiles(300)
+    messages = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    assert any("injected failure" in m for m in messages), messages
+    assert stats()["compilations"] == 0
+
+
+def test_a_symbolic_training_graph_compiles_each_shape_at_its_first_call():
+    """Which backward call belongs to which forward's shape is not known ahead, so a symbolic
+    training graph's specializations compile at their first call, as without async compilation."""
+    model, reference = _model(), _model()
+    compiled = fusionstitching.compile(model, options={"async_compile": True}, dynamic=True)
+    for rows in (32, 32, 32, 17):
+        weights = _WEIGHTS[:rows]
+        x = torch.randn(rows, 64)
+        got, want = [], []
+        for fn, m, out in ((compiled, model, got), (reference, reference, want)):
+            xi = x.clone().requires_grad_(True)
+            m.zero_grad()
+            y = fn(xi)
+            (y * weights).sum().backward()
+            out += [y.detach(), xi.grad, m[0].weight.grad.clone()]
+        _close(got, want)
+    assert _eager_calls() == 0 and stats()["fallbacks"] == 0
