@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -143,8 +144,11 @@ def _explain_command(args: argparse.Namespace) -> int:
     from fusionstitching.options import Options
     from fusionstitching.pipeline import explain_captured
 
+    start = time.perf_counter()
     _, captured = capture_workload(args.workload, train=args.train, real=args.real)
-    for graph, compiled, files in explain_captured(captured, args.out, Options(device=args.device), args.arch):
+    seconds = time.perf_counter() - start
+    for graph, compiled, files in explain_captured(captured, args.out, Options(device=args.device), args.arch,
+                                                   seconds):
         print(f"{graph.name}: {compiled.plan.kernel_count} kernels, {compiled.plan.library_count} library calls; "
               f"{len(files)} files in {files[0].parent}")
     return 0
@@ -193,7 +197,6 @@ def _fuzz_command(args: argparse.Namespace) -> int:
 def _tune_command(args: argparse.Namespace) -> int:
     """``fusionstitching tune``: run each workload's first call on the GPU with tuning on, which
     measures every pattern the performance library does not know and stores the winners."""
-    import time
 
     import torch
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fusionstitching._host import collector_paused, timed
+from fusionstitching._host import COMPILE_SECONDS, PHASES, collector_paused, timed
 from fusionstitching.codegen.generate import GeneratedKernel, generate
 from fusionstitching.fusion import background, explore, plan_cache
 from fusionstitching.fusion.explore import DEFAULT_GENERATORS
@@ -165,8 +165,10 @@ def dump(compiled: CompiledGraph, graph: Graph, directory: Path, arch: str | Non
                  "| kernel | registers | shared bytes | spill stores | spill loads | stack bytes |",
                  "|---|---|---|---|---|---|"]
         for kernel in compiled.kernels:
-            report = kernel.compile(arch, cache_dir=compiled.options.cache_dir,
-                                    cache_max_bytes=compiled.options.cache_max_bytes).resources.get(kernel.name)
+            with timed("nvrtc"):
+                module = kernel.compile(arch, cache_dir=compiled.options.cache_dir,
+                                        cache_max_bytes=compiled.options.cache_max_bytes)
+            report = module.resources.get(kernel.name)
             if report is not None:
                 lines.append(f"| {kernel.name} | {report.registers} | {report.shared_bytes} | {report.spill_stores} "
                              f"| {report.spill_loads} | {report.stack_bytes} |")
@@ -187,17 +189,32 @@ def explain(fn: Any, *example_inputs: Any, out: str | os.PathLike, train: bool =
     (it compiles every kernel with NVRTC). Returns the files written."""
     from fusionstitching.frontend.torch_fx import capture
 
+    start = time.perf_counter()
     captured = capture(fn, *example_inputs, train=train, channels_last=(options or Options()).channels_last)
-    return [path for _, _, files in explain_captured(captured, out, options, arch) for path in files]
+    seconds = time.perf_counter() - start
+    return [path for _, _, files in explain_captured(captured, out, options, arch, seconds) for path in files]
 
 
 def explain_captured(captured: Captured, out: str | os.PathLike, options: Options | None = None,
-                     arch: str | None = "sm_90") -> list[tuple[Graph, CompiledGraph, list[Path]]]:
-    """``dump`` for each graph of ``captured``: the graph, its compiled form and the files written."""
+                     arch: str | None = "sm_90", capture_seconds: float | None = None
+                     ) -> list[tuple[Graph, CompiledGraph, list[Path]]]:
+    """``dump`` for each graph of ``captured``: the graph, its compiled form and the files written,
+    the last of them ``5-compile-seconds.txt``, where the graph's compile went by phase
+    (``_host.PHASES``; NVRTC's share is the resource report's compiles, when ``arch`` asks for them),
+    with the capture's ``capture_seconds`` (tracing and conversion of all the graphs) where given."""
     result = []
     for graph in filter(None, (captured.forward, captured.backward)):
+        before = dict(COMPILE_SECONDS)
         compiled = compile_graph(graph, options)
-        result.append((graph, compiled, dump(compiled, graph, Path(out), arch=arch)))
+        files = dump(compiled, graph, Path(out), arch=arch)
+        lines = ["| phase | seconds |", "|---|---|"]
+        lines += [f"| {phase} | {COMPILE_SECONDS[phase] - before.get(phase, 0.0):.3f} |" for phase in PHASES
+                  if phase not in ("tracing", "conversion")]
+        if capture_seconds is not None:
+            lines.append(f"| capture (tracing and conversion of every graph of the program) | {capture_seconds:.3f} |")
+        path = files[0].parent / "5-compile-seconds.txt"
+        path.write_text(f"compile time of {graph.name} by phase:\n" + "\n".join(lines) + "\n")
+        result.append((graph, compiled, [*files, path]))
     return result
 
 

@@ -59,6 +59,11 @@ def test_explain_command_writes_every_stage_of_every_graph(tmp_path, capsys):
         resources = (folder / "4-resources.txt").read_text().splitlines()
         assert resources[0] == "ptxas resource report per kernel for sm_90:"
         assert len(resources) == 4 and int(resources[3].split("|")[2]) > 0  # registers of the one kernel
+        seconds = {row.split("|")[1].strip(): float(row.split("|")[2]) for row in
+                   (folder / "5-compile-seconds.txt").read_text().splitlines()[3:]}
+        assert set(seconds) == {"exploration", "code generation", "nvrtc", "tuning",
+                                "capture (tracing and conversion of every graph of the program)"}
+        assert seconds["exploration"] > 0 and seconds["capture (tracing and conversion of every graph of the program)"] > 0
 
 
 def test_explain_command_rejects_unknown_workloads(tmp_path, capsys):
