@@ -14,7 +14,16 @@ import torch
 
 from fusionstitching.cli import main
 from fusionstitching.fuzz import run
-from fusionstitching.fuzz.check import EPSILON, Config, Outcome, _compare, _Failure, _Rounding, relative_error
+from fusionstitching.fuzz.check import (
+    EPSILON,
+    Config,
+    Outcome,
+    _compare,
+    _Failure,
+    _Rounding,
+    check,
+    relative_error,
+)
 from fusionstitching.fuzz.coverage import shape_classes, special_cases
 from fusionstitching.fuzz.generate import FAMILIES, FEATURES, generate
 from fusionstitching.fuzz.programs import build, source
@@ -279,3 +288,24 @@ def test_random_programs_compile_to_the_values_of_eager():
     assert summary.graphs == FUZZ_GRAPHS
     failures = "\n".join(f.ident + ": " + f.outcome.line() for f in summary.failures)
     assert summary.mismatches + summary.errors == 0, f"fuzz seed {seed}: {summary.last_line()}\n{failures}"
+
+
+def test_every_other_round_of_configurations_runs_symbolic_shapes(tmp_path, capsys):
+    """Program k keeps ``CONFIGS[k % len(CONFIGS)]``'s selector and generators; the second round
+    compiles under TorchDynamo's symbolic shapes, through the backend's per-call specialization,
+    and its reproducer says so."""
+    from fusionstitching.backend import reset_stats, stats
+
+    n = len(run.CONFIGS)
+    for k in (0, n - 1):
+        static, dynamic = run.config_for(k), run.config_for(k + n)
+        assert (static.solver, static.generators, static.dynamic) == (dynamic.solver, dynamic.generators, False)
+        assert dynamic.dynamic and str(dynamic).endswith(", dynamic")
+    k = next(k for k in range(n, 2 * n) if not generate(5, k).expect_error)
+    program = generate(5, k)
+    reset_stats()
+    assert check(program, run.config_for(k)).status == "ok"
+    assert stats()["shape specializations"] >= 1  # compiled per call from a symbolic graph
+    path = tmp_path / "repro.py"
+    path.write_text(reproducer(program, run.config_for(k), Outcome("mismatch", "output 0", "made up", "mismatch"), "5:k"))
+    assert "dynamic=True" in path.read_text()

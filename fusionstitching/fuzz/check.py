@@ -80,12 +80,16 @@ class Config:
     generators: tuple[str, ...]
     label: str  # the generator set's name in reports
     mode: str | None = None  # torch.compile's mode: "reduce-overhead" replays CUDA graphs on a GPU
+    # TorchDynamo's symbolic shapes from the first call (``dynamic=True``): the backend compiles
+    # the call's concrete shapes from a symbolic graph, its sizes among the inputs
+    dynamic: bool = False
 
     def options(self) -> dict[str, Any]:
         return {"strict": True, "solver": self.solver, "generators": self.generators}
 
     def __str__(self) -> str:
-        return f"{self.solver}, {self.label}" + (f", {self.mode}" if self.mode else "")
+        return f"{self.solver}, {self.label}" + (f", {self.mode}" if self.mode else "") \
+            + (", dynamic" if self.dynamic else "")
 
 
 @dataclass
@@ -291,14 +295,14 @@ def _compare_runs(program: Program, built: Built, inputs: Callable[[], list[torc
 
 
 def compile_with(fn: Callable[..., Any], config: Config) -> Callable[..., Any]:
-    """``torch.compile(fn, backend="fusionstitching", dynamic=False, options=...)``; with a mode,
-    ``fusionstitching.compile`` (``torch.compile`` takes a mode or options, not both)."""
+    """``torch.compile(fn, backend="fusionstitching", dynamic=config.dynamic, options=...)``; with a
+    mode, ``fusionstitching.compile`` (``torch.compile`` takes a mode or options, not both)."""
     if config.mode is None:
-        return torch.compile(fn, backend="fusionstitching", dynamic=False, options=config.options())
+        return torch.compile(fn, backend="fusionstitching", dynamic=config.dynamic, options=config.options())
     from fusionstitching.backend import compile as compile_fused
     from fusionstitching.options import Options
 
-    return compile_fused(fn, Options(**config.options()), mode=config.mode, dynamic=False)
+    return compile_fused(fn, Options(**config.options()), mode=config.mode, dynamic=config.dynamic)
 
 
 def _compiled_must_raise(built: Built, inputs: Callable[[], list[torch.Tensor]], program: Program,

@@ -1,8 +1,8 @@
 """The fuzz run: programs 0..N-1 of a seed, each generated, checked, and shrunk when it fails.
 
 Program k runs with the options ``config_for(k)``: the selectors (ILP, beam) and the generator sets
-of ``GENERATOR_SETS`` take turns, so every combination runs every ``len(CONFIGS)`` programs (on a GPU
-also with and without CUDA-graph replay). A failing program is shrunk (``shrink.py``) and saved as
+of ``GENERATOR_SETS`` take turns, so every combination runs every ``len(CONFIGS)`` programs, every
+other round with TorchDynamo's symbolic shapes (on a GPU, every third round with CUDA-graph replay). A failing program is shrunk (``shrink.py``) and saved as
 ``DIR/fuzz_S_k.py``; its line names ``S:k`` and the command that replays it
 (``fusionstitching fuzz --replay S:k``, with the run's ``--skip`` and ``--device``). Programs may run
 in worker processes (``workers``, ``--jobs``); what is reported does not depend on how many. The
@@ -39,13 +39,16 @@ GENERATOR_SETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("all", GENERATORS),
 )
 CONFIGS = tuple(Config(solver, generators, label) for label, generators in GENERATOR_SETS for solver in SOLVERS)
-# On a GPU every other round of the configurations runs with CUDA-graph replay (mode="reduce-overhead").
-GPU_CONFIGS = CONFIGS + tuple(dataclasses.replace(c, mode="reduce-overhead") for c in CONFIGS)
+# Rounds of the configurations take turns: static shapes, then symbolic shapes (``dynamic=True``), and
+# on a GPU also CUDA-graph replay (mode="reduce-overhead"). Program k's selector and generators are
+# those of ``CONFIGS[k % len(CONFIGS)]`` whichever the round.
+CPU_CONFIGS = CONFIGS + tuple(dataclasses.replace(c, dynamic=True) for c in CONFIGS)
+GPU_CONFIGS = CPU_CONFIGS + tuple(dataclasses.replace(c, mode="reduce-overhead") for c in CONFIGS)
 DEFAULT_OUT = "fuzz-failures"
 
 
 def config_for(k: int, device: str = "cpu") -> Config:
-    configs = GPU_CONFIGS if device == "cuda" else CONFIGS
+    configs = GPU_CONFIGS if device == "cuda" else CPU_CONFIGS
     return configs[k % len(configs)]
 
 

@@ -125,10 +125,11 @@ def _tidy(program: Program) -> Program:
 def reproducer(program: Program, config: Config, outcome: Outcome, found_as: str, replay: str = "") -> str:
     """A standalone Python file that shows the failure."""
     options = config.options()
-    compile_line = f"    compiled = torch.compile(fn, backend='fusionstitching', dynamic=False, options={options!r})"
+    compile_line = (f"    compiled = torch.compile(fn, backend='fusionstitching', dynamic={config.dynamic}, "
+                    f"options={options!r})")
     if config.mode is not None:  # torch.compile takes a mode or options, not both
         compile_line = (f"    compiled = fusionstitching.compile(fn, fusionstitching.Options(**{options!r}), "
-                        f"mode={config.mode!r}, dynamic=False)")
+                        f"mode={config.mode!r}, dynamic={config.dynamic})")
     header = (f'"""fusionstitching fuzz reproducer: program {found_as} ({config}), shrunk to '
               f'{len(program.steps)} ops.\n\n{outcome.report()}\n\nReplay the unshrunk program: '
               f'{replay or "fusionstitching fuzz --replay " + found_as}\n"""\n')
