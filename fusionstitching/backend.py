@@ -81,8 +81,10 @@ _PAIR = "fusionstitching pair"  # the key of a backward's ``_Pair`` under async 
 _COMPILER: list[Any] = []  # [the executor], made at the first background compile
 _PENDING: list[Any] = []  # futures of the background compiles not finished, for ``wait_for_compiles``
 _PENDING_LOCK = threading.Lock()
+_PLANS_TRIED = 3  # explored plans of a graph's other specializations tried for a new one (``_Runner.likes``)
 # the counts ``stats()`` always reports, 0 until something happens
-_COUNTED = ("graphs", "compilations", "kernels", "library calls", "views", "fallbacks", "shape specializations",
+_COUNTED = ("graphs", "compilations", "plans transferred", "kernels", "library calls", "views", "fallbacks",
+            "shape specializations",
             "cache hits", "eager while compiling")
 _SWITCH_INTERVAL_S = 1e-4  # the interpreter's thread switch interval while a background compile runs
 
@@ -99,7 +101,9 @@ class CompileFailure(RuntimeError):
 def stats() -> dict[str, Any]:
     """Counts since the process started: compiled graphs, kernels, library calls, views, fallbacks,
     shape specializations and cache hits; ``"compilations"`` (graphs planned and compiled, one per
-    specialization); ``"eager while compiling"`` (calls run in PyTorch while their graph compiled
+    specialization); ``"plans transferred"`` (specializations planned with the patterns of the
+    graph's first specialization, checked at their shapes, not explored: ``explore.transfer``);
+    ``"eager while compiling"`` (calls run in PyTorch while their graph compiled
     in the background, ``Options.async_compile``); ``"tuned"`` (patterns whose schedules were measured) and
     ``"perflib hits"`` (patterns whose schedule came from the performance library); ``"plan cache
     hits"`` (graphs whose plan was read from the plan cache, ``fusion/plan_cache.py``); ``"surveyed"``
@@ -338,6 +342,9 @@ class _Runner:
         # Under ``Options.async_compile``, an inference graph's specializations other than the
         # static one: {signature: future of its background compile} until a call takes it.
         self.jobs: dict[tuple, Any] = {}
+        # the explored plans of the specializations compiled so far, newest first, for the others
+        # (``explore.transfer``); a few, as each one tried costs a check of every pattern
+        self.likes: list[Any] = []
         tensors_only = all(isinstance(x, torch.Tensor) for x in example_inputs)
         if options.async_compile and tensors_only and not _symbolic(example_inputs):
             key = self.static_key = _signature(example_inputs)
@@ -629,8 +636,13 @@ class _Runner:
             graph = chosen
         if backward is not None:
             self._explore_ahead(backward, promised)
-        compiled = compile_graph(graph, self.options, self.mode, device=device, output_devices=output_devices)
+        compiled = compile_graph(graph, self.options, self.mode, device=device, output_devices=output_devices,
+                                 like=tuple(self.likes))
         _STATS["compilations"] += 1
+        if compiled.plan.transferred:
+            _STATS["plans transferred"] += 1
+        else:
+            self.likes = [compiled.plan, *self.likes][:_PLANS_TRIED]
         if choose_layouts:  # the one compile whose layouts AOTAutograd is told
             self.promised = promised
         plan = compiled.plan

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from fusionstitching._host import COMPILE_SECONDS, PHASES, collector_paused, timed
 from fusionstitching.codegen.generate import GeneratedKernel, generate
 from fusionstitching.fusion import background, explore, plan_cache
-from fusionstitching.fusion.explore import DEFAULT_GENERATORS
+from fusionstitching.fusion.explore import DEFAULT_GENERATORS, transfer
 from fusionstitching.fusion.plan import FusionPlan
 from fusionstitching.graph.analysis import in_place_outputs, pattern_structure
 from fusionstitching.graph.graph import Graph, Node
@@ -49,9 +49,12 @@ DUMP_VARIABLE = "FUSIONSTITCHING_DUMP_DIR"
 @collector_paused()
 def compile_graph(graph: Graph, options: Options | None = None, mode: str | None = None,
                   dump_dir: str | os.PathLike | None = None, device: Any = None,
-                  output_devices: Sequence[Any] | None = None) -> CompiledGraph:
+                  output_devices: Sequence[Any] | None = None, like: Sequence[FusionPlan] = ()) -> CompiledGraph:
     """Plan ``graph`` and generate its kernels; dump every stage's text when asked. ``device`` and
-    ``output_devices``: where the graph runs and where its outputs go (``CompiledGraph``)."""
+    ``output_devices``: where the graph runs and where its outputs go (``CompiledGraph``). ``like``:
+    plans of other shape specializations of the same graph, in the order tried: the first whose
+    patterns are all legal at these shapes is taken (``explore.transfer``) instead of exploring; a
+    stored plan of this graph, or one a worker explored ahead, comes first."""
     options = options or Options()
     start = time.perf_counter()
     generators = options.generators or DEFAULT_GENERATORS
@@ -64,9 +67,12 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
             taken = background.take(graph, options, generators)
             if taken is not None:
                 (plan, ahead), waited = taken, time.perf_counter() - began
+            elif (plan := next(filter(None, (transfer(p, graph, options) for p in like)), None)) is not None:
+                pass  # not stored: the cache holds explored plans
             else:
                 plan = explore(graph, solver=options.solver, options=options, generators=generators)
-            plan_cache.store(key, graph, options, plan)
+            if not plan.transferred:
+                plan_cache.store(key, graph, options, plan)
     with timed("code generation"):
         compiled = compile_plan(plan, mode=mode, options=options, device=device, output_devices=output_devices)
     # The graph's compile work (the tuning budget is a multiple of it): a plan explored ahead

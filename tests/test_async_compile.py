@@ -215,7 +215,7 @@ def test_a_dropouts_backward_uses_the_mask_its_forward_drew_on_either_path(monke
 
 def test_stats_report_every_count_from_the_start():
     counts = stats()
-    for key in ("graphs", "compilations", "kernels", "library calls", "views", "fallbacks",
+    for key in ("graphs", "compilations", "plans transferred", "kernels", "library calls", "views", "fallbacks",
                 "shape specializations", "cache hits", "eager while compiling", "tuned", "perflib hits"):
         assert counts[key] == 0, key
 
@@ -330,3 +330,30 @@ def test_a_symbolic_training_graph_compiles_each_shape_at_its_first_call():
             out += [y.detach(), xi.grad, m[0].weight.grad.clone()]
         _close(got, want)
     assert _eager_calls() == 0 and stats()["fallbacks"] == 0
+
+
+def test_a_symbolic_graphs_later_shapes_take_an_explored_plans_patterns(monkeypatch):
+    """Specializations after the first are planned with an explored plan's patterns, each checked
+    at their shapes (``explore.transfer``), and give eager's values; one whose patterns do not all
+    hold there is explored (BERT's 48 tokens against its 32), and later ones may take that plan."""
+    from fusionstitching.bench import workloads as W
+
+    workload = W.bert(batch=2, seq=32, hidden=64, layers=2, heads=2)
+    model = workload.fn
+    explored = []
+    plain = pipeline.explore
+
+    def explore(graph, *args, **kwargs):
+        explored.append(graph.name)
+        return plain(graph, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "explore", explore)
+    compiled = torch.compile(model, backend="fusionstitching", dynamic=True, options={"strict": True})
+    with torch.no_grad():
+        for seq in (32, 17, 48, 24, 40):
+            ids = torch.randint(0, 1000, (2, seq), generator=torch.Generator().manual_seed(seq))
+            mask = torch.ones(2, seq, dtype=torch.long)
+            mask[0, seq // 2:] = 0
+            _close(compiled(ids, mask), model(ids, mask))
+    assert stats()["compilations"] == 5 and stats()["plans transferred"] == 3
+    assert len(explored) == 2  # 32 and 48 tokens

@@ -49,6 +49,7 @@ kernels or estimated time on any of those graphs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -97,6 +98,7 @@ GRAPH_SEEDED = ("substitution", "deep", "exploratory", "dp")
 PLAN_SEEDED = ("merging", "packing", "remote")
 GENERATORS = GRAPH_SEEDED + PLAN_SEEDED
 FUSION_I = ("substitution", "merging", "packing")
+logger = logging.getLogger(__name__)
 DEFAULT_GENERATORS = ("substitution", "deep", "merging", "packing", "remote")
 
 
@@ -177,6 +179,88 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
     return plan
 
 
+@collector_paused()
+def transfer(plan: FusionPlan, graph: Graph, options: Options | None = None) -> FusionPlan | None:
+    """The plan of ``graph`` that groups its nodes as ``plan`` grouped those of another graph of
+    the same structure (another shape specialization of one ATen graph): ``explore``'s rewrites run
+    on ``graph`` (they depend on its shapes), then, where they yield the nodes ``plan.graph`` had,
+    each of ``plan``'s patterns is checked again (``Legality.check``: cycles, a template that the
+    code generator builds at these shapes) and finalized with its template chosen for these shapes
+    (``_model_templates``). None where a node differs or a pattern is not legal here: the graph is
+    then explored. Selection only optimizes; any plan of legal patterns computes the graph, so a
+    transferred plan is as correct as an explored one, if not always as fast at shapes far apart."""
+    options = options or Options()
+    start = time.perf_counter()
+    prepared = _prepared(graph, options)
+    names = {n.name for n in plan.graph.nodes}
+    for split in ((True, False) if options.split_reshaped_dims else (False,)):
+        rewritten, notes, _, _ = _rewritten(prepared, options, split)
+        if {n.name for n in rewritten.nodes} == names:
+            break
+    else:
+        return _not_transferred(plan, graph, "its rewrites made other nodes")
+    roles = Roles.of(rewritten, options)
+    if not {n.name for n in roles.library} <= set(plan.library):
+        return _not_transferred(plan, graph, "a node is a library call here, fused at the plan's shapes")
+    legality, scorer = Legality(rewritten, options), Scorer(rewritten, options)
+    fusable = set(roles.fusable)
+    chosen = []
+    for pattern in plan.patterns:
+        nodes = tuple(rewritten.node(name) for name in pattern.nodes)
+        if not fusable.issuperset(nodes):
+            return _not_transferred(plan, graph, f"a node of kernel {pattern.nodes[0]} is not fusable here")
+        verdict = legality.check(nodes)
+        if not verdict.legal:
+            return _not_transferred(plan, graph, f"kernel {pattern.nodes[0]}: {verdict.reason}")
+        chosen.append(Chosen(nodes, verdict.schedule, pattern.score, pattern.origin))
+    if not _jointly_acyclic(rewritten, [c.nodes for c in chosen]):
+        return _not_transferred(plan, graph, "its kernels together make a cycle here")
+    result = finalize(rewritten, roles, legality, scorer, chosen, plan.strategy, notes)
+    if len(result.patterns) != len(plan.patterns):
+        return _not_transferred(plan, graph, "a node is left to a kernel of its own or to PyTorch here")
+    result.estimated_us = plan_time_us(result, scorer=scorer)
+    result.notes.append(f"the patterns of the plan of {plan.graph.name}'s shapes, checked again at these shapes "
+                        "(fusion/explore.py transfer)")
+    result = _model_templates(result, options)
+    result.transferred = True
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _not_transferred(plan: FusionPlan, graph: Graph, why: str) -> None:
+    logger.debug("the plan of %s is not transferred to %s: %s", plan.graph.name, graph.name, why)
+
+
+def _jointly_acyclic(graph: Graph, patterns: Sequence[Sequence[Node]]) -> bool:
+    """Whether contracting each pattern to one vertex leaves ``graph`` acyclic (Kahn's algorithm on
+    the quotient graph), as selection guarantees for the patterns it chooses together."""
+    vertex: dict[Node, object] = {}
+    for k, nodes in enumerate(patterns):
+        for node in nodes:
+            vertex[node] = k
+    successors: dict[object, set] = {}
+    indegree: dict[object, int] = {}
+    for node in graph.nodes:
+        v = vertex.get(node, node)
+        indegree.setdefault(v, 0)
+        for operand in node.operands:
+            u = vertex.get(operand, operand)
+            indegree.setdefault(u, 0)
+            if u != v and v not in successors.setdefault(u, set()):
+                successors[u].add(v)
+                indegree[v] = indegree.get(v, 0) + 1
+    ready = [v for v, d in indegree.items() if d == 0]
+    seen = 0
+    while ready:
+        u = ready.pop()
+        seen += 1
+        for v in successors.get(u, ()):
+            indegree[v] -= 1
+            if indegree[v] == 0:
+                ready.append(v)
+    return seen == len(indegree)
+
+
 def _model_templates(plan: FusionPlan, options: Options) -> FusionPlan:
     """Each pattern takes the template the latency evaluator ranks first where it beats the default
     rule's (``schedule.tune.model_choice``); patterns of one structure and template are decided once."""
@@ -237,11 +321,12 @@ def _prepared(graph: Graph, options: Options) -> tuple[Graph, tuple[str, ...]]:
     return graph, tuple(notes)
 
 
-def _explore(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Options, generators: Sequence[str],
-             split: bool, checked: dict | None = None) -> tuple[FusionPlan, bool]:
-    """``explore`` of a ``_prepared`` graph with reshapes resolved by splitting dims or not; whether
-    splitting changed the graph."""
-    graph, notes = prepared[0], list(prepared[1])
+def _rewritten(prepared: tuple[Graph, tuple[str, ...]], options: Options, split: bool
+               ) -> tuple[Graph, list[str], bool, list]:
+    """The rewrites of a ``_prepared`` graph before its candidates are generated, with reshapes
+    resolved by splitting dims or not: the graph, the notes, whether splitting changed the graph,
+    and the reductions split (``split.part_kernels``'s argument)."""
+    graph, notes, splits = prepared[0], list(prepared[1]), []
     refined = refine_reshaped_regions(graph) if split else graph
     split, graph = refined is not graph, refined
     if options.collapse_dims:
@@ -264,6 +349,14 @@ def _explore(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Opti
         graph, splits = split_underfilled_reductions(graph, spec, bandwidth_model(options.device),
                                                      options.smem_limit)
         notes += [f"split {d}" for d in splits]
+    return graph, notes, split, splits
+
+
+def _explore(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Options, generators: Sequence[str],
+             split: bool, checked: dict | None = None) -> tuple[FusionPlan, bool]:
+    """``explore`` of a ``_prepared`` graph with reshapes resolved by splitting dims or not; whether
+    splitting changed the graph."""
+    graph, notes, split, splits = _rewritten(prepared, options, split)
     roles = Roles.of(graph, options)
     legality = Legality(graph, options, checked)
     scorer = Scorer(graph, options)
@@ -272,7 +365,7 @@ def _explore(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Opti
     for name in GRAPH_SEEDED:
         if name in generators:
             candidates += context.graph_seeded(name)
-    candidates += context.split_seeded(part_kernels(graph, splits) if options.split_reductions else [])
+    candidates += context.split_seeded(part_kernels(graph, splits) if splits else [])
     scores = [scorer.score(c.nodes, c.verdict.schedule).value for c in candidates]
     selections = _select(solver, graph, candidates, scores)
     plans = [_finalize(graph, roles, legality, scorer, candidates, scores, s, solver, options) for s in selections]

@@ -64,6 +64,7 @@ class FusionPlan:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)  # pass-level decisions (splits, candidate counts)
     estimated_us: float | None = None  # the latency evaluator's time of the kernels (``estimate.py``)
+    transferred: bool = False  # the patterns of another shape's plan (``explore.transfer``), not explored
     _unfused: tuple[UnfusedEdge, ...] | None = field(default=None, repr=False)
 
     @property
