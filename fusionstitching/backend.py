@@ -9,7 +9,9 @@ generated kernels on a GPU, the NumPy simulator of the same kernels on a CPU.
 Shapes. A graph is compiled for the concrete shapes of its example inputs. When TorchDynamo sends
 symbolic shapes (it does once a second input shape shows up), compilation waits for the call: the
 ATen graph is re-traced with fake tensors of the call's shapes and compiled once per shape
-signature (shapes, strides, dtypes), cached.
+signature (shapes, strides, dtypes), cached. A specialization after the first is planned with the
+patterns of one of the graph's explored plans where they all hold at its shapes
+(``fusion.explore.transfer``), else explored.
 
 Random numbers. A graph that draws random numbers (dropout) gets two extra inputs, a seed and an
 offset; each call draws a fresh seed from torch's default generator, so ``torch.manual_seed``
