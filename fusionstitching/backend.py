@@ -22,8 +22,9 @@ the shape signature and become constants of that specialization.
 
 ``Options(async_compile=True)`` compiles a graph of static shapes in a background thread while its
 calls run in PyTorch (``_Pair`` keeps a training step's forward and backward on one path). An
-inference graph of symbolic shapes compiles each new shape signature in the background likewise
-(``_Runner._specialization``): the calls of a signature run in PyTorch until its program is ready.
+inference graph of symbolic shapes, or one with numbers among its inputs, compiles each new shape
+signature in the background likewise (``_Runner._specialization``): the calls of a signature run in
+PyTorch until its program is ready.
 The specializations of a symbolic training graph still compile at their first call: which backward
 call belongs to which forward's signature is not known ahead, and a step's two graphs must take one
 path.
@@ -480,6 +481,8 @@ class _Runner:
                 compiled = self.compiled.get(key)
                 if compiled is None and self.static_key is None and self.options.async_compile \
                         and self.kind == "inference":
+                    if key not in self.jobs and len(self.compiled) + len(self.jobs) >= self.options.max_specializations:
+                        return self._beyond_limit(args)
                     compiled = self._specialization(key, args)
                     if compiled is None:
                         return self._eager(args)
@@ -515,24 +518,25 @@ class _Runner:
         (the runner's lock held): the background compile's result once it is done, else None, and
         the call runs in PyTorch (``stats()["eager while compiling"]``). The first call of a new
         signature submits its compile, made from fakes of the call's arguments (their shapes,
-        strides, dtypes and devices) and its numbers; past ``Options.max_specializations``
-        signatures, further ones run in PyTorch as without async compilation. A compile that
-        fails is reported when a call takes it: under ``strict`` its error is raised there."""
+        strides, dtypes and devices) and its numbers (the caller keeps ``Options.max_specializations``).
+        A compile that fails is reported when a call takes it: under ``strict`` its error is raised
+        there, and at every later call of the signature."""
         job = self.jobs.get(key)
         if job is None:
-            if len(self.compiled) + len(self.jobs) >= self.options.max_specializations:
-                self._beyond_limit(args)
+            try:
+                fakes = _fakes(args)
+            except Exception as err:  # noqa: BLE001 -- the failure policy: any internal error
+                self._failed(err, "capture")
                 return None
             _STATS["shape specializations"] += 1
-            fakes = _fakes(args)
             self.jobs[key] = _background(lambda: self._compile_in_background(self.gm, fakes, key, None))
             _STATS["eager while compiling"] += 1
             return None
         if not job.done():
             _STATS["eager while compiling"] += 1
             return None
+        compiled = job.result()  # the compile's error, raised under strict (the job kept: raised again)
         del self.jobs[key]
-        compiled = job.result()  # the compile's error, raised under strict
         if compiled is None:  # announced by the compile (``_failed``)
             return None
         self.compiled[key] = compiled
@@ -701,6 +705,7 @@ class _Runner:
     def _fall_back(self, reason: str) -> None:
         self.fallback = reason
         self.static = None
+        self.jobs.clear()  # programs no call will take (a job still running finishes unread)
         _STATS["fallbacks"] += 1
         warnings.warn(f"fusionstitching: graph {self.name} runs in PyTorch: {reason}", FallbackWarning,
                       stacklevel=4)

@@ -22,6 +22,7 @@ of every kernel (the compile stage).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 STAGES = ("capture", "explore", "generate", "order", "compile", "run")
 DUMP_VARIABLE = "FUSIONSTITCHING_DUMP_DIR"
+logger = logging.getLogger(__name__)
 
 
 @collector_paused()
@@ -67,7 +69,7 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
             taken = background.take(graph, options, generators)
             if taken is not None:
                 (plan, ahead), waited = taken, time.perf_counter() - began
-            elif (plan := next(filter(None, (transfer(p, graph, options) for p in like)), None)) is not None:
+            elif (plan := _transferred(like, graph, options)) is not None:
                 pass  # not stored: the cache holds explored plans
             else:
                 plan = explore(graph, solver=options.solver, options=options, generators=generators)
@@ -82,6 +84,24 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
     if directory:
         dump(compiled, graph, Path(directory))
     return compiled
+
+
+def _transferred(like: Sequence[FusionPlan], graph: Graph, options: Options) -> FusionPlan | None:
+    """The first of ``like`` that ``explore.transfer`` moves to ``graph``, or None. Transferring is a
+    shortcut: an internal error in it is raised under ``Options.strict`` (a bug to see), else logged
+    and the graph explored."""
+    for plan in like:
+        try:
+            moved = transfer(plan, graph, options)
+        except Exception:  # exploration plans the graph instead
+            if options.strict:
+                raise
+            logger.warning("transferring the plan of %s to %s failed; exploring it", plan.graph.name, graph.name,
+                           exc_info=True)
+            continue
+        if moved is not None:
+            return moved
+    return None
 
 
 def compile_plan(plan: FusionPlan, mode: str | None = None, options: Options | None = None, device: Any = None,

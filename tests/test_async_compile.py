@@ -296,6 +296,47 @@ def test_under_strict_a_symbolic_graphs_failed_compile_is_raised_at_the_call_tha
         assert wait_for_compiles(300)
         with pytest.raises(CompileFailure, match="injected failure"):
             compiled(x)
+        with pytest.raises(CompileFailure, match="injected failure"):  # at every call of the signature
+            compiled(x)
+    assert stats()["shape specializations"] == 1
+
+
+def test_past_the_limit_a_call_runs_in_pytorch_once():
+    """A graph that updates its input in place (kept in the inference graph) updates it once per
+    call, whichever path the call takes."""
+    def fn(x):
+        x.add_(1.0)
+        return x.sum(-1)
+
+    compiled = fusionstitching.compile(fn, options={"async_compile": True, "max_specializations": 1},
+                                       dynamic=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for rows in (8, 8, 16, 16, 24):
+            x = torch.zeros(rows, 4)
+            torch.testing.assert_close(compiled(x), torch.full((rows,), 4.0))
+            torch.testing.assert_close(x, torch.ones(rows, 4))
+            wait_for_compiles(300)
+    assert stats()["compilations"] == 1
+
+
+def test_an_internal_error_transferring_a_plan_explores_the_graph_or_is_raised_under_strict(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected transfer failure")
+
+    monkeypatch.setattr(pipeline, "transfer", broken)
+    model = _model()
+    for strict in (False, True):
+        torch._dynamo.reset()
+        compiled = fusionstitching.compile(model, options={"strict": strict}, dynamic=True)
+        with torch.no_grad():
+            _close([compiled(torch.ones(8, 64))], [model(torch.ones(8, 64))])
+            if strict:
+                with pytest.raises(CompileFailure, match="injected transfer failure"):
+                    compiled(torch.ones(16, 64))
+            else:
+                _close([compiled(torch.ones(16, 64))], [model(torch.ones(16, 64))])
+    assert stats()["fallbacks"] == 0 and stats()["plans transferred"] == 0
 
 
 def test_a_symbolic_graphs_failed_compile_leaves_it_in_pytorch_announced(monkeypatch):

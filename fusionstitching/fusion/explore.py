@@ -204,9 +204,10 @@ def transfer(plan: FusionPlan, graph: Graph, options: Options | None = None) -> 
         return _not_transferred(plan, graph, "a node is a library call here, fused at the plan's shapes")
     legality, scorer = Legality(rewritten, options), Scorer(rewritten, options)
     fusable = set(roles.fusable)
+    position = rewritten.index.position
     chosen = []
     for pattern in plan.patterns:
-        nodes = tuple(rewritten.node(name) for name in pattern.nodes)
+        nodes = tuple(sorted((rewritten.node(name) for name in pattern.nodes), key=position.__getitem__))
         if not fusable.issuperset(nodes):
             return _not_transferred(plan, graph, f"a node of kernel {pattern.nodes[0]} is not fusable here")
         verdict = legality.check(nodes)
