@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 
 COMPILE_SECONDS: Counter[str] = Counter()
+_SECONDS_LOCK = threading.Lock()  # phases are timed in calls and in the background compile thread
 PHASES = ("tracing", "conversion", "exploration", "code generation", "nvrtc", "tuning")
 
 
@@ -37,7 +39,13 @@ def timed(phase: str) -> Iterator[None]:
     try:
         yield
     finally:
-        COMPILE_SECONDS[phase] += time.perf_counter() - start
+        add_seconds(phase, time.perf_counter() - start)
+
+
+def add_seconds(phase: str, seconds: float) -> None:
+    """Add ``seconds`` to ``COMPILE_SECONDS[phase]``."""
+    with _SECONDS_LOCK:
+        COMPILE_SECONDS[phase] += seconds
 
 
 @contextlib.contextmanager

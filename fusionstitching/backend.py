@@ -70,10 +70,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from fusionstitching._host import COMPILE_SECONDS, PHASES, timed
+from fusionstitching._host import COMPILE_SECONDS, PHASES, add_seconds, timed
 from fusionstitching.options import Options
 
 _STATS: Counter[str] = Counter()
+_STATS_LOCK = threading.Lock()  # counts come from calls and from the background compile thread
 _NUMBERED = [0]  # graphs named so far: graph names are "<kind>_<number>"
 _NAME = "fusionstitching name"  # the key of a backward's name, reserved when its forward compiles, in its meta
 # The backward graph the partitioner just made, for the forward compiler that AOTAutograd calls next
@@ -249,7 +250,7 @@ def fusionstitching_backend(gm: fx.GraphModule, example_inputs: list[Any], mode:
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
     finally:  # AOTAutograd's tracing: the call but for the phases timed inside it
-        COMPILE_SECONDS["tracing"] += max(0.0, time.perf_counter() - start - (sum(COMPILE_SECONDS.values()) - inside))
+        add_seconds("tracing", max(0.0, time.perf_counter() - start - (sum(COMPILE_SECONDS.values()) - inside)))
 
 
 def compile(fn_or_module: Callable[..., Any], options: Options | None = None, mode: str | None = None,
@@ -271,6 +272,11 @@ def _partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple
     return forward, backward
 
 
+def _count(key: str, n: int = 1) -> None:
+    with _STATS_LOCK:
+        _STATS[key] += n
+
+
 def _named(kind: str) -> str:
     _NUMBERED[0] += 1
     return f"{kind}_{_NUMBERED[0]}"
@@ -279,7 +285,7 @@ def _named(kind: str) -> str:
 def _compiler(kind: str, options: Options, mode: str | None
               ) -> Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]:
     def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        _STATS["graphs"] += 1
+        _count("graphs")
         name = gm.meta.get(_NAME) if kind == "backward" else None
         name = name or _named(kind)
         backward = _PARTITIONED.__dict__.pop("backward", None) if kind == "forward" else None
@@ -463,13 +469,13 @@ class _Runner:
     def __call__(self, args: list[Any]) -> list[Any]:
         compiled = self.static
         if compiled is not None and self.proven:
-            _STATS["cache hits"] += 1
+            _count("cache hits")
             if len(compiled.graph.parameters) > len(args):
                 args = list(args) + _rng_state(args)
             return compiled.run(args, trusted=True)[: self.outputs]
         args = list(args)
         if self.deciding and not self._compiled_path():
-            _STATS["eager while compiling"] += 1
+            _count("eager while compiling")
             return self._eager(args)
         if self.fallback is not None:
             return self._eager(args)
@@ -490,7 +496,7 @@ class _Runner:
                 elif compiled is None:
                     if len(self.compiled) >= self.options.max_specializations:
                         return self._beyond_limit(args)
-                    _STATS["shape specializations"] += 1
+                    _count("shape specializations")
                     concrete = self._concrete(args)
                     compiled = self._compile(concrete[0], args, key) if concrete is not None else None
                     if compiled is None:
@@ -498,7 +504,7 @@ class _Runner:
                     self.numbers[key] = concrete[1]
                     first = True
         if not first:
-            _STATS["cache hits"] += 1
+            _count("cache hits")
         if self.static_key is None:  # numbers are constants of the specialization
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
         else:
@@ -528,12 +534,12 @@ class _Runner:
             except Exception as err:  # noqa: BLE001 -- the failure policy: any internal error
                 self._failed(err, "capture")
                 return None
-            _STATS["shape specializations"] += 1
+            _count("shape specializations")
             self.jobs[key] = _background(lambda: self._compile_in_background(self.gm, fakes, key, None))
-            _STATS["eager while compiling"] += 1
+            _count("eager while compiling")
             return None
         if not job.done():
-            _STATS["eager while compiling"] += 1
+            _count("eager while compiling")
             return None
         compiled = job.result()  # the compile's error, raised under strict (the job kept: raised again)
         del self.jobs[key]
@@ -570,7 +576,7 @@ class _Runner:
     def _beyond_limit(self, args: list[Any]) -> list[Any]:
         if not self.over_limit:
             self.over_limit = True
-            _STATS["fallbacks"] += 1
+            _count("fallbacks")
             warnings.warn(f"fusionstitching: graph {self.name} was called with more than "
                           f"{self.options.max_specializations} shapes (Options.max_specializations); "
                           "further shapes run in PyTorch", FallbackWarning, stacklevel=3)
@@ -644,17 +650,17 @@ class _Runner:
             self._explore_ahead(backward, promised)
         compiled = compile_graph(graph, self.options, self.mode, device=device, output_devices=output_devices,
                                  like=tuple(self.likes))
-        _STATS["compilations"] += 1
+        _count("compilations")
         if compiled.plan.transferred:
-            _STATS["plans transferred"] += 1
+            _count("plans transferred")
         else:
             self.likes = [compiled.plan, *self.likes][:_PLANS_TRIED]
         if choose_layouts:  # the one compile whose layouts AOTAutograd is told
             self.promised = promised
         plan = compiled.plan
-        _STATS["kernels"] += plan.kernel_count
-        _STATS["library calls"] += plan.library_count
-        _STATS["views"] += len(plan.views)
+        _count("kernels", plan.kernel_count)
+        _count("library calls", plan.library_count)
+        _count("views", len(plan.views))
         if publish:
             self.compiled[key] = compiled
         return compiled
@@ -706,7 +712,7 @@ class _Runner:
         self.fallback = reason
         self.static = None
         self.jobs.clear()  # programs no call will take (a job still running finishes unread)
-        _STATS["fallbacks"] += 1
+        _count("fallbacks")
         warnings.warn(f"fusionstitching: graph {self.name} runs in PyTorch: {reason}", FallbackWarning,
                       stacklevel=4)
 
