@@ -128,12 +128,14 @@ def ordered_steps(plan: FusionPlan) -> list[Step]:
 
 def generate_steps(plan: FusionPlan, not_in_place: frozenset[str] = frozenset()) -> list[Step]:
     """A step per pattern, library call and view. A pattern with the structure and template of an
-    earlier one (up to names) gets that kernel's twin: one lowering, one compile, one module. The
-    patterns whose first node is in ``not_in_place`` write their input updates to new buffers."""
+    earlier one (up to names) gets that kernel's twin: one lowering, one compile, one module, one
+    name; kernels generated apart have names of their own. The patterns whose first node is in
+    ``not_in_place`` write their input updates to new buffers."""
     graph = plan.graph
     position = graph.index.position
     aliased = in_place_outputs(graph)
     made: dict[tuple, GeneratedKernel] = {}
+    named: dict[str, str] = {}  # kernel name -> the first node of the pattern it was generated for
     steps = []
     for pattern in plan.patterns:
         nodes = sorted((graph.node(n) for n in pattern.nodes), key=position.__getitem__)
@@ -145,6 +147,10 @@ def generate_steps(plan: FusionPlan, not_in_place: frozenset[str] = frozenset())
             kernel = first.twin(graph, nodes, pattern.schedule)
         else:
             kernel = made[key] = generate(graph, nodes, pattern.schedule, in_place=in_place)
+            if kernel.name in named:  # the runtime and the tuner tell a program's kernels apart by name
+                raise RuntimeError(f"plan for {graph.name}: the kernels of patterns at {named[kernel.name]} "
+                                   f"and {nodes[0].name} are both named {kernel.name}")
+            named[kernel.name] = nodes[0].name
         steps.append(Step("kernel", tuple(nodes), kernel))
     steps += _library_steps([graph.node(n) for n in plan.library])
     steps += [Step("view", (graph.node(n),)) for n in plan.views]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -149,11 +150,22 @@ def _has_vector_access(body) -> bool:
     return False
 
 
+_NAME_LIMIT = 60
+
+
 def _kernel_name(graph: Graph, nodes: list) -> str:
     """``fs_<graph>_<first node>``, every character outside [A-Za-z0-9_] replaced by ``_`` (a graph
-    named after a lambda, ``<lambda>``, is no C identifier)."""
+    named after a lambda, ``<lambda>``, is no C identifier), at most ``_NAME_LIMIT`` characters. A
+    name that had to be shortened or changed ends in a hash of the whole text instead: a program's
+    kernels are told apart by name, and the first nodes of two patterns can share a long prefix
+    (an attention backward's outputs, ``..._attention_backward_1`` and ``..._backward_1_3``)."""
     first = nodes[0] if isinstance(nodes[0], str) else nodes[0].name
-    return _identifier(f"fs_{graph.name}_{first}")[:60]
+    text = f"fs_{graph.name}_{first}"
+    name = _identifier(text)
+    if name == text and len(name) <= _NAME_LIMIT:
+        return name
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+    return f"{name[:_NAME_LIMIT - len(digest) - 1]}_{digest}"
 
 
 def _identifier(text: str) -> str:

@@ -94,6 +94,25 @@ def test_default_template_vectorizes_wide_rows():
     assert kernel._scalar_variant is not None and "uint4" not in kernel._scalar_variant.cuda_source
 
 
+def test_kernels_of_nodes_named_alike_beyond_the_name_limit_are_named_apart():
+    """Names were cut at 60 characters: the patterns read from an attention backward's gradients
+    (``..._attention_backward_2`` and ``..._backward_1_3``) got one name, and the tuner, which tells
+    a program's kernels apart by name, gave one the other's template."""
+    b = GraphBuilder("backward_11")
+    x = b.parameter((4, 64), DType.F32, name="x")
+    long = "_scaled_dot_product_efficient_attention_backward"
+    first = b.node("exp", [x], name=f"{long}_2")
+    second = b.node("neg", [x], name=f"{long}_1_3")
+    graph = b.build([b.node("add", [first, x]), b.node("mul", [second, x])])
+    names = set()
+    for head in (first, second):
+        nodes = [head, *graph.index.users[head]]
+        kernel = generate(graph, nodes, default_template(graph, nodes))
+        assert len(kernel.name) <= 60 and kernel.name.isidentifier()
+        names.add(kernel.name)
+    assert len(names) == 2
+
+
 def test_small_index_math_is_32_bit():
     case = C.bias_gelu("f32", 37, 70)
     source = generate(case.graph, case.nodes, default_template(case.graph, case.nodes)).cuda_source
