@@ -24,35 +24,10 @@ the shape signature and become constants of that specialization.
 calls run in PyTorch (``_Pair`` keeps a training step's forward and backward on one path). An
 inference graph of symbolic shapes, or one with numbers among its inputs, compiles each new shape
 signature in the background likewise (``_Runner._specialization``): the calls of a signature run in
-PyTorch until its program is ready.
-The specializations of a symbolic training graph still compile at their first call: which backward
-call belongs to which forward's signature is not known ahead, and a step's two graphs must take one
-path.
-
-``mode="reduce-overhead"`` replays each compiled graph from a CUDA graph after its second call
-(``runtime.program.GraphedProgram``); outputs are then overwritten by the next call, as with
-Inductor's CUDA graphs.
-
-Failure policy (DESIGN.md). A graph the compiler cannot handle — one the frontend cannot convert (an
-input that is neither a tensor nor a number, an unsupported dtype), or an internal error anywhere in
-planning, scheduling, lowering, compiling or the first run of a specialization — runs in PyTorch as
-AOTAutograd gave it: counted in ``stats()["fallbacks"]`` and announced by a ``FallbackWarning`` that
-names the graph, the stage, the node being handled with its ATen op, and the exception.
-``Options(strict=True)`` raises ``CompileFailure`` with the same evidence instead. Errors that eager
-raises too are the user's and always propagate: an index out of range met by a generated kernel
-(``IndexError``), and an error of a library op that the graph raises in PyTorch as well (same type,
-same message: torch's own index check in a scatter, say), which then propagates as PyTorch raises it.
-A first run of a specialization that fails otherwise runs the graph in PyTorch to tell the two
-apart. A graph called with more than ``Options.max_specializations`` shapes runs the further shapes
-in PyTorch (one warning). Library calls inside a plan (GEMMs, ops without a lowering) are counted in
-``stats()["library calls"]``.
-
-Threads. Compiling a specialization holds the runner's lock; shapes are propagated through the graph
-with ``FakeTensorProp`` (an interpreter), not re-traced with ``make_fx``, whose process-wide tracing
-flag made other threads' compiled calls fail meanwhile. ``CompiledGraph`` serializes its own calls.
-
-``stats()`` reads process-wide counters: compiling is a process-wide activity that a user wants
-to audit, the one place where this package keeps state across calls.
+PyTorch until its program is ready. So does a training graph of symbolic shapes, its forward and
+backward each per signature: a forward's signature switches to its program once that program and
+the backward's program for the signature its backward calls showed are both ready, and each backward
+call takes the path of the forward call it follows (``_Pair.paths``).
 """
 
 from __future__ import annotations
@@ -63,7 +38,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -149,7 +124,8 @@ class _Pair:
     (``backward_ready``), counting those calls (``eager_forwards``); then it switches. A backward
     runs in PyTorch until the forward has switched and for as many calls as forwards ran in
     PyTorch (a training step's backward follows its forward), then compiled. If either graph fails
-    to compile, both stay in PyTorch."""
+    to compile, both stay in PyTorch. Graphs of symbolic shapes pair up per signature
+    (``paths``, ``_Runner._paired_call``)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -160,6 +136,13 @@ class _Pair:
         self.backward_calls = 0
         self.abandoned = False  # one of them does not compile: both run in PyTorch
         self.error: BaseException | None = None  # the backward's compile error, for ``strict``
+        # Training graphs of symbolic shapes (``_Runner._paired_call``): the forward calls' paths,
+        # (compiled, forward signature), oldest first, each taken by the next backward call; the
+        # backward signature seen after each forward signature's first call; the two runners.
+        self.paths: deque[tuple[bool, tuple]] = deque()
+        self.backward_for: dict[tuple, tuple] = {}
+        self.forward: _Runner | None = None
+        self.backward: _Runner | None = None
 
     def __deepcopy__(self, memo: dict) -> _Pair:
         """One pair, shared: AOTAutograd hands the backward compiler a deep copy of the graph whose
@@ -354,8 +337,18 @@ class _Runner:
         # the explored plans of the specializations compiled so far, newest first, for the others
         # (``explore.transfer``); a few, as each one tried costs a check of every pattern
         self.likes: list[Any] = []
+        self.ran: set[tuple] = set()  # signatures run compiled at least once (``_paired_call``)
         tensors_only = all(isinstance(x, torch.Tensor) for x in example_inputs)
-        if options.async_compile and tensors_only and not _symbolic(example_inputs):
+        static = tensors_only and not _symbolic(example_inputs)
+        # a training graph under Options.async_compile whose signatures compile in the background
+        self.paired = options.async_compile and pair is not None and not static
+        if self.paired:
+            if kind == "forward":
+                pair.forward = self
+            else:
+                pair.backward = self
+            return
+        if options.async_compile and static:
             key = self.static_key = _signature(example_inputs)
             self.deciding = True
             self.pending = _background(lambda: self._compile_in_background(gm, example_inputs, key, backward))
@@ -408,11 +401,11 @@ class _Runner:
                         compiled = None
             return compiled
         except BaseException as err:
-            if self.kind == "backward" and self.pair is not None:
+            if self.kind == "backward" and self.pair is not None and not self.paired:
                 self.pair.error = err
             raise
         finally:
-            if self.kind == "backward" and self.pair is not None:
+            if self.kind == "backward" and self.pair is not None and not self.paired:
                 with self.pair.lock:
                     self.pair.backward_ready, self.pair.backward_compiled = True, compiled is not None
 
@@ -474,6 +467,8 @@ class _Runner:
                 args = list(args) + _rng_state(args)
             return compiled.run(args, trusted=True)[: self.outputs]
         args = list(args)
+        if self.paired:
+            return self._paired_call(args)
         if self.deciding and not self._compiled_path():
             _count("eager while compiling")
             return self._eager(args)
@@ -503,6 +498,10 @@ class _Runner:
                         return self._eager(args)
                     self.numbers[key] = concrete[1]
                     first = True
+        return self._run(compiled, key, args, first)
+
+    def _run(self, compiled, key: tuple, args: list[Any], first: bool) -> list[Any]:
+        """The call run by the program of signature ``key``; ``first``: its first run (checked)."""
         if not first:
             _count("cache hits")
         if self.static_key is None:  # numbers are constants of the specialization
@@ -518,6 +517,120 @@ class _Runner:
         for k, value in self.numbers.get(key, {}).items():
             results[k] = value
         return results
+
+    def _paired_call(self, args: list[Any]) -> list[Any]:
+        """A call of a training graph of symbolic shapes (or numbers among its inputs) under
+        ``Options.async_compile``. Each new signature of either graph compiles in the background
+        (``_specialization``). A forward call runs its signature's program once that program and
+        the backward's program for the signature its backward calls showed are ready
+        (``_backward_ready``), else in PyTorch; either way its path joins ``_Pair.paths``, and the
+        next backward call takes it: a step's backward runs compiled exactly when its forward did
+        (its own program made at once if its signature is not the one compiled ahead). A backward
+        that falls back takes its forward with it, as with static shapes; the saved tensors keep
+        eager's layouts (``_compile_in_background``), so either path's backward reads either's."""
+        pair = self.pair
+        key = _signature(args)
+        if self.kind == "forward":
+            compiled = self._paired_forward(key, args)
+            with pair.lock:
+                pair.paths.append((compiled is not None, key))
+        else:
+            with pair.lock:
+                path, forward_key = pair.paths.popleft() if pair.paths else (False, None)
+                if forward_key is not None:
+                    pair.backward_for.setdefault(forward_key, key)
+            compiled = self._paired_backward(key, args, path)
+        if compiled is None:
+            return self._eager(args)
+        first = key not in self.ran
+        self.ran.add(key)
+        return self._run(compiled, key, args, first)
+
+    def _paired_forward(self, key: tuple, args: list[Any]):
+        """The forward's program for signature ``key`` where this call runs it, else None."""
+        if self.fallback is not None:
+            return None
+        with self.lock:
+            compiled = self.compiled.get(key)
+            if compiled is None:
+                if key not in self.jobs and len(self.compiled) + len(self.jobs) >= self.options.max_specializations:
+                    self._over_the_limit()
+                    return None
+                compiled = self._specialization(key, args)  # None: counted as a call in PyTorch
+                if compiled is None:
+                    return None
+        ready = self._backward_ready(key)
+        if ready:
+            return compiled
+        if ready is None and self.pair.backward is not None and self.pair.backward.fallback is not None:
+            if self.fallback is None:
+                self._fall_back("its backward runs in PyTorch (Options.async_compile pairs them)")
+            return None
+        _count("eager while compiling")
+        return None
+
+    def _backward_ready(self, forward_key: tuple) -> bool | None:
+        """Whether the backward's program for the signature that followed ``forward_key`` is
+        ready: True, False (not yet, or no backward call yet) or None (it never will be)."""
+        pair = self.pair
+        with pair.lock:
+            backward, key = pair.backward, pair.backward_for.get(forward_key)
+        if backward is None or key is None:
+            return False
+        if backward.fallback is not None:
+            return None
+        with backward.lock:
+            if key in backward.compiled:
+                return True
+            job = backward.jobs.get(key)
+            if job is None:  # past the backward's limit of specializations
+                return None
+            if not job.done():
+                return False
+            compiled = job.result()  # the compile's error, raised under strict (the job kept: raised again)
+            del backward.jobs[key]
+            if compiled is None:  # announced by the compile (``_failed``)
+                return None
+            backward.compiled[key] = compiled
+            return True
+
+    def _paired_backward(self, key: tuple, args: list[Any], path: bool):
+        """The backward's program for signature ``key`` where this call runs it (``path``: its
+        forward ran compiled), else None."""
+        if self.fallback is not None:
+            return None
+        forward = self.pair.forward
+        with self.lock:
+            compiled = self.compiled.get(key)
+            job = self.jobs.get(key)
+            if not path:
+                if compiled is None and job is None:
+                    if len(self.compiled) + len(self.jobs) >= self.options.max_specializations:
+                        self._over_the_limit()
+                        return None
+                    if forward is not None and forward.fallback is not None:
+                        return None  # no forward will run compiled
+                    self._specialization(key, args)  # submitted; counted as a call in PyTorch
+                else:
+                    _count("eager while compiling")
+                return None
+            if compiled is None and job is not None:
+                compiled = job.result()  # raised under strict (the job kept: raised again)
+                del self.jobs[key]
+                if compiled is None:
+                    return None
+                self.compiled[key] = compiled
+            elif compiled is None:  # a signature its forward's signature did not show before
+                if len(self.compiled) + len(self.jobs) >= self.options.max_specializations:
+                    self._over_the_limit()
+                    return None
+                _count("shape specializations")
+                concrete = self._concrete(args)
+                compiled = self._compile(concrete[0], args, key) if concrete is not None else None
+                if compiled is None:
+                    return None
+                self.numbers[key] = concrete[1]
+            return compiled
 
     def _specialization(self, key: tuple, args: list[Any]):
         """Under ``Options.async_compile``, an inference graph's program for the signature ``key``
@@ -574,13 +687,16 @@ class _Runner:
         return results
 
     def _beyond_limit(self, args: list[Any]) -> list[Any]:
+        self._over_the_limit()
+        return self._eager(args)
+
+    def _over_the_limit(self) -> None:
         if not self.over_limit:
             self.over_limit = True
             _count("fallbacks")
             warnings.warn(f"fusionstitching: graph {self.name} was called with more than "
                           f"{self.options.max_specializations} shapes (Options.max_specializations); "
-                          "further shapes run in PyTorch", FallbackWarning, stacklevel=3)
-        return self._eager(args)
+                          "further shapes run in PyTorch", FallbackWarning, stacklevel=4)
 
     def _eager(self, args: list[Any]) -> list[Any]:
         """The graph run by PyTorch, its saved outputs in the strides promised to the backward."""

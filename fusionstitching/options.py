@@ -69,8 +69,9 @@ class Options:
     # Shape specializations compiled per graph; a graph called with more distinct shapes runs the
     # others in PyTorch (one FallbackWarning).
     max_specializations: int = 16
-    # A graph of static shapes compiles in a background thread while its calls run in PyTorch; the
-    # compiled program takes over at the first call after it is ready (``backend._Runner``). A
+    # A graph compiles in a background thread while its calls run in PyTorch (a graph of symbolic
+    # shapes: each shape signature); the compiled program takes over at the first call after it is
+    # ready (``backend._Runner``). A
     # training forward takes over only once its backward has compiled too, and each backward takes
     # the path its forward took. The call that takes over measures no schedule: patterns the
     # performance library lacks keep the plan's templates (``fusionstitching tune`` fills it).

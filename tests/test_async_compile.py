@@ -189,16 +189,17 @@ def test_compilations_count_each_shape_specialization():
     assert stats()["compilations"] == 2 and stats()["eager while compiling"] == 0
 
 
-def test_a_dropouts_backward_uses_the_mask_its_forward_drew_on_either_path(monkeypatch):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_dropouts_backward_uses_the_mask_its_forward_drew_on_either_path(monkeypatch, dynamic):
     """Dropout draws its mask in the forward (in PyTorch from torch's generator, compiled from a
     seed drawn from it): the gradient of each step is its own forward's mask, before, across and
-    after the switch."""
+    after the switch; with symbolic shapes too."""
     release = _held(monkeypatch)
 
     def fn(x):
         return torch.nn.functional.dropout(x * 3.0, 0.5, training=True)
 
-    compiled = fusionstitching.compile(fn, options={"async_compile": True})
+    compiled = fusionstitching.compile(fn, options={"async_compile": True}, dynamic=dynamic)
     for step in range(6):
         if step == 2:
             release.set()
@@ -354,23 +355,94 @@ def test_a_symbolic_graphs_failed_compile_leaves_it_in_pytorch_announced(monkeyp
     assert stats()["compilations"] == 0
 
 
-def test_a_symbolic_training_graph_compiles_each_shape_at_its_first_call():
-    """Which backward call belongs to which forward's shape is not known ahead, so a symbolic
-    training graph's specializations compile at their first call, as without async compilation."""
+def _training_step(compiled, model, reference, rows: int) -> None:
+    """One step of ``rows`` rows through ``compiled`` and ``reference``: outputs and gradients equal."""
+    weights = _WEIGHTS[:rows]
+    x = torch.randn(rows, 64)
+    got, want = [], []
+    for fn, m, out in ((compiled, model, got), (reference, reference, want)):
+        xi = x.clone().requires_grad_(True)
+        m.zero_grad()
+        y = fn(xi)
+        (y * weights).sum().backward()
+        out += [y.detach(), xi.grad, m[0].weight.grad.clone()]
+    _close(got, want)
+
+
+def test_a_symbolic_training_graphs_shapes_compile_in_the_background_one_path_per_step(monkeypatch):
+    """Each new signature of a symbolic training graph runs its step in PyTorch (forward and
+    backward) while both graphs compile for it; then its steps run compiled."""
+    release = _held(monkeypatch)
     model, reference = _model(), _model()
-    compiled = fusionstitching.compile(model, options={"async_compile": True}, dynamic=True)
-    for rows in (32, 32, 32, 17):
-        weights = _WEIGHTS[:rows]
-        x = torch.randn(rows, 64)
-        got, want = [], []
-        for fn, m, out in ((compiled, model, got), (reference, reference, want)):
-            xi = x.clone().requires_grad_(True)
-            m.zero_grad()
-            y = fn(xi)
-            (y * weights).sum().backward()
-            out += [y.detach(), xi.grad, m[0].weight.grad.clone()]
-        _close(got, want)
-    assert _eager_calls() == 0 and stats()["fallbacks"] == 0
+    compiled = _dynamic(model)
+    for rows in (32, 17):  # the compiles wait: both steps in PyTorch, each submitting two compiles
+        _training_step(compiled, model, reference, rows)
+    assert _eager_calls() == 4 and stats()["compilations"] == 0
+    release.set()
+    assert wait_for_compiles(300) and stats()["compilations"] == 4
+    for rows in (32, 17, 32, 17):  # compiled from now on
+        _training_step(compiled, model, reference, rows)
+    assert _eager_calls() == 4
+    _training_step(compiled, model, reference, 24)  # a new size: in PyTorch while it compiles
+    assert wait_for_compiles(300) and _eager_calls() == 6
+    for rows in (24, 32):
+        _training_step(compiled, model, reference, rows)
+    assert _eager_calls() == 6 and stats()["compilations"] == 6 and stats()["fallbacks"] == 0
+
+
+def test_a_symbolic_backward_takes_the_path_of_the_forward_it_follows(monkeypatch):
+    """Forwards run before their backwards: each backward call takes the path of the oldest forward
+    call not yet followed (a step's backward follows its forward), and a forward switches once
+    both graphs compiled for its signature."""
+    release = _held(monkeypatch)
+    model, reference = _model(), _model()
+    compiled = _dynamic(model)
+    _training_step(compiled, model, reference, 32)  # in PyTorch; both graphs' compiles wait
+    xs = [torch.randn(32, 64) for _ in range(3)]
+    inputs = [x.clone().requires_grad_(True) for x in xs]
+    model.zero_grad()
+    ys = [compiled(inputs[0])]  # in PyTorch: not compiled yet
+    assert _eager_calls() == 3
+    release.set()
+    assert wait_for_compiles(300)
+    ys += [compiled(x) for x in inputs[1:]]  # compiled
+    assert _eager_calls() == 3
+    for y in ys:
+        (y * _WEIGHTS).sum().backward()
+    assert _eager_calls() == 4  # the first backward only
+    ref_inputs = [x.clone().requires_grad_(True) for x in xs]
+    reference.zero_grad()
+    for y in [reference(x) for x in ref_inputs]:
+        (y * _WEIGHTS).sum().backward()
+    _close([*ys, *(x.grad for x in inputs), model[0].weight.grad],
+           [*(reference(x) for x in xs), *(x.grad for x in ref_inputs), reference[0].weight.grad])
+
+
+def test_a_symbolic_backward_that_does_not_compile_keeps_its_forward_in_pytorch_announced(monkeypatch):
+    _held(monkeypatch, which=None, fail="backward")
+    model, reference = _model(), _model()
+    compiled = fusionstitching.compile(model, options={"async_compile": True, "strict": False}, dynamic=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in (32, 32, 17, 32):
+            _training_step(compiled, model, reference, rows)
+            assert wait_for_compiles(300)
+    messages = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    assert any("injected failure" in m for m in messages), messages
+    assert any("its backward runs in PyTorch" in m for m in messages), messages
+    assert stats()["fallbacks"] == 2
+
+
+def test_under_strict_a_symbolic_backwards_failed_compile_is_raised_at_its_forwards_call(monkeypatch):
+    release = _held(monkeypatch, fail="backward")
+    model, reference = _model(), _model()
+    compiled = _dynamic(model)
+    _training_step(compiled, model, reference, 32)
+    release.set()
+    assert wait_for_compiles(300)
+    for _ in range(2):  # at every forward call of the signature
+        with pytest.raises(CompileFailure, match="injected failure"):
+            compiled(torch.randn(32, 64, requires_grad=True))
 
 
 def test_a_symbolic_graphs_later_shapes_take_an_explored_plans_patterns(monkeypatch):

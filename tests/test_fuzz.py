@@ -290,7 +290,7 @@ def test_random_programs_compile_to_the_values_of_eager():
     assert summary.mismatches + summary.errors == 0, f"fuzz seed {seed}: {summary.last_line()}\n{failures}"
 
 
-def test_every_other_round_of_configurations_runs_symbolic_shapes(tmp_path, capsys):
+def test_the_second_round_of_configurations_runs_symbolic_shapes(tmp_path, capsys):
     """Program k keeps ``CONFIGS[k % len(CONFIGS)]``'s selector and generators; the second round
     compiles under TorchDynamo's symbolic shapes, through the backend's per-call specialization,
     and its reproducer says so."""
@@ -300,7 +300,7 @@ def test_every_other_round_of_configurations_runs_symbolic_shapes(tmp_path, caps
     for k in (0, n - 1):
         static, dynamic = run.config_for(k), run.config_for(k + n)
         assert (static.solver, static.generators, static.dynamic) == (dynamic.solver, dynamic.generators, False)
-        assert dynamic.dynamic and str(dynamic).endswith(", dynamic")
+        assert dynamic.dynamic and not dynamic.async_compile and str(dynamic).endswith(", dynamic")
     k = next(k for k in range(n, 2 * n) if not generate(5, k).expect_error)
     program = generate(5, k)
     reset_stats()
@@ -309,3 +309,24 @@ def test_every_other_round_of_configurations_runs_symbolic_shapes(tmp_path, caps
     path = tmp_path / "repro.py"
     path.write_text(reproducer(program, run.config_for(k), Outcome("mismatch", "output 0", "made up", "mismatch"), "5:k"))
     assert "dynamic=True" in path.read_text()
+
+
+def test_the_third_round_compiles_symbolic_shapes_in_the_background(tmp_path):
+    """The third round adds ``Options(async_compile=True)``: the check's first call runs in
+    PyTorch, then it waits for the compiles and checks the compiled calls; the reproducer does the
+    same."""
+    from fusionstitching.backend import reset_stats, stats
+
+    n = len(run.CONFIGS)
+    config = run.config_for(2 * n)
+    assert config.dynamic and config.async_compile and str(config).endswith(", dynamic, async")
+    assert config.options()["async_compile"] is True
+    k = next(k for k in range(2 * n, 3 * n) if not generate(5, k).expect_error and generate(5, k).backward)
+    program = generate(5, k)
+    reset_stats()
+    assert check(program, run.config_for(k)).status == "ok"
+    counts = stats()
+    assert counts["eager while compiling"] >= 1 and counts["compilations"] >= 1 and counts["fallbacks"] == 0
+    text = reproducer(program, run.config_for(k), Outcome("mismatch", "output 0", "made up", "mismatch"), "5:k")
+    assert "'async_compile': True" in text and "wait_for_compiles(300)" in text
+    compile(text, "repro.py", "exec")

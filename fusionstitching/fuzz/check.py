@@ -83,13 +83,19 @@ class Config:
     # TorchDynamo's symbolic shapes from the first call (``dynamic=True``): the backend compiles
     # the call's concrete shapes from a symbolic graph, its sizes among the inputs
     dynamic: bool = False
+    # ``Options(async_compile=True)``: the first call runs in PyTorch while the graphs compile in
+    # the background; the check waits for them, then calls the compiled program
+    async_compile: bool = False
 
     def options(self) -> dict[str, Any]:
-        return {"strict": True, "solver": self.solver, "generators": self.generators}
+        options = {"strict": True, "solver": self.solver, "generators": self.generators}
+        if self.async_compile:
+            options["async_compile"] = True
+        return options
 
     def __str__(self) -> str:
         return f"{self.solver}, {self.label}" + (f", {self.mode}" if self.mode else "") \
-            + (", dynamic" if self.dynamic else "")
+            + (", dynamic" if self.dynamic else "") + (", async" if self.async_compile else "")
 
 
 @dataclass
@@ -241,7 +247,13 @@ def _against_eager(program: Program, built: Built, config: Config, device: str) 
     compiled_fn = compile_with(built.fn, config)
     # CUDA graphs are replayed from the third call on
     calls = program.calls if config.mode is None else max(program.calls, 3)
+    if config.async_compile:  # a first call in PyTorch, then the compiled program's calls
+        calls += 1
     for call in range(calls):
+        if config.async_compile and call == 1:
+            from fusionstitching.backend import wait_for_compiles
+
+            wait_for_compiles(300)
         try:
             compiled = _run(compiled_fn, inputs, program)
         except Exception as err:

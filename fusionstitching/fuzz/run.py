@@ -39,10 +39,12 @@ GENERATOR_SETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("all", GENERATORS),
 )
 CONFIGS = tuple(Config(solver, generators, label) for label, generators in GENERATOR_SETS for solver in SOLVERS)
-# Rounds of the configurations take turns: static shapes, then symbolic shapes (``dynamic=True``), and
-# on a GPU also CUDA-graph replay (mode="reduce-overhead"). Program k's selector and generators are
-# those of ``CONFIGS[k % len(CONFIGS)]`` whichever the round.
-CPU_CONFIGS = CONFIGS + tuple(dataclasses.replace(c, dynamic=True) for c in CONFIGS)
+# Rounds of the configurations take turns: static shapes, symbolic shapes (``dynamic=True``),
+# symbolic shapes compiled in the background (``async_compile``), and on a GPU also CUDA-graph replay
+# (mode="reduce-overhead"). Program k's selector and generators are those of
+# ``CONFIGS[k % len(CONFIGS)]`` whichever the round.
+CPU_CONFIGS = CONFIGS + tuple(dataclasses.replace(c, dynamic=True) for c in CONFIGS) \
+    + tuple(dataclasses.replace(c, dynamic=True, async_compile=True) for c in CONFIGS)
 GPU_CONFIGS = CPU_CONFIGS + tuple(dataclasses.replace(c, mode="reduce-overhead") for c in CONFIGS)
 DEFAULT_OUT = "fuzz-failures"
 

@@ -130,6 +130,9 @@ def reproducer(program: Program, config: Config, outcome: Outcome, found_as: str
     if config.mode is not None:  # torch.compile takes a mode or options, not both
         compile_line = (f"    compiled = fusionstitching.compile(fn, fusionstitching.Options(**{options!r}), "
                         f"mode={config.mode!r}, dynamic={config.dynamic})")
+    wait_line = ""
+    if config.async_compile:  # the first call runs in PyTorch while the graphs compile
+        wait_line = "    _run(compiled)\n    fusionstitching.backend.wait_for_compiles(300)\n"
     header = (f'"""fusionstitching fuzz reproducer: program {found_as} ({config}), shrunk to '
               f'{len(program.steps)} ops.\n\n{outcome.report()}\n\nReplay the unshrunk program: '
               f'{replay or "fusionstitching fuzz --replay " + found_as}\n"""\n')
@@ -152,7 +155,7 @@ if __name__ == "__main__":
 
 {compile_line}
     want_outputs, want_grads = _run(fn)
-    for call in range({program.calls if config.mode is None else max(program.calls, 3)}):
+{wait_line}    for call in range({program.calls if config.mode is None else max(program.calls, 3)}):
         got_outputs, got_grads = _run(compiled)
         for label, got, want in [("output", g, w) for g, w in zip(got_outputs, want_outputs)] + \\
                 [("gradient", g, w) for g, w in zip(got_grads, want_grads)]:
