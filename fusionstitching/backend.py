@@ -27,7 +27,32 @@ signature in the background likewise (``_Runner._specialization``): the calls of
 PyTorch until its program is ready. So does a training graph of symbolic shapes, its forward and
 backward each per signature: a forward's signature switches to its program once that program and
 the backward's program for the signature its backward calls showed are both ready, and each backward
-call takes the path of the forward call it follows (``_Pair.paths``).
+call takes the path of the forward call whose saved tensors it receives (``_Pair.paths``).
+
+``mode="reduce-overhead"`` replays each compiled graph from a CUDA graph after its second call
+(``runtime.program.GraphedProgram``); outputs are then overwritten by the next call, as with
+Inductor's CUDA graphs.
+
+Failure policy (DESIGN.md). A graph the compiler cannot handle — one the frontend cannot convert (an
+input that is neither a tensor nor a number, an unsupported dtype), or an internal error anywhere in
+planning, scheduling, lowering, compiling or the first run of a specialization — runs in PyTorch as
+AOTAutograd gave it: counted in ``stats()["fallbacks"]`` and announced by a ``FallbackWarning`` that
+names the graph, the stage, the node being handled with its ATen op, and the exception.
+``Options(strict=True)`` raises ``CompileFailure`` with the same evidence instead. Errors that eager
+raises too are the user's and always propagate: an index out of range met by a generated kernel
+(``IndexError``), and an error of a library op that the graph raises in PyTorch as well (same type,
+same message: torch's own index check in a scatter, say), which then propagates as PyTorch raises it.
+A first run of a specialization that fails otherwise runs the graph in PyTorch to tell the two
+apart. A graph called with more than ``Options.max_specializations`` shapes runs the further shapes
+in PyTorch (one warning). Library calls inside a plan (GEMMs, ops without a lowering) are counted in
+``stats()["library calls"]``.
+
+Threads. Compiling a specialization holds the runner's lock; shapes are propagated through the graph
+with ``FakeTensorProp`` (an interpreter), not re-traced with ``make_fx``, whose process-wide tracing
+flag made other threads' compiled calls fail meanwhile. ``CompiledGraph`` serializes its own calls.
+
+``stats()`` reads process-wide counters: compiling is a process-wide activity that a user wants
+to audit, the one place where this package keeps state across calls.
 """
 
 from __future__ import annotations
@@ -38,7 +63,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections import Counter, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +90,10 @@ _PLANS_TRIED = 3  # explored plans of a graph's other specializations tried for 
 _COUNTED = ("graphs", "compilations", "plans transferred", "kernels", "library calls", "views", "fallbacks",
             "shape specializations",
             "cache hits", "eager while compiling")
+# forward calls of a graph of symbolic shapes whose path its backward can still find (``_Pair.paths``):
+# more than the forwards a step can run before their backwards, few enough that the forwards whose
+# backward never comes (evaluation with gradients on) cost no memory to speak of
+_PATHS_KEPT = 1024
 _SWITCH_INTERVAL_S = 1e-4  # the interpreter's thread switch interval while a background compile runs
 
 
@@ -124,8 +153,8 @@ class _Pair:
     (``backward_ready``), counting those calls (``eager_forwards``); then it switches. A backward
     runs in PyTorch until the forward has switched and for as many calls as forwards ran in
     PyTorch (a training step's backward follows its forward), then compiled. If either graph fails
-    to compile, both stay in PyTorch. Graphs of symbolic shapes pair up per signature
-    (``paths``, ``_Runner._paired_call``)."""
+    to compile, both stay in PyTorch. Graphs of symbolic shapes pair up per signature and per
+    step (``paths``, ``_Runner._paired_call``)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -136,10 +165,14 @@ class _Pair:
         self.backward_calls = 0
         self.abandoned = False  # one of them does not compile: both run in PyTorch
         self.error: BaseException | None = None  # the backward's compile error, for ``strict``
-        # Training graphs of symbolic shapes (``_Runner._paired_call``): the forward calls' paths,
-        # (compiled, forward signature), oldest first, each taken by the next backward call; the
-        # backward signature seen after each forward signature's first call; the two runners.
-        self.paths: deque[tuple[bool, tuple]] = deque()
+        # Whether the two graphs compile per signature (``_Runner._paired_call``): the forward's or
+        # the backward's inputs have symbolic shapes or numbers among them. Then: each forward
+        # call's path, (compiled, forward signature), under the addresses of the tensors it saved
+        # (the last ``_PATHS_KEPT``), and how many those are; the backward signature seen after
+        # each forward signature; the two runners.
+        self.paired = False
+        self.paths: OrderedDict[tuple, tuple[bool, tuple]] = OrderedDict()
+        self.saved_tensors: int | None = None
         self.backward_for: dict[tuple, tuple] = {}
         self.forward: _Runner | None = None
         self.backward: _Runner | None = None
@@ -275,6 +308,9 @@ def _compiler(kind: str, options: Options, mode: str | None
         pair = gm.meta.get(_PAIR) if kind == "backward" else None
         if backward is not None and options.async_compile:
             pair = backward.meta[_PAIR] = _Pair()
+            # one rule for both graphs: per signature if either one's inputs vary
+            values = [node.meta.get("val") for node in backward.graph.find_nodes(op="placeholder")]
+            pair.paired = not (_static_inputs(example_inputs) and _static_inputs(values))
         if backward is not None and options.explore_ahead:
             backward.meta[_NAME] = _named("backward")  # the name its conversion ahead used
         else:
@@ -299,6 +335,11 @@ class _Runner:
         # ``disable`` around a backward compiler's result copies the instance's ``__dict__`` only.
         self._boxed_call = True
         self.gm = gm
+        # A lazily generated graph module writes its code into its attributes at its first call;
+        # generated now, before a background compile copies it while calls run it.
+        real_recompile = getattr(gm, "real_recompile", None)
+        if real_recompile is not None:
+            real_recompile()
         self.mode = mode
         self.name = name
         self.options = options
@@ -339,9 +380,9 @@ class _Runner:
         self.likes: list[Any] = []
         self.ran: set[tuple] = set()  # signatures run compiled at least once (``_paired_call``)
         tensors_only = all(isinstance(x, torch.Tensor) for x in example_inputs)
-        static = tensors_only and not _symbolic(example_inputs)
+        static = _static_inputs(example_inputs)
         # a training graph under Options.async_compile whose signatures compile in the background
-        self.paired = options.async_compile and pair is not None and not static
+        self.paired = pair is not None and pair.paired
         if self.paired:
             if kind == "forward":
                 pair.forward = self
@@ -519,35 +560,49 @@ class _Runner:
         return results
 
     def _paired_call(self, args: list[Any]) -> list[Any]:
-        """A call of a training graph of symbolic shapes (or numbers among its inputs) under
-        ``Options.async_compile``. Each new signature of either graph compiles in the background
-        (``_specialization``). A forward call runs its signature's program once that program and
-        the backward's program for the signature its backward calls showed are ready
-        (``_backward_ready``), else in PyTorch; either way its path joins ``_Pair.paths``, and the
-        next backward call takes it: a step's backward runs compiled exactly when its forward did
-        (its own program made at once if its signature is not the one compiled ahead). A backward
-        that falls back takes its forward with it, as with static shapes; the saved tensors keep
-        eager's layouts (``_compile_in_background``), so either path's backward reads either's."""
+        """A call of a training graph under ``Options.async_compile`` whose forward or backward
+        has symbolic shapes or numbers among its inputs (``_Pair.paired``). Each new signature of
+        either graph compiles in the background (``_specialization``). A forward call runs its
+        signature's program once that program and the backward's program for the signature its
+        backward showed are ready (``_backward_ready``), else in PyTorch. Its path is kept under the
+        addresses of the tensors it saved for the backward (``_Pair.paths``), which the backward
+        receives: a step's backward runs compiled exactly when its forward did, whatever the order
+        of steps' backwards (gradient accumulation, ``retain_graph``), its own program made at once
+        where its signature is not the one compiled ahead. A backward that falls back takes its
+        forward with it, as with static shapes; the saved tensors keep eager's layouts
+        (``_compile_in_background``), so either path's backward reads either's."""
         pair = self.pair
         key = _signature(args)
         if self.kind == "forward":
             compiled = self._paired_forward(key, args)
+            results = self._eager(args) if compiled is None else self._run_paired(compiled, key, args)
+            saved = tuple(results[k].data_ptr() for k in self.saved if isinstance(results[k], torch.Tensor))
             with pair.lock:
-                pair.paths.append((compiled is not None, key))
-        else:
-            with pair.lock:
-                path, forward_key = pair.paths.popleft() if pair.paths else (False, None)
-                if forward_key is not None:
-                    pair.backward_for.setdefault(forward_key, key)
-            compiled = self._paired_backward(key, args, path)
-        if compiled is None:
-            return self._eager(args)
-        first = key not in self.ran
-        self.ran.add(key)
-        return self._run(compiled, key, args, first)
+                pair.saved_tensors = len(saved)
+                pair.paths[saved] = (compiled is not None, key)
+                pair.paths.move_to_end(saved)
+                while len(pair.paths) > _PATHS_KEPT:  # forwards whose backward never came
+                    pair.paths.popitem(last=False)
+            return results
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        with pair.lock:  # the saved tensors come first among the backward's tensors
+            entry = pair.paths.get(tuple(t.data_ptr() for t in tensors[: pair.saved_tensors])) \
+                if pair.saved_tensors is not None else None
+            if entry is not None:
+                pair.backward_for.setdefault(entry[1], key)
+        compiled = self._paired_backward(key, args, entry[0] if entry is not None else None)
+        return self._eager(args) if compiled is None else self._run_paired(compiled, key, args)
+
+    def _run_paired(self, compiled, key: tuple, args: list[Any]) -> list[Any]:
+        results = self._run(compiled, key, args, key not in self.ran)
+        self.ran.add(key)  # once its first run passed (``_first_run``)
+        return results
 
     def _paired_forward(self, key: tuple, args: list[Any]):
         """The forward's program for signature ``key`` where this call runs it, else None."""
+        backward = self.pair.backward
+        if self.fallback is None and backward is not None and backward.fallback is not None:
+            self._fall_back("its backward runs in PyTorch (Options.async_compile pairs them)")
         if self.fallback is not None:
             return None
         with self.lock:
@@ -562,12 +617,12 @@ class _Runner:
         ready = self._backward_ready(key)
         if ready:
             return compiled
-        if ready is None and self.pair.backward is not None and self.pair.backward.fallback is not None:
-            if self.fallback is None:
-                self._fall_back("its backward runs in PyTorch (Options.async_compile pairs them)")
-            return None
-        _count("eager while compiling")
-        return None
+        backward = self.pair.backward
+        if backward is not None and backward.fallback is not None:
+            self._fall_back("its backward runs in PyTorch (Options.async_compile pairs them)")
+        elif ready is not None:
+            _count("eager while compiling")
+        return None  # ready is None: past the backward's limit of specializations (announced by it)
 
     def _backward_ready(self, forward_key: tuple) -> bool | None:
         """Whether the backward's program for the signature that followed ``forward_key`` is
@@ -588,39 +643,38 @@ class _Runner:
             if not job.done():
                 return False
             compiled = job.result()  # the compile's error, raised under strict (the job kept: raised again)
-            del backward.jobs[key]
+            backward.jobs.pop(key, None)
             if compiled is None:  # announced by the compile (``_failed``)
                 return None
             backward.compiled[key] = compiled
             return True
 
-    def _paired_backward(self, key: tuple, args: list[Any], path: bool):
-        """The backward's program for signature ``key`` where this call runs it (``path``: its
-        forward ran compiled), else None."""
-        if self.fallback is not None:
-            return None
+    def _paired_backward(self, key: tuple, args: list[Any], path: bool | None):
+        """The backward's program for signature ``key`` where this call runs it, else None.
+        ``path``: whether its forward ran compiled; None where that forward is not known (no saved
+        tensors, or it is older than ``_PATHS_KEPT`` forwards): the program then runs if ready."""
         forward = self.pair.forward
+        if self.fallback is not None or (forward is not None and forward.fallback is not None):
+            return None  # the forward announced it
         with self.lock:
             compiled = self.compiled.get(key)
             job = self.jobs.get(key)
-            if not path:
+            if compiled is None and job is not None and (path or (path is None and job.done())):
+                compiled = job.result()  # raised under strict (the job kept: raised again)
+                self.jobs.pop(key, None)
+                if compiled is None:  # announced by the compile (``_failed``)
+                    return None
+                self.compiled[key] = compiled
+            if path is False or (path is None and compiled is None):
                 if compiled is None and job is None:
                     if len(self.compiled) + len(self.jobs) >= self.options.max_specializations:
                         self._over_the_limit()
                         return None
-                    if forward is not None and forward.fallback is not None:
-                        return None  # no forward will run compiled
                     self._specialization(key, args)  # submitted; counted as a call in PyTorch
                 else:
                     _count("eager while compiling")
                 return None
-            if compiled is None and job is not None:
-                compiled = job.result()  # raised under strict (the job kept: raised again)
-                del self.jobs[key]
-                if compiled is None:
-                    return None
-                self.compiled[key] = compiled
-            elif compiled is None:  # a signature its forward's signature did not show before
+            if compiled is None:  # behind a compiled forward, a signature not compiled ahead
                 if len(self.compiled) + len(self.jobs) >= self.options.max_specializations:
                     self._over_the_limit()
                     return None
@@ -655,7 +709,7 @@ class _Runner:
             _count("eager while compiling")
             return None
         compiled = job.result()  # the compile's error, raised under strict (the job kept: raised again)
-        del self.jobs[key]
+        self.jobs.pop(key, None)  # a failed compile's fallback may have cleared them
         if compiled is None:  # announced by the compile (``_failed``)
             return None
         self.compiled[key] = compiled
@@ -953,6 +1007,11 @@ def _spec(name: str, t: torch.Tensor):
     from fusionstitching.frontend.torch_fx import _spec as spec
 
     return spec(name, t)
+
+
+def _static_inputs(inputs: list[Any]) -> bool:
+    """Tensors only, of static shapes and strides: a graph called with exactly these."""
+    return all(isinstance(x, torch.Tensor) for x in inputs) and not _symbolic(inputs)
 
 
 def _symbolic(inputs: list[Any]) -> bool:

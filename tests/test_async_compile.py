@@ -390,32 +390,71 @@ def test_a_symbolic_training_graphs_shapes_compile_in_the_background_one_path_pe
     assert _eager_calls() == 6 and stats()["compilations"] == 6 and stats()["fallbacks"] == 0
 
 
-def test_a_symbolic_backward_takes_the_path_of_the_forward_it_follows(monkeypatch):
-    """Forwards run before their backwards: each backward call takes the path of the oldest forward
-    call not yet followed (a step's backward follows its forward), and a forward switches once
-    both graphs compiled for its signature."""
+def _recording_eager(monkeypatch) -> list[tuple[str, set[int]]]:
+    """(graph kind, addresses of the tensors among its arguments and results) of each call run in
+    PyTorch by a runner."""
+    from fusionstitching import backend
+
+    calls: list[tuple[str, set[int]]] = []
+    plain = backend._Runner._eager
+
+    def eager(self, args):
+        results = plain(self, args)
+        calls.append((self.kind, {t.data_ptr() for t in [*args, *results] if isinstance(t, torch.Tensor)
+                                  and not isinstance(t, torch.nn.Parameter)}))
+        return results
+
+    monkeypatch.setattr(backend._Runner, "_eager", eager)
+    return calls
+
+
+def test_a_symbolic_backward_takes_the_path_of_its_own_forward(monkeypatch):
+    """Each backward call finds its forward's path under the tensors that forward saved, whatever
+    the order of the backwards; a forward switches once both graphs compiled for its signature."""
     release = _held(monkeypatch)
     model, reference = _model(), _model()
     compiled = _dynamic(model)
     _training_step(compiled, model, reference, 32)  # in PyTorch; both graphs' compiles wait
+    calls = _recording_eager(monkeypatch)
     xs = [torch.randn(32, 64) for _ in range(3)]
     inputs = [x.clone().requires_grad_(True) for x in xs]
     model.zero_grad()
     ys = [compiled(inputs[0])]  # in PyTorch: not compiled yet
-    assert _eager_calls() == 3
     release.set()
     assert wait_for_compiles(300)
     ys += [compiled(x) for x in inputs[1:]]  # compiled
-    assert _eager_calls() == 3
-    for y in ys:
+    assert _eager_calls() == 3 and [kind for kind, _ in calls] == ["forward"]
+    for y in reversed(ys):  # the last step's backward first
         (y * _WEIGHTS).sum().backward()
-    assert _eager_calls() == 4  # the first backward only
+    assert _eager_calls() == 4 and [kind for kind, _ in calls] == ["forward", "backward"]
+    assert calls[1][1] & calls[0][1]  # the backward in PyTorch read what the forward in PyTorch saved
     ref_inputs = [x.clone().requires_grad_(True) for x in xs]
     reference.zero_grad()
-    for y in [reference(x) for x in ref_inputs]:
+    for y in reversed([reference(x) for x in ref_inputs]):
         (y * _WEIGHTS).sum().backward()
     _close([*ys, *(x.grad for x in inputs), model[0].weight.grad],
            [*(reference(x) for x in xs), *(x.grad for x in ref_inputs), reference[0].weight.grad])
+
+
+def test_summed_losses_keep_each_backward_on_its_forwards_path(monkeypatch):
+    """Gradient accumulation over two sizes with one backward of the summed losses (autograd runs
+    the later step's backward first): every backward of a compiled forward runs compiled."""
+    model, reference = _model(), _model()
+    compiled = _dynamic(model)
+    for rows in (32, 17):  # both sizes compile (in PyTorch meanwhile)
+        _training_step(compiled, model, reference, rows)
+    assert wait_for_compiles(300)
+    eager = _eager_calls()
+    xs = [torch.randn(32, 64), torch.randn(17, 64)]
+    got, want = [], []
+    for fn, m, out in ((compiled, model, got), (reference, reference, want)):
+        inputs = [x.clone().requires_grad_(True) for x in xs]
+        m.zero_grad()
+        loss = sum((fn(x) * _WEIGHTS[: len(x)]).sum() for x in inputs)
+        loss.backward()
+        out += [*(x.grad for x in inputs), m[0].weight.grad.clone()]
+    _close(got, want)
+    assert _eager_calls() == eager and stats()["fallbacks"] == 0
 
 
 def test_a_symbolic_backward_that_does_not_compile_keeps_its_forward_in_pytorch_announced(monkeypatch):
