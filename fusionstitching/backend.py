@@ -75,6 +75,7 @@ from fusionstitching.options import Options
 
 _STATS: Counter[str] = Counter()
 _STATS_LOCK = threading.Lock()  # counts come from calls and from the background compile thread
+_FALLBACK_LOCK = threading.Lock()  # a graph falls back once, from a call or a background compile
 _NUMBERED = [0]  # graphs named so far: graph names are "<kind>_<number>"
 _NAME = "fusionstitching name"  # the key of a backward's name, reserved when its forward compiles, in its meta
 # The backward graph the partitioner just made, for the forward compiler that AOTAutograd calls next
@@ -166,13 +167,17 @@ class _Pair:
         self.abandoned = False  # one of them does not compile: both run in PyTorch
         self.error: BaseException | None = None  # the backward's compile error, for ``strict``
         # Whether the two graphs compile per signature (``_Runner._paired_call``): the forward's or
-        # the backward's inputs have symbolic shapes or numbers among them. Then: each forward
-        # call's path, (compiled, forward signature), under the addresses of the tensors it saved
-        # (the last ``_PATHS_KEPT``), and how many those are; the backward signature seen after
-        # each forward signature; the two runners.
+        # the backward's inputs have symbolic shapes or numbers among them. Then: how many tensors
+        # a forward saves, and the positions of those that are new (not one of its inputs, not
+        # empty); each forward call's path, (compiled, forward signature), under the addresses of
+        # its new saved tensors (the last ``_PATHS_KEPT``); the forward signature of each layout of
+        # the saved tensors; the backward signature seen after each forward signature; the two
+        # runners.
         self.paired = False
-        self.paths: OrderedDict[tuple, tuple[bool, tuple]] = OrderedDict()
         self.saved_tensors: int | None = None
+        self.fresh: tuple[int, ...] = ()
+        self.paths: OrderedDict[tuple, tuple[bool, tuple]] = OrderedDict()
+        self.signatures: dict[tuple, tuple] = {}
         self.backward_for: dict[tuple, tuple] = {}
         self.forward: _Runner | None = None
         self.backward: _Runner | None = None
@@ -576,22 +581,46 @@ class _Runner:
         if self.kind == "forward":
             compiled = self._paired_forward(key, args)
             results = self._eager(args) if compiled is None else self._run_paired(compiled, key, args)
-            saved = tuple(results[k].data_ptr() for k in self.saved if isinstance(results[k], torch.Tensor))
-            with pair.lock:
-                pair.saved_tensors = len(saved)
-                pair.paths[saved] = (compiled is not None, key)
-                pair.paths.move_to_end(saved)
-                while len(pair.paths) > _PATHS_KEPT:  # forwards whose backward never came
-                    pair.paths.popitem(last=False)
+            self._record_path(args, results, key, compiled is not None)
             return results
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        entry, forward_key = None, None
         with pair.lock:  # the saved tensors come first among the backward's tensors
-            entry = pair.paths.get(tuple(t.data_ptr() for t in tensors[: pair.saved_tensors])) \
-                if pair.saved_tensors is not None else None
-            if entry is not None:
-                pair.backward_for.setdefault(entry[1], key)
+            saved = tensors[: pair.saved_tensors] if pair.saved_tensors is not None else None
+            if saved is not None and len(saved) == pair.saved_tensors:
+                if pair.fresh:  # taken: a second backward through a retained graph finds none
+                    entry = pair.paths.pop(tuple(saved[i].data_ptr() for i in pair.fresh), None)
+                forward_key = entry[1] if entry is not None else pair.signatures.get(_saved_layout(saved))
+            if forward_key is not None:
+                pair.backward_for.setdefault(forward_key, key)
         compiled = self._paired_backward(key, args, entry[0] if entry is not None else None)
         return self._eager(args) if compiled is None else self._run_paired(compiled, key, args)
+
+    def _record_path(self, args: list[Any], results: list[Any], key: tuple, compiled: bool) -> None:
+        """Keep a forward call's path for its backward (``_Pair.paths``), under the addresses of
+        the tensors it saved that are its own: a saved parameter or input has one address for
+        every step. A forward none of whose saved tensors are its own leaves its backward to take
+        its program where ready. And the signature its saved tensors' layout comes from, for a
+        backward that cannot be told its step (a saved-tensor hook that moves them)."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        saved = [results[k] for k in self.saved if isinstance(results[k], torch.Tensor)]
+        if any(isinstance(t, FakeTensor) for t in saved):  # a call under fake mode (tracing)
+            return
+        inputs = {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        fresh = tuple(i for i, t in enumerate(saved) if t.numel() and t.data_ptr() not in inputs)
+        pair = self.pair
+        with pair.lock:
+            pair.saved_tensors, pair.fresh = len(saved), fresh
+            if len(pair.signatures) >= _PATHS_KEPT:
+                pair.signatures.clear()
+            pair.signatures[_saved_layout(saved)] = key
+            if fresh:
+                address = tuple(saved[i].data_ptr() for i in fresh)
+                pair.paths[address] = (compiled, key)
+                pair.paths.move_to_end(address)
+                while len(pair.paths) > _PATHS_KEPT:  # forwards whose backward never came
+                    pair.paths.popitem(last=False)
 
     def _run_paired(self, compiled, key: tuple, args: list[Any]) -> list[Any]:
         results = self._run(compiled, key, args, key not in self.ran)
@@ -879,7 +908,10 @@ class _Runner:
         self._fall_back(evidence)
 
     def _fall_back(self, reason: str) -> None:
-        self.fallback = reason
+        with _FALLBACK_LOCK:  # once per graph, whichever thread comes first
+            if self.fallback is not None:
+                return
+            self.fallback = reason
         self.static = None
         self.jobs.clear()  # programs no call will take (a job still running finishes unread)
         _count("fallbacks")
@@ -1007,6 +1039,10 @@ def _spec(name: str, t: torch.Tensor):
     from fusionstitching.frontend.torch_fx import _spec as spec
 
     return spec(name, t)
+
+
+def _saved_layout(tensors: list[Any]) -> tuple:
+    return tuple((t.dtype, tuple(t.shape), t.stride()) for t in tensors)
 
 
 def _static_inputs(inputs: list[Any]) -> bool:

@@ -509,3 +509,19 @@ def test_a_symbolic_graphs_later_shapes_take_an_explored_plans_patterns(monkeypa
             _close(compiled(ids, mask), model(ids, mask))
     assert stats()["compilations"] == 5 and stats()["plans transferred"] == 3
     assert len(explored) == 2  # 32 and 48 tokens
+
+
+def test_saved_tensors_moved_by_a_hook_still_let_the_forward_switch(monkeypatch):
+    """A saved-tensor hook that copies what a step saves (offloading does) hides the forward's
+    addresses from its backward: the backward is still matched to its forward's signature by the
+    saved tensors' layout, and the forward switches once both graphs compiled."""
+    model, reference = _model(), _model()
+    compiled = _dynamic(model)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        for rows in (32, 17):
+            _training_step(compiled, model, reference, rows)
+        assert wait_for_compiles(300)
+        eager = _eager_calls()
+        for rows in (32, 17, 32):
+            _training_step(compiled, model, reference, rows)
+    assert _eager_calls() == eager == 4 and stats()["fallbacks"] == 0
