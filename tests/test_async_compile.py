@@ -66,6 +66,14 @@ def _close(got, want) -> None:
         assert float((a - b).norm()) <= 1e-5 * float(b.norm()), float((a - b).norm() / b.norm())
 
 
+def _both_fell_back(caught) -> None:
+    """The backward's injected compile failure and its forward's fallback, each announced once."""
+    messages = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    assert any("injected failure" in m for m in messages), messages
+    assert any("its backward runs in PyTorch" in m for m in messages), messages
+    assert stats()["fallbacks"] == 2
+
+
 def _eager_calls() -> int:
     return stats()["eager while compiling"]
 
@@ -159,10 +167,7 @@ def test_a_backward_that_does_not_compile_keeps_its_forward_in_pytorch_announced
         for k in range(3):
             x = torch.randn(32, 64)
             _close(_step(compiled, model, x), _step(reference, reference, x))
-    messages = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
-    assert any("injected failure" in m for m in messages), messages
-    assert any("its backward runs in PyTorch" in m for m in messages), messages
-    assert stats()["fallbacks"] == 2
+    _both_fell_back(caught)
 
 
 def test_under_strict_a_background_compiles_error_is_raised_at_a_call(monkeypatch):
@@ -466,10 +471,7 @@ def test_a_symbolic_backward_that_does_not_compile_keeps_its_forward_in_pytorch_
         for rows in (32, 32, 17, 32):
             _training_step(compiled, model, reference, rows)
             assert wait_for_compiles(300)
-    messages = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
-    assert any("injected failure" in m for m in messages), messages
-    assert any("its backward runs in PyTorch" in m for m in messages), messages
-    assert stats()["fallbacks"] == 2
+    _both_fell_back(caught)
 
 
 def test_under_strict_a_symbolic_backwards_failed_compile_is_raised_at_its_forwards_call(monkeypatch):
