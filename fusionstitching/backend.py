@@ -537,12 +537,9 @@ class _Runner:
                 elif compiled is None:
                     if len(self.compiled) >= self.options.max_specializations:
                         return self._beyond_limit(args)
-                    _count("shape specializations")
-                    concrete = self._concrete(args)
-                    compiled = self._compile(concrete[0], args, key) if concrete is not None else None
+                    compiled = self._compile_now(key, args)
                     if compiled is None:
                         return self._eager(args)
-                    self.numbers[key] = concrete[1]
                     first = True
         return self._run(compiled, key, args, first)
 
@@ -707,13 +704,19 @@ class _Runner:
                 if len(self.compiled) + len(self.jobs) >= self.options.max_specializations:
                     self._over_the_limit()
                     return None
-                _count("shape specializations")
-                concrete = self._concrete(args)
-                compiled = self._compile(concrete[0], args, key) if concrete is not None else None
-                if compiled is None:
-                    return None
-                self.numbers[key] = concrete[1]
+                compiled = self._compile_now(key, args)
             return compiled
+
+    def _compile_now(self, key: tuple, args: list[Any]):
+        """The specialization ``key`` compiled at this call from its concrete arguments (the
+        runner's lock held, ``Options.max_specializations`` kept by the caller); None where the
+        graph runs in PyTorch."""
+        _count("shape specializations")
+        concrete = self._concrete(args)
+        compiled = self._compile(concrete[0], args, key) if concrete is not None else None
+        if compiled is not None:
+            self.numbers[key] = concrete[1]
+        return compiled
 
     def _specialization(self, key: tuple, args: list[Any]):
         """Under ``Options.async_compile``, an inference graph's program for the signature ``key``
