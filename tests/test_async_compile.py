@@ -361,9 +361,11 @@ def test_a_symbolic_graphs_failed_compile_leaves_it_in_pytorch_announced(monkeyp
 
 
 def _training_step(compiled, model, reference, rows: int) -> None:
-    """One step of ``rows`` rows through ``compiled`` and ``reference``: outputs and gradients equal."""
-    weights = _WEIGHTS[:rows]
-    x = torch.randn(rows, 64)
+    """One step of ``rows`` rows through ``compiled`` and ``reference`` (on ``model``'s device):
+    outputs and gradients equal."""
+    device = model[0].weight.device
+    weights = _WEIGHTS[:rows].to(device)
+    x = torch.randn(rows, 64, device=device)
     got, want = [], []
     for fn, m, out in ((compiled, model, got), (reference, reference, want)):
         xi = x.clone().requires_grad_(True)
@@ -374,11 +376,11 @@ def _training_step(compiled, model, reference, rows: int) -> None:
     _close(got, want)
 
 
-def test_a_symbolic_training_graphs_shapes_compile_in_the_background_one_path_per_step(monkeypatch):
+def _run_symbolic_training(monkeypatch, device: str) -> None:
     """Each new signature of a symbolic training graph runs its step in PyTorch (forward and
     backward) while both graphs compile for it; then its steps run compiled."""
     release = _held(monkeypatch)
-    model, reference = _model(), _model()
+    model, reference = _model(device), _model(device)
     compiled = _dynamic(model)
     for rows in (32, 17):  # the compiles wait: both steps in PyTorch, each submitting two compiles
         _training_step(compiled, model, reference, rows)
@@ -393,6 +395,16 @@ def test_a_symbolic_training_graphs_shapes_compile_in_the_background_one_path_pe
     for rows in (24, 32):
         _training_step(compiled, model, reference, rows)
     assert _eager_calls() == 6 and stats()["compilations"] == 6 and stats()["fallbacks"] == 0
+
+
+def test_a_symbolic_training_graphs_shapes_compile_in_the_background_one_path_per_step(monkeypatch):
+    _run_symbolic_training(monkeypatch, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_a_symbolic_training_graphs_shapes_compile_in_the_background(monkeypatch):
+    _run_symbolic_training(monkeypatch, "cuda")
 
 
 def _recording_eager(monkeypatch) -> list[tuple[str, set[int]]]:
