@@ -58,6 +58,7 @@ to audit, the one place where this package keeps state across calls.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import sys
 import threading
 import time
@@ -362,6 +363,9 @@ class _Runner:
         # compiled: at a static compile, inside the forward compiler's call. {output: strides}
         # of those it chose unlike eager; outputs computed by PyTorch are given these strides too.
         self.saved = tuple(range(self.outputs))[saved]
+        # Outputs that are views of inputs, made again from each call's inputs (``_InputViews``);
+        # not those saved for the backward, which the compiler may give layouts of its own.
+        self.input_views = _input_views(gm, set(self.saved))
         self.promised: dict[int, tuple[int, ...]] = {}
         # A graph with static shapes and only tensor inputs is called with exactly the example
         # inputs' shapes, strides, dtypes and devices (TorchDynamo's guards and AOTAutograd ensure
@@ -509,9 +513,9 @@ class _Runner:
         compiled = self.static
         if compiled is not None and self.proven:
             _count("cache hits")
-            if len(compiled.graph.parameters) > len(args):
-                args = list(args) + _rng_state(args)
-            return compiled.run(args, trusted=True)[: self.outputs]
+            tensors = list(args) + _rng_state(args) if len(compiled.graph.parameters) > len(args) else args
+            results = compiled.run(tensors, trusted=True)[: self.outputs]
+            return results if self.input_views is None else self.input_views.replace(results, args)
         args = list(args)
         if self.paired:
             return self._paired_call(args)
@@ -559,6 +563,8 @@ class _Runner:
             results = compiled.run(tensors, trusted=True)[: self.outputs]
         for k, value in self.numbers.get(key, {}).items():
             results[k] = value
+        if self.input_views is not None:
+            results = self.input_views.replace(results, args)
         return results
 
     def _paired_call(self, args: list[Any]) -> list[Any]:
@@ -1065,6 +1071,67 @@ def _symbolic(inputs: list[Any]) -> bool:
 def _symbolic_metadata(gm: fx.GraphModule) -> bool:
     """Whether a placeholder's traced value is a symbolic size or has symbolic sizes."""
     return _symbolic([node.meta.get("val") for node in gm.graph.nodes if node.op == "placeholder"])
+
+
+class _InputViews:
+    """The outputs of an ATen graph that are views of its inputs (made by view ops and size
+    arithmetic only), and a graph module of just those views. AOTAutograd rebuilds such an output
+    from the input it aliases: by replaying the view ops where their arguments are not symbolic,
+    else by ``as_strided`` with the size, strides and storage offset of the tensor the compiled
+    graph returned. A compiled program returns a fresh tensor (a kernel's copy) with the strides
+    eager's view has but storage offset 0, so for a symbolic graph whose input starts inside its
+    storage (a slice) the rebuilt output read from the wrong place. The outputs are therefore
+    returned as the views themselves, made from the call's inputs like eager's."""
+
+    def __init__(self, module: fx.GraphModule, indices: list[int]) -> None:
+        self.module, self.indices = module, indices
+
+    def replace(self, results: list[Any], args: list[Any]) -> list[Any]:
+        results = list(results)
+        for k, view in zip(self.indices, self.module(*args)):
+            results[k] = view
+        return results
+
+
+# what a view's size arguments are computed with: Python arithmetic on sizes and the size queries
+_SIZE_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
+                    operator.truediv, operator.pow, torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int,
+                    torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default}
+
+
+def _input_views(gm: fx.GraphModule, skip: set[int]) -> _InputViews | None:
+    """``_InputViews`` of ``gm``'s outputs that are views of its tensor inputs, those at ``skip``
+    left out, or None if there are none."""
+    graph = gm.graph
+    pure: dict[fx.Node, bool] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            pure[node] = True
+        elif node.op == "call_function":
+            target = node.target
+            allowed = (isinstance(target, torch._ops.OpOverload) and target.is_view) or target in _SIZE_ARITHMETIC
+            pure[node] = allowed and all(pure.get(a, False) for a in node.all_input_nodes)
+        else:
+            pure[node] = False
+    outputs = graph.output_node().args[0]
+    indices = [k for k, out in enumerate(outputs) if k not in skip and isinstance(out, fx.Node) and out.op == "call_function"
+               and pure[out] and isinstance(out.meta.get("val"), torch.Tensor)]
+    if not indices:
+        return None
+    needed: set[fx.Node] = set()
+    stack = [outputs[k] for k in indices]
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    views = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder" or node in needed:
+            env[node] = views.node_copy(node, lambda n: env[n])
+    views.output(tuple(env[outputs[k]] for k in indices))
+    return _InputViews(fx.GraphModule(gm, views), indices)
 
 
 def _fakes(args: list[Any]) -> list[Any]:

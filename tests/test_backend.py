@@ -292,3 +292,51 @@ def test_stats_report_the_seconds_of_each_compile_phase():
     assert all(type(v) is int for k, v in stats.items() if k != "compile seconds"), stats
     reset_stats()
     assert sum(fusionstitching.stats()["compile seconds"].values()) == 0
+
+
+def _view_of_input(x):
+    """An output that is a view of the input (a broadcast of a transpose of a flattening), and one
+    that is computed."""
+    return x.flatten(1, 2).transpose(0, 1).contiguous().unsqueeze(0).expand(2, 4, 1), x * 2
+
+
+@pytest.mark.parametrize("async_compile", [False, True])
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_an_output_that_views_an_input_inside_its_storage_reads_where_eagers_view_does(dynamic, async_compile, offset):
+    """Fuzz program 1809252159:274: AOTAutograd rebuilds an output that aliases an input from the
+    input, with the compiled output's storage offset where the views are symbolic; a kernel's copy
+    has offset 0, so an input sliced from its storage (offset 3) gave the storage's first elements.
+    Every call of each configuration matches eager and aliases the input as eager's output does."""
+    torch._dynamo.reset()
+    compiled = fusionstitching.compile(_view_of_input, options={"strict": True, "async_compile": async_compile},
+                                       dynamic=dynamic)
+    for call in range(3):
+        base = torch.arange(100, 108 + offset, dtype=torch.int32) + call
+        x = base[offset:offset + 4].view(1, 2, 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = compiled(x)
+        fusionstitching.backend.wait_for_compiles(300)
+        want = _view_of_input(x)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), (call, g.flatten().tolist(), w.flatten().tolist())
+        assert got[0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        assert got[0].storage_offset() == want[0].storage_offset()
+
+
+def test_a_training_output_that_views_an_input_gets_eagers_gradient():
+    """The same with gradients: the view output's gradient flows to the sliced input."""
+    def fn(x):
+        return x.t().unsqueeze(0).expand(3, -1, -1), (x * x).sum()
+
+    torch._dynamo.reset()
+    compiled = fusionstitching.compile(fn, options={"strict": True}, dynamic=True)
+    for rows in (4, 6, 8):
+        base = torch.randn(rows + 2, 5)
+        x, ref = base[2:].clone().requires_grad_(True), base[2:].clone().requires_grad_(True)
+        got, want = compiled(x[1:]), fn(ref[1:])
+        torch.testing.assert_close(got[0], want[0])
+        (got[0].sum() * 2 + got[1]).backward()
+        (want[0].sum() * 2 + want[1]).backward()
+        torch.testing.assert_close(x.grad, ref.grad)
