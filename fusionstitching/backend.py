@@ -363,9 +363,9 @@ class _Runner:
         # compiled: at a static compile, inside the forward compiler's call. {output: strides}
         # of those it chose unlike eager; outputs computed by PyTorch are given these strides too.
         self.saved = tuple(range(self.outputs))[saved]
-        # Outputs that are views of inputs, made again from each call's inputs (``_InputViews``);
+        # Outputs that are views of inputs or of other outputs, made again per call (``_OutputViews``);
         # not those saved for the backward, which the compiler may give layouts of its own.
-        self.input_views = _input_views(gm, set(self.saved))
+        self.output_views = _output_views(gm, set(self.saved))
         self.promised: dict[int, tuple[int, ...]] = {}
         # A graph with static shapes and only tensor inputs is called with exactly the example
         # inputs' shapes, strides, dtypes and devices (TorchDynamo's guards and AOTAutograd ensure
@@ -515,7 +515,7 @@ class _Runner:
             _count("cache hits")
             tensors = list(args) + _rng_state(args) if len(compiled.graph.parameters) > len(args) else args
             results = compiled.run(tensors, trusted=True)[: self.outputs]
-            return results if self.input_views is None else self.input_views.replace(results, args)
+            return results if self.output_views is None else self.output_views.replace(results, args)
         args = list(args)
         if self.paired:
             return self._paired_call(args)
@@ -563,8 +563,8 @@ class _Runner:
             results = compiled.run(tensors, trusted=True)[: self.outputs]
         for k, value in self.numbers.get(key, {}).items():
             results[k] = value
-        if self.input_views is not None:
-            results = self.input_views.replace(results, args)
+        if self.output_views is not None:
+            results = self.output_views.replace(results, args)
         return results
 
     def _paired_call(self, args: list[Any]) -> list[Any]:
@@ -1073,22 +1073,25 @@ def _symbolic_metadata(gm: fx.GraphModule) -> bool:
     return _symbolic([node.meta.get("val") for node in gm.graph.nodes if node.op == "placeholder"])
 
 
-class _InputViews:
-    """The outputs of an ATen graph that are views of its inputs (made by view ops and size
-    arithmetic only), and a graph module of just those views. AOTAutograd rebuilds such an output
-    from the input it aliases: by replaying the view ops where their arguments are not symbolic,
+class _OutputViews:
+    """The outputs of an ATen graph that are views of its inputs or of its other outputs (made by
+    view ops and size arithmetic only), and a graph module of just those views, which takes the
+    call's arguments and then the outputs they view. AOTAutograd rebuilds an output that aliases
+    an input from that input: by replaying the view ops where their arguments are not symbolic,
     else by ``as_strided`` with the size, strides and storage offset of the tensor the compiled
     graph returned. A compiled program returns a fresh tensor (a kernel's copy) with the strides
     eager's view has but storage offset 0, so for a symbolic graph whose input starts inside its
-    storage (a slice) the rebuilt output read from the wrong place. The outputs are therefore
-    returned as the views themselves, made from the call's inputs like eager's."""
+    storage (a slice) the rebuilt output read from the wrong place; and a view of another output
+    came back as a copy, not sharing that output's storage as eager's does (an in-place update of
+    one did not show in the other). These outputs are therefore returned as the views themselves,
+    made from the call's inputs and the compiled outputs like eager's."""
 
-    def __init__(self, module: fx.GraphModule, indices: list[int]) -> None:
-        self.module, self.indices = module, indices
+    def __init__(self, module: fx.GraphModule, indices: list[int], bases: list[int]) -> None:
+        self.module, self.indices, self.bases = module, indices, bases
 
     def replace(self, results: list[Any], args: list[Any]) -> list[Any]:
         results = list(results)
-        for k, view in zip(self.indices, self.module(*args)):
+        for k, view in zip(self.indices, self.module(*args, *(results[j] for j in self.bases))):
             results[k] = view
         return results
 
@@ -1099,23 +1102,33 @@ _SIZE_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv,
                     torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default}
 
 
-def _input_views(gm: fx.GraphModule, skip: set[int]) -> _InputViews | None:
-    """``_InputViews`` of ``gm``'s outputs that are views of its tensor inputs, those at ``skip``
-    left out, or None if there are none."""
+def _output_views(gm: fx.GraphModule, skip: set[int]) -> _OutputViews | None:
+    """``_OutputViews`` of ``gm``'s outputs that are views of its tensor inputs or of its other
+    outputs, or None if there are none. Outputs at ``skip`` (saved for the backward, whose layout
+    the compiler may choose) are neither replaced nor viewed."""
     graph = gm.graph
+    outputs = graph.output_node().args[0]
+
+    def is_view(node: fx.Node) -> bool:
+        target = node.target
+        return node.op == "call_function" and (
+            (isinstance(target, torch._ops.OpOverload) and target.is_view) or target in _SIZE_ARITHMETIC)
+
+    # the outputs other outputs may view: computed tensors, each at its first index
+    bases: dict[fx.Node, int] = {}
+    for j, out in enumerate(outputs):
+        if (j not in skip and isinstance(out, fx.Node) and out.op == "call_function" and not is_view(out)
+                and isinstance(out.meta.get("val"), torch.Tensor)):
+            bases.setdefault(out, j)
     pure: dict[fx.Node, bool] = {}
     for node in graph.nodes:
-        if node.op == "placeholder":
+        if node.op == "placeholder" or node in bases:
             pure[node] = True
-        elif node.op == "call_function":
-            target = node.target
-            allowed = (isinstance(target, torch._ops.OpOverload) and target.is_view) or target in _SIZE_ARITHMETIC
-            pure[node] = allowed and all(pure.get(a, False) for a in node.all_input_nodes)
         else:
-            pure[node] = False
-    outputs = graph.output_node().args[0]
-    indices = [k for k, out in enumerate(outputs) if k not in skip and isinstance(out, fx.Node) and out.op == "call_function"
-               and pure[out] and isinstance(out.meta.get("val"), torch.Tensor)]
+            pure[node] = is_view(node) and all(pure.get(a, False) for a in node.all_input_nodes)
+    indices = [k for k, out in enumerate(outputs) if k not in skip and isinstance(out, fx.Node)
+               and out.op == "call_function" and out not in bases and pure[out]
+               and isinstance(out.meta.get("val"), torch.Tensor)]
     if not indices:
         return None
     needed: set[fx.Node] = set()
@@ -1124,14 +1137,21 @@ def _input_views(gm: fx.GraphModule, skip: set[int]) -> _InputViews | None:
         node = stack.pop()
         if node not in needed:
             needed.add(node)
-            stack.extend(node.all_input_nodes)
+            if node not in bases:
+                stack.extend(node.all_input_nodes)
+    used = [node for node in bases if node in needed]
     views = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
-        if node.op == "placeholder" or node in needed:
+        if node.op == "placeholder":
+            env[node] = views.node_copy(node, lambda n: env[n])
+    for node in used:
+        env[node] = views.placeholder(f"base_{bases[node]}")
+    for node in graph.nodes:
+        if node in needed and node not in env:
             env[node] = views.node_copy(node, lambda n: env[n])
     views.output(tuple(env[outputs[k]] for k in indices))
-    return _InputViews(fx.GraphModule(gm, views), indices)
+    return _OutputViews(fx.GraphModule(gm, views), indices, [bases[node] for node in used])
 
 
 def _fakes(args: list[Any]) -> list[Any]:

@@ -340,3 +340,54 @@ def test_a_training_output_that_views_an_input_gets_eagers_gradient():
         (got[0].sum() * 2 + got[1]).backward()
         (want[0].sum() * 2 + want[1]).backward()
         torch.testing.assert_close(x.grad, ref.grad)
+
+
+def _views_of_an_output(x):
+    """A computed output, a view of it inside its storage, and a view of that view."""
+    y = x * 2 + 1
+    z = y[1:].t()
+    return y, z, z.unsqueeze(0)
+
+
+@pytest.mark.parametrize("async_compile", [False, True])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_an_output_that_views_another_output_shares_its_storage_as_eagers_does(dynamic, async_compile):
+    """Eager's ``y[1:].t()`` shares ``y``'s storage at offset ``y.size(1)``: an in-place update of
+    ``y`` shows in it. A kernel's copy of it had the right values in storage of its own. Each call
+    matches eager, in values, storage offsets, strides and aliasing, before and after ``y.add_``."""
+    torch._dynamo.reset()
+    compiled = fusionstitching.compile(_views_of_an_output, options={"strict": True, "async_compile": async_compile},
+                                       dynamic=dynamic)
+    for rows in (4, 6, 6, 8):
+        x = torch.randn(rows, 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = compiled(x)
+        fusionstitching.backend.wait_for_compiles(300)
+        want = _views_of_an_output(x)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+            assert g.stride() == w.stride() and g.storage_offset() == w.storage_offset()
+            assert g.untyped_storage().data_ptr() == got[0].untyped_storage().data_ptr()
+        got[0].add_(1)
+        want[0].add_(1)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+
+
+def test_a_training_output_that_views_another_output_gets_eagers_gradient():
+    """A view of a computed training output shares its storage, and gradients through both reach
+    the input as eager's do."""
+    torch._dynamo.reset()
+    compiled = fusionstitching.compile(_views_of_an_output, options={"strict": True})
+    x = torch.randn(5, 3, requires_grad=True)
+    ref = x.detach().clone().requires_grad_(True)
+    got, want = compiled(x), _views_of_an_output(ref)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert got[1].untyped_storage().data_ptr() == got[0].untyped_storage().data_ptr()
+    assert got[1].storage_offset() == want[1].storage_offset()
+    weights = [torch.randn(w.shape) for w in want]
+    sum((g * k).sum() for g, k in zip(got, weights)).backward()
+    sum((w * k).sum() for w, k in zip(want, weights)).backward()
+    torch.testing.assert_close(x.grad, ref.grad)
