@@ -72,6 +72,7 @@ import torch
 from torch import fx
 
 from fusionstitching._host import COMPILE_SECONDS, PHASES, add_seconds, timed
+from fusionstitching.codegen.size_args import SizeFamilies
 from fusionstitching.options import Options
 
 _STATS: Counter[str] = Counter()
@@ -89,7 +90,7 @@ _PENDING: list[Any] = []  # futures of the background compiles not finished, for
 _PENDING_LOCK = threading.Lock()
 _PLANS_TRIED = 3  # explored plans of a graph's other specializations tried for a new one (``_Runner.likes``)
 # the counts ``stats()`` always reports, 0 until something happens
-_COUNTED = ("graphs", "compilations", "plans transferred", "kernels", "library calls", "views", "fallbacks",
+_COUNTED = ("graphs", "compilations", "plans transferred", "kernels shared across shapes", "kernels", "library calls", "views", "fallbacks",
             "shape specializations",
             "cache hits", "eager while compiling")
 # forward calls of a graph of symbolic shapes whose path its backward can still find (``_Pair.paths``):
@@ -113,6 +114,8 @@ def stats() -> dict[str, Any]:
     shape specializations and cache hits; ``"compilations"`` (graphs planned and compiled, one per
     specialization); ``"plans transferred"`` (specializations planned with the patterns of the
     graph's first specialization, checked at their shapes, not explored: ``explore.transfer``);
+    ``"kernels shared across shapes"`` (kernels of a specialization that run the code of the graph's
+    earlier ones, with the sizes as arguments: ``codegen/size_args.py``);
     ``"eager while compiling"`` (calls run in PyTorch while their graph compiled
     in the background, ``Options.async_compile``); ``"tuned"`` (patterns whose schedules were measured) and
     ``"perflib hits"`` (patterns whose schedule came from the performance library); ``"plan cache
@@ -387,6 +390,9 @@ class _Runner:
         # the explored plans of the specializations compiled so far, newest first, for the others
         # (``explore.transfer``); a few, as each one tried costs a check of every pattern
         self.likes: list[Any] = []
+        # the kernels of its specializations by skeleton: a later one's kernels that differ from an
+        # earlier one's only in constants run one compiled kernel, the sizes its arguments
+        self.families = SizeFamilies()
         self.ran: set[tuple] = set()  # signatures run compiled at least once (``_paired_call``)
         tensors_only = all(isinstance(x, torch.Tensor) for x in example_inputs)
         static = _static_inputs(example_inputs)
@@ -857,8 +863,9 @@ class _Runner:
         if backward is not None:
             self._explore_ahead(backward, promised)
         compiled = compile_graph(graph, self.options, self.mode, device=device, output_devices=output_devices,
-                                 like=tuple(self.likes))
+                                 like=tuple(self.likes), families=self.families)
         _count("compilations")
+        _count("kernels shared across shapes", compiled.shared_kernels)
         if compiled.plan.transferred:
             _count("plans transferred")
         else:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from fusionstitching._host import COMPILE_SECONDS, PHASES, collector_paused, timed
 from fusionstitching.codegen.generate import GeneratedKernel, generate
+from fusionstitching.codegen.size_args import SizeFamilies
 from fusionstitching.fusion import background, explore, plan_cache
 from fusionstitching.fusion.explore import DEFAULT_GENERATORS, transfer
 from fusionstitching.fusion.plan import FusionPlan
@@ -51,12 +52,15 @@ logger = logging.getLogger(__name__)
 @collector_paused()
 def compile_graph(graph: Graph, options: Options | None = None, mode: str | None = None,
                   dump_dir: str | os.PathLike | None = None, device: Any = None,
-                  output_devices: Sequence[Any] | None = None, like: Sequence[FusionPlan] = ()) -> CompiledGraph:
+                  output_devices: Sequence[Any] | None = None, like: Sequence[FusionPlan] = (),
+                  families: SizeFamilies | None = None) -> CompiledGraph:
     """Plan ``graph`` and generate its kernels; dump every stage's text when asked. ``device`` and
     ``output_devices``: where the graph runs and where its outputs go (``CompiledGraph``). ``like``:
     plans of other shape specializations of the same graph, in the order tried: the first whose
     patterns are all legal at these shapes is taken (``explore.transfer``) instead of exploring; a
-    stored plan of this graph, or one a worker explored ahead, comes first."""
+    stored plan of this graph, or one a worker explored ahead, comes first. ``families``: the kernel
+    families of the graph's other specializations, whose parametric kernels this one's kernels
+    take where they can (``codegen/size_args.py``)."""
     options = options or Options()
     start = time.perf_counter()
     generators = options.generators or DEFAULT_GENERATORS
@@ -77,6 +81,8 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
                 plan_cache.store(key, graph, options, plan)
     with timed("code generation"):
         compiled = compile_plan(plan, mode=mode, options=options, device=device, output_devices=output_devices)
+        if families is not None:
+            compiled.shared_kernels = families.adopt(compiled.kernels)
     # The graph's compile work (the tuning budget is a multiple of it): a plan explored ahead
     # counts the worker's seconds, not the time spent waiting for it.
     compiled.compile_seconds = time.perf_counter() - start - waited + ahead

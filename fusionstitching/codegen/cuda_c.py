@@ -90,7 +90,7 @@ _PACKED_BITS = {"f16": 16, "bf16": 16, "bool": 8}  # lanes narrower than a 32-bi
 
 def render(kernel: K.Kernel) -> str:
     """The CUDA C source of ``kernel``: prelude, signature, body."""
-    params = ",\n    ".join(_param(b) for b in kernel.params)
+    params = ",\n    ".join([_param(b) for b in kernel.params] + [f"{C_TYPES[p.dtype]} {p.name}" for p in kernel.scalars])
     lines = [f"// {note}" for note in kernel.notes]
     lines.append(PRELUDE.strip())
     lines.append(f'extern "C" __global__ void __launch_bounds__({kernel.threads}) {kernel.name}(\n    {params}) {{')
@@ -306,7 +306,7 @@ def _binary(e: K.Binary) -> str:
             return f"({a} / {b})" if op == "div" else f"fmodf({a}, {b})"
         if t == "f64":
             return f"({a} / {b})" if op == "div" else f"fmod({a}, {b})"
-        if isinstance(e.b, K.Const) and int(e.b.value) > 0:
+        if (isinstance(e.b, K.Const) and int(e.b.value) > 0) or isinstance(e.b, K.Param):  # a Param size is positive
             return f"({a} {'/' if op == 'div' else '%'} {b})"
         return f"fs_i{op}<{C_TYPES[t]}>({a}, {b})"
     if op == "pow":
@@ -366,6 +366,6 @@ def _shuffle(e: K.Shuffle) -> str:
 
 
 _EXPRS = {
-    K.Const: _const, K.Var: _var, K.Special: _special, K.Unary: _unary, K.Binary: _binary, K.Select: _select,
+    K.Const: _const, K.Var: _var, K.Param: _var, K.Special: _special, K.Unary: _unary, K.Binary: _binary, K.Select: _select,
     K.Cast: _cast, K.Load: _load, K.Philox: _philox, K.Shuffle: _shuffle,
 }

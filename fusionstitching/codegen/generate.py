@@ -32,6 +32,9 @@ class GeneratedKernel:
     cuda_source: str
     _scalar_variant: GeneratedKernel | None = field(default=None, repr=False)
     _twin: GeneratedKernel | None = field(default=None, repr=False)  # the kernel whose code this one shares
+    # A kernel of a symbolic graph's specialization launched as its family's parametric kernel
+    # (``codegen/size_args.py``): (that kernel, its scalar arguments packed, their values).
+    _shared: tuple | None = field(default=None, repr=False)
 
     def twin(self, graph: Graph, nodes: Iterable[Node], template: KernelSchedule) -> GeneratedKernel:
         """This kernel for another pattern of ``graph`` with the same structure and scalar constants

@@ -82,6 +82,15 @@ class Var:
 
 
 @dataclass(frozen=True)
+class Param:
+    """A scalar argument of the kernel (``Kernel.scalars``): a size of the shape class a kernel
+    shared across shapes is launched with (``codegen/size_args.py``). Integer ones are positive."""
+
+    name: str
+    dtype: str
+
+
+@dataclass(frozen=True)
 class Special:
     name: str
     dtype: str = "i32"
@@ -173,7 +182,7 @@ class Shuffle:
     dtype: str
 
 
-Expr = Const | Var | Special | Unary | Binary | Select | Cast | Load | Philox | Shuffle
+Expr = Const | Var | Param | Special | Unary | Binary | Select | Cast | Load | Philox | Shuffle
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,6 +312,7 @@ class Kernel:
     blocks: int
     shared: tuple[Buffer, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    scalars: tuple[Param, ...] = ()  # scalar arguments, after the buffers
 
     def buffer(self, name: str) -> Buffer:
         for b in self.params + self.shared:

@@ -100,6 +100,7 @@ class CompiledGraph:
         self._layout_checks: list[tuple[int, tuple[int, ...]]] | None = None
         self._old_values = _old_value_outputs(self.graph, self.steps)
         self.compile_seconds = 0.0  # exploration and code generation (set by ``pipeline.compile_graph``)
+        self.shared_kernels = 0  # kernels that run another specialization's compiled code (``codegen/size_args.py``)
         self._tuned = False  # whether the first GPU call chose the schedules (``_run_tuning``)
         self.tuning: Any = None  # that call's Tuner: what was measured or read from the library
         # The first GPU call reads the performance library and measures nothing, not even a

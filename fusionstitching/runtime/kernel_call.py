@@ -70,6 +70,9 @@ def _launcher(kernel, arch: str, cache_dir: str | PathLike | None, cache_max_byt
     if launcher is None:
         if kernel._twin is not None:
             launcher = _launcher(kernel._twin, arch, cache_dir, cache_max_bytes).twin()
+        elif kernel._shared is not None:  # its family's parametric kernel, with its grid and sizes
+            shared, scalars, _ = kernel._shared
+            launcher = _launcher(shared, arch, cache_dir, cache_max_bytes).bound(kernel.lowered.kernel.blocks, scalars)
         else:
             ir = kernel.lowered.kernel
             module = compile_cuda(kernel.cuda_source, arch, name=f"{ir.name}.cu", cache_dir=cache_dir,
@@ -77,6 +80,18 @@ def _launcher(kernel, arch: str, cache_dir: str | PathLike | None, cache_max_byt
             launcher = LoadedKernel(module.cubin, ir.name, len(ir.params), ir.blocks, ir.threads)
         modules[arch] = launcher
     return launcher
+
+
+def code_owner(kernel: Any) -> Any:
+    """The kernel whose source ``kernel`` runs: through twins (``GeneratedKernel.twin``) and kernels
+    shared across shapes (``codegen/size_args.py``)."""
+    while True:
+        if kernel._twin is not None:
+            kernel = kernel._twin
+        elif kernel._shared is not None:
+            kernel = kernel._shared[0]
+        else:
+            return kernel
 
 
 def precompile(kernels: Sequence[Any], arch: str, workers: int | None = None, *,
@@ -91,8 +106,7 @@ def precompile(kernels: Sequence[Any], arch: str, workers: int | None = None, *,
 
     originals = {}
     for kernel in kernels:
-        while kernel._twin is not None:
-            kernel = kernel._twin
+        kernel = code_owner(kernel)
         if arch not in loaded(kernel).modules:  # made here, not in the pool's threads
             originals[id(kernel)] = kernel
     if not originals:
@@ -122,8 +136,7 @@ class CompileAhead:
 
     def submit(self, kernels: Sequence[Any]) -> None:
         for kernel in kernels:
-            while kernel._twin is not None:
-                kernel = kernel._twin
+            kernel = code_owner(kernel)
             if id(kernel) in self._futures or self.arch in loaded(kernel).modules:  # made here, not in a thread
                 continue
             self._futures[id(kernel)] = (kernel, self._pool.submit(self._compile, kernel))
@@ -141,8 +154,7 @@ class CompileAhead:
     def wait(self, kernels: Sequence[Any]) -> None:
         """Until the compiles of ``kernels`` submitted here are done."""
         for kernel in kernels:
-            while kernel._twin is not None:
-                kernel = kernel._twin
+            kernel = code_owner(kernel)
             _, future = self._futures.pop(id(kernel), (None, None))
             if future is not None and not future.cancelled():
                 future.result()

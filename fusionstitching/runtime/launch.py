@@ -133,7 +133,8 @@ class LoadedKernel:
     """One generated kernel: its CUBIN, launch shape and prepacked pointer arguments."""
 
     def __init__(
-        self, cubin: bytes, name: str, num_params: int, blocks: int, threads: int, dynamic_smem: int = 0
+        self, cubin: bytes, name: str, num_params: int, blocks: int, threads: int, dynamic_smem: int = 0,
+        scalars: Sequence[int] = (),
     ):
         if num_params < 0:
             raise ValueError(f"{name}: num_params must be >= 0, got {num_params}")
@@ -149,10 +150,14 @@ class LoadedKernel:
         self.blocks = blocks
         self.threads = threads
         self.dynamic_smem = dynamic_smem
-        self._values = (ctypes.c_void_p * num_params)()
+        # the pointers' slots, then the scalar arguments' (``codegen/size_args.py``), written once:
+        # each slot holds an argument's bytes, and the kernel reads as many as its type has
+        self.scalars = tuple(scalars)
+        slots = num_params + len(self.scalars)
+        self._values = (ctypes.c_void_p * slots)(*([None] * num_params), *self.scalars)
         base = ctypes.addressof(self._values)
-        self._params = (ctypes.c_void_p * num_params)(*[base + i * _POINTER_SIZE for i in range(num_params)])
-        self._params_addr = ctypes.addressof(self._params) if num_params else 0
+        self._params = (ctypes.c_void_p * slots)(*[base + i * _POINTER_SIZE for i in range(slots)])
+        self._params_addr = ctypes.addressof(self._params) if slots else 0
         self._last = [0] * num_params  # Python mirror of _values: compared without reading ctypes
         self._device = -1
         self._context = None
@@ -164,7 +169,11 @@ class LoadedKernel:
     def twin(self) -> LoadedKernel:
         """A launcher of the same function with its own prepacked arguments: the module is loaded
         once (by whichever of the two launches first) and shared."""
-        twin = LoadedKernel(self.cubin, self.name, self.num_params, self.blocks, self.threads, self.dynamic_smem)
+        return self.bound(self.blocks, self.scalars)
+
+    def bound(self, blocks: int, scalars: Sequence[int]) -> LoadedKernel:
+        """A twin launched with its own grid and scalar arguments: a kernel shared across shapes."""
+        twin = LoadedKernel(self.cubin, self.name, self.num_params, blocks, self.threads, self.dynamic_smem, scalars)
         twin._original = self
         return twin
 
