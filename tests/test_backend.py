@@ -9,6 +9,7 @@ compared with a floor of 1e-4 of the largest gradient.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -323,6 +324,34 @@ def test_an_output_that_views_an_input_inside_its_storage_reads_where_eagers_vie
             assert torch.equal(g, w), (call, g.flatten().tolist(), w.flatten().tolist())
         assert got[0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
         assert got[0].storage_offset() == want[0].storage_offset()
+
+
+def _views_of_a_mutated_input(x):
+    """Views of ``x`` at nonzero storage offsets, returned after ``x`` is updated in place: eager's
+    outputs alias ``x`` and show the update."""
+    flat = x.unbind(2)[-1].reshape(-1)  # a view where the middle dims allow it
+    corner = x[1:, 2:]
+    element = x[-1, -1, -1]
+    x.add_(1)
+    return flat, corner, element
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2, 3), (3, 4, 5), (2, 1, 7)])
+def test_views_of_an_input_mutated_in_place_read_the_update_at_eagers_offset(dynamic, shape):
+    """Fuzz program 1415440681:110: the graph computes such an output from the updated value, and
+    AOTAutograd rebuilds it on the input from the returned tensor's size, strides and storage
+    offset; the kernel's output had offset 0, so the rebuilt view read the input's first elements."""
+    torch._dynamo.reset()
+    compiled = fusionstitching.compile(_views_of_a_mutated_input, options={"strict": True}, dynamic=dynamic)
+    for call in range(2):
+        x = torch.arange(math.prod(shape), dtype=torch.int64).view(shape) * (call + 2)
+        ref = x.clone()
+        got, want = compiled(x), _views_of_a_mutated_input(ref)
+        assert torch.equal(x, ref)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), (call, g.flatten().tolist(), w.flatten().tolist())
+            assert g._is_view() == w._is_view() and g.storage_offset() == w.storage_offset()
 
 
 def test_a_training_output_that_views_an_input_gets_eagers_gradient():

@@ -560,17 +560,25 @@ def library_result(call: Mapping, result: Any) -> Any:
     return result.permute(*permutation)
 
 
-def with_strides(value: Any, strides: Sequence[int]) -> Any:
-    """A copy of the tensor ``value`` laid out with ``strides``. A dim of stride 0 (a broadcast,
-    ``x.expand(3, 5)``; an attention mask expanded over batch and heads) is stored once and
-    expanded: no tensor can be written through strides that overlap."""
+def with_strides(value: Any, strides: Sequence[int], offset: int = 0) -> Any:
+    """A copy of the tensor ``value`` laid out with ``strides`` at element ``offset`` of its storage.
+    A dim of stride 0 (a broadcast, ``x.expand(3, 5)``; an attention mask expanded over batch and
+    heads) is stored once and expanded: no tensor can be written through strides that overlap.
+    The offset matters where the caller rebuilds the output from its metadata: AOTAutograd
+    regenerates an output that aliases an input as ``input.as_strided(size, stride, offset)``."""
     import torch
 
     broadcast = [d for d, (size, stride) in enumerate(zip(value.shape, strides)) if stride == 0 and size > 1]
     compact = value
     for d in broadcast:
         compact = compact.narrow(d, 0, 1)
-    strided = torch.empty_strided(compact.shape, tuple(strides), dtype=value.dtype, device=value.device)
+    if offset:
+        span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(compact.shape, strides)) \
+            if compact.numel() else 0
+        storage = torch.empty(offset + span, dtype=value.dtype, device=value.device)
+        strided = storage.as_strided(compact.shape, tuple(strides), offset)
+    else:
+        strided = torch.empty_strided(compact.shape, tuple(strides), dtype=value.dtype, device=value.device)
     strided.copy_(compact)
     return strided.expand(value.shape) if broadcast else strided
 

@@ -97,7 +97,7 @@ class CompiledGraph:
         self._library_only: set[int] | None = None  # inputs only library calls read (``_to_move``)
         self._trusted: GpuProgram | GraphedProgram | None = None  # the program of trusted calls
         self.calls = 0  # GPU calls
-        self._layout_checks: list[tuple[int, tuple[int, ...]]] | None = None
+        self._layout_checks: list[tuple[int, tuple[int, ...], int]] | None = None
         self._old_values = _old_value_outputs(self.graph, self.steps)
         self.compile_seconds = 0.0  # exploration and code generation (set by ``pipeline.compile_graph``)
         self.shared_kernels = 0  # kernels that run another specialization's compiled code (``codegen/size_args.py``)
@@ -356,10 +356,11 @@ class CompiledGraph:
             outputs[out_index] = target
         if self._layout_checks is None:
             self._layout_checks = _layout_checks(graph, self.steps)
-        for k, strides in self._layout_checks:
+        for k, strides, offset in self._layout_checks:
             value = outputs[k]
-            if value is not None and tuple(value.stride()) != strides and value.numel() > 1:
-                outputs[k] = reference.with_strides(value, strides)
+            if value is not None and (value.storage_offset() != offset
+                                      or tuple(value.stride()) != strides and value.numel() > 1):
+                outputs[k] = reference.with_strides(value, strides, offset)
         return outputs[: len(outputs) - graph.checks]
 
     def _constant(self, node: Node, device: Any) -> Any:
@@ -388,20 +389,23 @@ def _op_error(evaluate: Callable[..., Any], *args: Any) -> Any:
 # ----------------------------------------------------------------------------------------------
 
 
-def _layout_checks(graph: Graph, steps: Sequence[Step]) -> list[tuple[int, tuple[int, ...]]]:
-    """(output index, promised strides) of the outputs whose strides a call must check: those with a
-    promised layout, except mutations (written into their input) and new kernel outputs promised
-    contiguous (every kernel allocates its new outputs contiguous). A training graph's forward has
-    a hundred outputs; checking each on every call cost a µs apiece."""
+def _layout_checks(graph: Graph, steps: Sequence[Step]) -> list[tuple[int, tuple[int, ...], int]]:
+    """(output index, promised strides, promised storage offset) of the outputs whose layout a call
+    must check: those with a promised layout, except mutations (written into their input) and new
+    kernel outputs promised contiguous at offset 0 (every kernel allocates its new outputs so). The
+    offset is checked too: an output that aliases an input is rebuilt by AOTAutograd from the
+    returned tensor's size, strides and offset. A training graph's forward has a hundred outputs;
+    checking each on every call cost a µs apiece."""
     made = {o for s in steps if s.kernel is not None
             for k, o in enumerate(s.outputs) if k not in s.kernel.lowered.aliases}
     checks = []
     for k, (out, layout) in enumerate(zip(graph.outputs, graph.output_layouts)):
-        if layout is None or out is None or k in graph.mutations or len(out.shape) < 1:
+        if layout is None or out is None or k in graph.mutations:
             continue
-        if out in made and tuple(layout.strides) == contiguous_strides(out.shape):
+        if layout.offset == 0 and (len(out.shape) < 1 or out in made
+                                   and tuple(layout.strides) == contiguous_strides(out.shape)):
             continue
-        checks.append((k, tuple(layout.strides)))
+        checks.append((k, tuple(layout.strides), layout.offset))
     return checks
 
 
