@@ -90,7 +90,8 @@ _PENDING: list[Any] = []  # futures of the background compiles not finished, for
 _PENDING_LOCK = threading.Lock()
 _PLANS_TRIED = 3  # explored plans of a graph's other specializations tried for a new one (``_Runner.likes``)
 # the counts ``stats()`` always reports, 0 until something happens
-_COUNTED = ("graphs", "compilations", "plans transferred", "kernels shared across shapes", "kernels", "library calls", "views", "fallbacks",
+_COUNTED = ("graphs", "compilations", "plans transferred", "kernels shared across shapes",
+            "templates kept across shapes", "kernels", "library calls", "views", "fallbacks",
             "shape specializations",
             "cache hits", "eager while compiling")
 # forward calls of a graph of symbolic shapes whose path its backward can still find (``_Pair.paths``):
@@ -115,7 +116,9 @@ def stats() -> dict[str, Any]:
     specialization); ``"plans transferred"`` (specializations planned with the patterns of the
     graph's first specialization, checked at their shapes, not explored: ``explore.transfer``);
     ``"kernels shared across shapes"`` (kernels of a specialization that run the code of the graph's
-    earlier ones, with the sizes as arguments: ``codegen/size_args.py``);
+    earlier ones, with the sizes as arguments: ``codegen/size_args.py``); ``"templates kept across
+    shapes"`` (patterns of a specialization that took the template an earlier one of the same
+    shape class ran, refitted, neither re-chosen nor measured: ``_shape_class``);
     ``"eager while compiling"`` (calls run in PyTorch while their graph compiled
     in the background, ``Options.async_compile``); ``"tuned"`` (patterns whose schedules were measured) and
     ``"perflib hits"`` (patterns whose schedule came from the performance library); ``"plan cache
@@ -393,6 +396,9 @@ class _Runner:
         # the kernels of its specializations by skeleton: a later one's kernels that differ from an
         # earlier one's only in constants run one compiled kernel, the sizes its arguments
         self.families = SizeFamilies()
+        # the first specialization compiled in each shape class (``_shape_class``): a later one of the
+        # class keeps the templates it ran, tuned or the model's (``explore.transfer``'s ``kept``)
+        self.classes: dict[tuple, Any] = {}
         self.ran: set[tuple] = set()  # signatures run compiled at least once (``_paired_call``)
         tensors_only = all(isinstance(x, torch.Tensor) for x in example_inputs)
         static = _static_inputs(example_inputs)
@@ -862,10 +868,15 @@ class _Runner:
             graph = chosen
         if backward is not None:
             self._explore_ahead(backward, promised)
+        shape_class = _shape_class(inputs)
+        source = self.classes.get(shape_class)
+        kept = source.kept_templates() if source is not None and source.settled else None
         compiled = compile_graph(graph, self.options, self.mode, device=device, output_devices=output_devices,
-                                 like=tuple(self.likes), families=self.families)
+                                 like=tuple(self.likes), families=self.families, kept=kept)
+        self.classes.setdefault(shape_class, compiled)
         _count("compilations")
         _count("kernels shared across shapes", compiled.shared_kernels)
+        _count("templates kept across shapes", len(compiled.plan.kept))
         if compiled.plan.transferred:
             _count("plans transferred")
         else:
@@ -1169,6 +1180,28 @@ def _fakes(args: list[Any]) -> list[Any]:
     with FakeTensorMode(allow_non_fake_inputs=True):
         return [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
                 if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _bucket(size: int) -> int:
+    """A size's shape class: the power of two at or above it (sizes below 2 are their own)."""
+    return size if size <= 1 else 1 << (size - 1).bit_length()
+
+
+def _shape_class(inputs: list[Any]) -> tuple:
+    """The shape class of a call's inputs: ``_signature`` with every size and stride bucketed
+    (``_bucket``). Specializations of one class keep one set of templates (``_Runner.classes``): the
+    sizes within a class are no more than 2x apart, so a template measured at one serves the others,
+    refitted to their sizes and checked again there (``schedule.tune.refit``)."""
+    key = []
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            key.append((tuple(_bucket(d) for d in value.shape), tuple(_bucket(abs(s)) for s in value.stride()),
+                        value.dtype, value.device.type))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            key.append(("int", _bucket(value)))
+        else:
+            key.append((type(value).__name__, value))
+    return tuple(key)
 
 
 def _signature(inputs: list[Any]) -> tuple:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,7 @@ from fusionstitching._host import COMPILE_SECONDS, PHASES, collector_paused, tim
 from fusionstitching.codegen.generate import GeneratedKernel, generate
 from fusionstitching.codegen.size_args import SizeFamilies
 from fusionstitching.fusion import background, explore, plan_cache
-from fusionstitching.fusion.explore import DEFAULT_GENERATORS, transfer
+from fusionstitching.fusion.explore import DEFAULT_GENERATORS, keep_templates, transfer
 from fusionstitching.fusion.plan import FusionPlan
 from fusionstitching.graph.analysis import in_place_outputs, pattern_structure
 from fusionstitching.graph.graph import Graph, Node
@@ -53,14 +53,16 @@ logger = logging.getLogger(__name__)
 def compile_graph(graph: Graph, options: Options | None = None, mode: str | None = None,
                   dump_dir: str | os.PathLike | None = None, device: Any = None,
                   output_devices: Sequence[Any] | None = None, like: Sequence[FusionPlan] = (),
-                  families: SizeFamilies | None = None) -> CompiledGraph:
+                  families: SizeFamilies | None = None,
+                  kept: Mapping[frozenset[str], str] | None = None) -> CompiledGraph:
     """Plan ``graph`` and generate its kernels; dump every stage's text when asked. ``device`` and
     ``output_devices``: where the graph runs and where its outputs go (``CompiledGraph``). ``like``:
     plans of other shape specializations of the same graph, in the order tried: the first whose
     patterns are all legal at these shapes is taken (``explore.transfer``) instead of exploring; a
     stored plan of this graph, or one a worker explored ahead, comes first. ``families``: the kernel
     families of the graph's other specializations, whose parametric kernels this one's kernels
-    take where they can (``codegen/size_args.py``)."""
+    take where they can (``codegen/size_args.py``). ``kept``: the templates a specialization of the
+    same shape class ran, per pattern, for a transferred plan (``explore.transfer``)."""
     options = options or Options()
     start = time.perf_counter()
     generators = options.generators or DEFAULT_GENERATORS
@@ -73,12 +75,14 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
             taken = background.take(graph, options, generators)
             if taken is not None:
                 (plan, ahead), waited = taken, time.perf_counter() - began
-            elif (plan := _transferred(like, graph, options)) is not None:
+            elif (plan := _transferred(like, graph, options, kept)) is not None:
                 pass  # not stored: the cache holds explored plans
             else:
                 plan = explore(graph, solver=options.solver, options=options, generators=generators)
             if not plan.transferred:
                 plan_cache.store(key, graph, options, plan)
+        if kept and not plan.transferred:
+            plan = keep_templates(plan, kept, options)
     with timed("code generation"):
         compiled = compile_plan(plan, mode=mode, options=options, device=device, output_devices=output_devices)
         if families is not None:
@@ -92,13 +96,14 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
     return compiled
 
 
-def _transferred(like: Sequence[FusionPlan], graph: Graph, options: Options) -> FusionPlan | None:
+def _transferred(like: Sequence[FusionPlan], graph: Graph, options: Options,
+                 kept: Mapping[frozenset[str], str] | None = None) -> FusionPlan | None:
     """The first of ``like`` that ``explore.transfer`` moves to ``graph``, or None. Transferring is a
     shortcut: an internal error in it is raised under ``Options.strict`` (a bug to see), else logged
     and the graph explored."""
     for plan in like:
         try:
-            moved = transfer(plan, graph, options)
+            moved = transfer(plan, graph, options, kept)
         except Exception:  # exploration plans the graph instead
             if options.strict:
                 raise

@@ -326,6 +326,33 @@ def test_an_output_that_views_an_input_inside_its_storage_reads_where_eagers_vie
         assert got[0].storage_offset() == want[0].storage_offset()
 
 
+def _norm_and_softmax(x, w):
+    h = torch.nn.functional.layer_norm(x, x.shape[-1:], w, None, 1e-5)
+    return torch.softmax(h @ h.transpose(-1, -2) / 8, dim=-1), torch.nn.functional.gelu(h) * w
+
+
+def test_specializations_of_one_shape_class_keep_the_first_ones_templates():
+    """Lengths 100 and 120 are one shape class (sizes bucketed by powers of two): the second keeps
+    the templates the first ran, refitted to its sizes (``schedule.tune.refit``); 200 is another
+    class and chooses its own. Every call matches eager."""
+    from fusionstitching.backend import _shape_class
+
+    w = torch.randn(64)
+    assert _shape_class([torch.randn(2, 100, 64), w]) == _shape_class([torch.randn(2, 120, 64), w])
+    assert _shape_class([torch.randn(2, 100, 64), w]) != _shape_class([torch.randn(2, 200, 64), w])
+    torch._dynamo.reset()
+    reset_stats()
+    compiled = fusionstitching.compile(_norm_and_softmax, options={"strict": True}, dynamic=True)
+    kept = []
+    for length in (100, 120, 200):
+        x = torch.randn(2, length, 64)
+        for got, want in zip(compiled(x, w), _norm_and_softmax(x, w)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        kept.append(fusionstitching.stats()["templates kept across shapes"])
+    assert fusionstitching.stats()["compilations"] == 3
+    assert kept[0] == 0 and kept[1] >= 2 and kept[2] == kept[1], kept
+
+
 def _views_of_a_mutated_input(x):
     """Views of ``x`` at nonzero storage offsets, returned after ``x`` is updated in place: eager's
     outputs alias ``x`` and show the update."""

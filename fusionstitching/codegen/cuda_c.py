@@ -152,7 +152,9 @@ def _stmt(s: K.Stmt, depth: int, unrolled: bool = False) -> list[str]:
         return [f"{pad}// {s.text}"]
     if isinstance(s, K.Trap):
         text = "".join(ch if ch.isascii() and ch.isprintable() and ch not in '"\\%' else "_" for ch in s.message)
-        return [f'{pad}printf("fusionstitching: block %d thread %d: {text}\\n", (int)blockIdx.x, (int)threadIdx.x);',
+        text = text.replace("{}", "%lld")
+        values = "".join(f", (long long)({expr(v)})" for v in s.values)
+        return [f'{pad}printf("fusionstitching: block %d thread %d: {text}\\n", (int)blockIdx.x, (int)threadIdx.x{values});',
                 f"{pad}__trap();"]
     if isinstance(s, K.VecLoad):
         return _vec_load(s, pad)

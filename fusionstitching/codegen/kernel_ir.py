@@ -271,9 +271,12 @@ class Comment:
 class Trap:
     """Stop the kernel with ``message``: an error of the program's inputs that eager rejects too
     (an index out of range). CUDA: ``printf`` and ``__trap()``, which fails the launch as torch's
-    device-side asserts do; the simulator raises ``IndexError``."""
+    device-side asserts do; the simulator raises ``IndexError``. Each ``{}`` of the message is one
+    of ``values``, printed as an integer: a size stays a constant of the tree, which a kernel shared
+    across shapes takes as an argument (``codegen/size_args.py``), not text of the source."""
 
     message: str
+    values: tuple[Expr, ...] = ()
 
 
 Stmt = Let | Assign | Store | VecLoad | VecStore | For | If | Barrier | Comment | Trap

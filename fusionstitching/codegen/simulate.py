@@ -416,7 +416,8 @@ class _Machine:
     def trap(self, s: K.Trap, act: np.ndarray, scope: dict) -> None:
         if act.any():
             lane = int(np.argmax(act))
-            raise IndexError(f"kernel {self.kernel.name}: {s.message} (block {lane // self.threads} thread "
+            values = [int(np.broadcast_to(self.eval(v, act), act.shape)[lane]) for v in s.values]
+            raise IndexError(f"kernel {self.kernel.name}: {s.message.format(*values)} (block {lane // self.threads} thread "
                              f"{lane % self.threads})")
 
     def barrier(self, s: K.Barrier, act: np.ndarray, scope: dict) -> None:
@@ -645,5 +646,5 @@ _RENDER: dict[type, Callable] = {
     K.If: lambda n: f"if {_text(n.cond)}",
     K.Barrier: lambda n: "barrier",
     K.Comment: lambda n: f"// {n.text}",
-    K.Trap: lambda n: f"trap {n.message!r}",
+    K.Trap: lambda n: f"trap {n.message!r}" + (f" ({_texts(n.values)})" if n.values else ""),
 }

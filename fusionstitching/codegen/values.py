@@ -454,8 +454,8 @@ class ValueEmitter:
         outside = K.Binary("or", K.Binary("lt", raw, K.Const(0, rtype), "bool"),
                            K.Binary("ge", raw, K.Const(x.shape[axis], rtype), "bool"), "bool")
         origin = self.origins.get(node.name, node.name)
-        self.stmts.append(K.If(outside, (K.Trap(f"index out of range in {origin} (dim {axis} of {x.name}, "
-                                                 f"size {x.shape[axis]})"),)))
+        where = f"index out of range in {origin} (dim {axis} of {x.name}".replace("{", "(").replace("}", ")")  # no placeholder
+        self.stmts.append(K.If(outside, (K.Trap(where + ", size {})", (K.Const(x.shape[axis], "i64"),)),)))
         position = self.let("g", K.Binary("min", K.Binary("max", K.Cast(raw, self.index_type), self.idx(0),
                                                           self.index_type), size, self.index_type))
         operand_index = index[:axis] + (position,) + index[axis + k :]

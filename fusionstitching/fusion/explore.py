@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from fusionstitching._host import collector_paused
 from fusionstitching.cost.bandwidth import bandwidth_model
@@ -90,7 +90,7 @@ from fusionstitching.graph.transforms import (
     widen_dots,
 )
 from fusionstitching.options import Options
-from fusionstitching.schedule.tune import canonical, model_choice, renamed
+from fusionstitching.schedule.tune import canonical, model_choice, refit, renamed
 
 MERGE_ROUNDS = 4
 SOLVERS = ("ilp", "beam")
@@ -180,7 +180,8 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
 
 
 @collector_paused()
-def transfer(plan: FusionPlan, graph: Graph, options: Options | None = None) -> FusionPlan | None:
+def transfer(plan: FusionPlan, graph: Graph, options: Options | None = None,
+             kept: Mapping[frozenset[str], str] | None = None) -> FusionPlan | None:
     """The plan of ``graph`` that groups its nodes as ``plan`` grouped those of another graph of
     the same structure (another shape specialization of one ATen graph): ``explore``'s rewrites run
     on ``graph`` (they depend on its shapes), then, where they yield the nodes ``plan.graph`` had,
@@ -188,7 +189,12 @@ def transfer(plan: FusionPlan, graph: Graph, options: Options | None = None) -> 
     code generator builds at these shapes) and finalized with its template chosen for these shapes
     (``_model_templates``). None where a node differs or a pattern is not legal here: the graph is
     then explored. Selection only optimizes; any plan of legal patterns computes the graph, so a
-    transferred plan is as correct as an explored one, if not always as fast at shapes far apart."""
+    transferred plan is as correct as an explored one, if not always as fast at shapes far apart.
+
+    ``kept``: per pattern (its node names), the ``schedule.tune.form`` of the template a
+    specialization of the same shape class ran (tuned or the model's); the pattern takes that
+    template refitted to these shapes where it builds here (``schedule.tune.refit``), not the
+    model's choice, and is listed in the plan's ``kept``."""
     options = options or Options()
     start = time.perf_counter()
     prepared = _prepared(graph, options)
@@ -222,7 +228,7 @@ def transfer(plan: FusionPlan, graph: Graph, options: Options | None = None) -> 
     result.estimated_us = plan_time_us(result, scorer=scorer)
     result.notes.append(f"the patterns of the plan of {plan.graph.name}'s shapes, checked again at these shapes "
                         "(fusion/explore.py transfer)")
-    result = _model_templates(result, options)
+    result = _model_templates(result, options, kept or {})
     result.transferred = True
     result.seconds = time.perf_counter() - start
     return result
@@ -262,20 +268,30 @@ def _jointly_acyclic(graph: Graph, patterns: Sequence[Sequence[Node]]) -> bool:
     return seen == len(indegree)
 
 
-def _model_templates(plan: FusionPlan, options: Options) -> FusionPlan:
+def _model_templates(plan: FusionPlan, options: Options,
+                     kept: Mapping[frozenset[str], str] | None = None) -> FusionPlan:
     """Each pattern takes the template the latency evaluator ranks first where it beats the default
-    rule's (``schedule.tune.model_choice``); patterns of one structure and template are decided once."""
+    rule's (``schedule.tune.model_choice``); patterns of one structure and template are decided once.
+    A pattern of ``kept`` (``transfer``) takes the kept template, refitted, where it builds."""
     graph = plan.graph
     spec, bandwidth = gpu_spec(options.device), bandwidth_model(options.device)
     aliased = in_place_outputs(graph)
     position = graph.index.position
     decided: dict[tuple, str] = {}
-    patterns, changed = [], 0
+    patterns, changed, taken = [], 0, set()
     for pattern in plan.patterns:
         if pattern.schedule is None:
             patterns.append(pattern)
             continue
         nodes = sorted((graph.node(n) for n in pattern.nodes), key=position.__getitem__)
+        names = frozenset(pattern.nodes)
+        if kept and names in kept:
+            template = refit(graph, nodes, kept[names], pattern.schedule, options.smem_limit)
+            if template is not None:
+                taken.add(names)
+                changed += template != pattern.schedule
+                patterns.append(dataclasses.replace(pattern, schedule=template))
+                continue
         key = (pattern_structure(graph, nodes, aliased), canonical(pattern.schedule, nodes))
         text = decided.get(key)
         if text is None:
@@ -285,11 +301,35 @@ def _model_templates(plan: FusionPlan, options: Options) -> FusionPlan:
             pattern = dataclasses.replace(pattern, schedule=renamed(text, nodes))
             changed += 1
         patterns.append(pattern)
-    if changed:
-        plan = dataclasses.replace(plan, patterns=tuple(patterns), notes=list(plan.notes))
+    if changed or taken:
+        plan = dataclasses.replace(plan, patterns=tuple(patterns), notes=list(plan.notes), kept=frozenset(taken))
         plan.notes.append(f"model templates: {changed} pattern(s) take the latency evaluator's first template "
-                          "over the default rule's (schedule/tune.py model_choice)")
+                          "over the default rule's (schedule/tune.py model_choice) or the one kept for the shape "
+                          f"class; {len(taken)} kept (schedule/tune.py refit)")
     return plan
+
+
+def keep_templates(plan: FusionPlan, kept: Mapping[frozenset[str], str], options: Options) -> FusionPlan:
+    """``plan`` (explored, or read from the plan cache) with each pattern of ``kept`` taking the kept
+    template refitted to its shapes where it builds (``transfer``'s ``kept``), listed in its
+    ``kept``."""
+    graph = plan.graph
+    position = graph.index.position
+    patterns, taken = [], set()
+    for pattern in plan.patterns:
+        names = frozenset(pattern.nodes)
+        if pattern.schedule is not None and names in kept:
+            nodes = sorted((graph.node(n) for n in pattern.nodes), key=position.__getitem__)
+            template = refit(graph, nodes, kept[names], pattern.schedule, options.smem_limit)
+            if template is not None:
+                taken.add(names)
+                pattern = dataclasses.replace(pattern, schedule=template)
+        patterns.append(pattern)
+    if not taken:
+        return plan
+    result = dataclasses.replace(plan, patterns=tuple(patterns), notes=list(plan.notes), kept=frozenset(taken))
+    result.notes.append(f"{len(taken)} pattern(s) keep the templates of the shape class (schedule/tune.py refit)")
+    return result
 
 
 def _check_arguments(solver: str, generators: Sequence[str]) -> None:

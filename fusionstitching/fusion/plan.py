@@ -65,6 +65,9 @@ class FusionPlan:
     notes: list[str] = field(default_factory=list)  # pass-level decisions (splits, candidate counts)
     estimated_us: float | None = None  # the latency evaluator's time of the kernels (``estimate.py``)
     transferred: bool = False  # the patterns of another shape's plan (``explore.transfer``), not explored
+    # the patterns (their node names) whose templates were taken over from a specialization of the
+    # same shape class (``explore.transfer``'s ``kept``): the tuner measures them no more
+    kept: frozenset[frozenset[str]] = frozenset()
     _unfused: tuple[UnfusedEdge, ...] | None = field(default=None, repr=False)
 
     @property

@@ -102,6 +102,7 @@ class CompiledGraph:
         self.compile_seconds = 0.0  # exploration and code generation (set by ``pipeline.compile_graph``)
         self.shared_kernels = 0  # kernels that run another specialization's compiled code (``codegen/size_args.py``)
         self._tuned = False  # whether the first GPU call chose the schedules (``_run_tuning``)
+        self._settled = False  # whether the kernels' templates are final (``settled``)
         self.tuning: Any = None  # that call's Tuner: what was measured or read from the library
         # The first GPU call reads the performance library and measures nothing, not even a
         # survey: the call that takes over from a background compile (``Options.async_compile``).
@@ -116,6 +117,25 @@ class CompiledGraph:
     @property
     def kernels(self) -> list[GeneratedKernel]:
         return [s.kernel for s in self.steps if s.kernel is not None]
+
+    @property
+    def settled(self) -> bool:
+        """Whether the kernels' templates are final: the graph does not run on a GPU with tuning
+        on, or its first GPU call has chosen them."""
+        on_gpu = self.device is not None and getattr(self.device, "type", None) == "cuda"
+        return self._settled or not on_gpu or self.options.tune == "off"
+
+    def kept_templates(self) -> dict[frozenset[str], str]:
+        """Per pattern (its node names), the ``schedule.tune.form`` of the template its kernel runs:
+        what a specialization of the same shape class keeps (``explore.transfer``)."""
+        from fusionstitching.schedule.tune import canonical, form
+
+        position = self.graph.index.position
+        kept = {}
+        for kernel in self.kernels:
+            nodes = sorted(kernel.lowered.pattern.nodes, key=position.__getitem__)
+            kept[frozenset(n.name for n in nodes)] = form(canonical(kernel.template, nodes))
+        return kept
 
     # -- NumPy (CPU: simulated kernels) ------------------------------------------------------
     def run_numpy(self, inputs: Sequence[Any]) -> list[np.ndarray | None]:
@@ -236,12 +256,13 @@ class CompiledGraph:
             budget_s = 0.0 if self.library_only else \
                 max(self.options.tune_budget * self.compile_seconds, self.options.tune_min_seconds)
             tuner = gpu_tuner(self.graph, self.options, program.device, budget_s=budget_s,
-                              seconds_per_character=self.compile_seconds / characters)
+                              seconds_per_character=self.compile_seconds / characters, kept=self.plan.kept)
         except Exception as err:
             if self.options.strict:
                 raise
             warnings.warn(f"{self.graph.name}: schedule tuning unavailable ({err}); running the plan's "
                           f"templates", TuningWarning, stacklevel=3)
+            self._settled = True
             return program.run(tensors)
         tuner.prioritize(program.kernels)
         if not self.library_only and tuner.leaves_out():
@@ -262,6 +283,7 @@ class CompiledGraph:
         chosen = iter(program.kernels)
         self.steps = [Step(s.kind, s.nodes, next(chosen)) if s.kernel is not None else s for s in self.steps]
         self.tuning = tuner
+        self._settled = True
         return outputs
 
     def _survey(self, program: GpuProgram | GraphedProgram, tensors: Sequence[Any], tuner: Any) -> bool:

@@ -95,7 +95,8 @@ class Tuner:
 
     def __init__(self, graph: Graph, options: Options, device: str, arch: str, measure: Measure,
                  library: PerfLib | None = None, resources: Callable[[GeneratedKernel], tuple[int, int]] | None = None,
-                 budget_s: float | None = None, seconds_per_character: float = 0.0) -> None:
+                 budget_s: float | None = None, seconds_per_character: float = 0.0,
+                 kept: frozenset[frozenset[str]] = frozenset()) -> None:
         self.graph = graph
         self.options = options
         self.device = device
@@ -109,8 +110,12 @@ class Tuner:
         self._aliased = in_place_outputs(graph)
         self._decided: dict[str, str] = {}
         self._made: dict[tuple, GeneratedKernel] = {}
+        # patterns (node names) whose templates were kept from a specialization of the same shape
+        # class (``FusionPlan.kept``): decided as the plan made them, nothing measured
+        self.kept = kept
         self.tuned = 0
         self.hits = 0
+        self.kept_hits = 0
         self.model_right = 0
         self.seconds = 0.0
         # seconds of measuring (generating, compiling, timing candidates) allowed; "exhaustive": no limit
@@ -151,6 +156,7 @@ class Tuner:
             key = self.key(kernel)
             firsts.setdefault(key, kernel)
             self._kernels.setdefault(key, []).append(kernel)
+            self._keep(key, kernel)
         self._order = list(firsts.items())  # the order ``_look_ahead`` makes candidates in
         if self.budget_s is None:
             return
@@ -163,6 +169,17 @@ class Tuner:
         self._patterns = sorted(((key, us, kernel) for key, (us, kernel) in by_key.items()),
                                 key=lambda item: -item[1] / max(len(item[2].cuda_source), 1))
         self._choose()
+
+    def _keep(self, key: str, kernel: GeneratedKernel) -> str | None:
+        """Where ``kernel``'s pattern is one of ``kept`` and undecided: its template, decided now."""
+        if not self.kept or key in self._decided:
+            return None
+        nodes = self._nodes(kernel)
+        if frozenset(n.name for n in nodes) not in self.kept:
+            return None
+        text = self._decided[key] = canonical(kernel.template, nodes)
+        self.kept_hits += 1
+        return text
 
     def _worth_us(self, key: str, kernel: GeneratedKernel) -> float:
         """What tuning ``kernel`` could gain at most, in µs: with a survey measurement, the plan's
@@ -242,7 +259,7 @@ class Tuner:
         try:
             nodes = self._nodes(kernel)
             key = self.key(kernel)
-            text = self._decided.get(key)
+            text = self._decided.get(key) or self._keep(key, kernel)
             if text is None:
                 winner = self.library.winner(key) if self.library is not None else None
                 if winner is not None:
@@ -520,10 +537,10 @@ def _describe(nodes: Sequence[Node]) -> str:
 
 
 def gpu_tuner(graph: Graph, options: Options, device: Any, budget_s: float | None = None,
-              seconds_per_character: float = 0.0) -> Tuner:
+              seconds_per_character: float = 0.0, kept: frozenset[frozenset[str]] = frozenset()) -> Tuner:
     """The Tuner of ``graph`` on CUDA ``device``, with the library in the cache root, measuring for
     at most ``budget_s`` seconds (None: no limit); ``seconds_per_character``: what generating and
-    compiling a kernel cost for this graph, per character of CUDA C."""
+    compiling a kernel cost for this graph, per character of CUDA C; ``kept``: ``FusionPlan.kept``."""
     import torch
 
     from fusionstitching.options import cache_root
@@ -540,7 +557,7 @@ def gpu_tuner(graph: Graph, options: Options, device: Any, budget_s: float | Non
         return (report.registers, report.shared_bytes) if report is not None else (0, 0)
 
     return Tuner(graph, options, name, arch, GpuMeasure(device, options), library, resources, budget_s,
-                 seconds_per_character)
+                 seconds_per_character, kept)
 
 
 class Survey:

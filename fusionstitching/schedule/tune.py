@@ -38,6 +38,7 @@ so a template measured on one pattern applies to every pattern of its structure 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable, Sequence
 
 from fusionstitching.cost.bandwidth import BandwidthModel
@@ -387,6 +388,35 @@ def canonical(template: KernelSchedule, nodes: Sequence[Node]) -> str:
     return str(KernelSchedule(schedules, template.launch))
 
 
+def form(text: str) -> str:
+    """A canonical template's text without its launch's block count, which follows the shapes: the
+    template of one pattern at other sizes of the same shape class (``refit``)."""
+    return _BLOCKS.sub("blocks=*", text)
+
+
+_BLOCKS = re.compile(r"blocks=\d+")
+
+
+def refit(graph: Graph, nodes: Sequence[Node], wanted: str, default: KernelSchedule, smem_limit: int = 48 * 1024,
+          lowers: LoweringCheck | None = None) -> KernelSchedule | None:
+    """The template of the pattern's tuning space at ``graph``'s shapes whose ``form`` is ``wanted``
+    (a template chosen for the pattern at other sizes) and which builds here; None where none does.
+    ``default`` is the default rule's template, legal here. The space's own makers size the launch
+    and every shape-derived tile, so a template taken over is one the tuner could have measured."""
+    nodes = list(nodes)
+    if form(canonical(default, nodes)) == wanted:
+        return default
+    pattern = resolve_pattern(graph, nodes)
+    for _, make in tuning_space(pattern):
+        try:
+            template = make()
+        except (ValueError, PatternError):
+            continue
+        if form(canonical(template, nodes)) == wanted and _builds(graph, nodes, pattern, template, smem_limit, lowers):
+            return template
+    return None
+
+
 def renamed(text: str, nodes: Sequence[Node]) -> KernelSchedule:
     """The canonical template ``text`` with its roots named after ``nodes`` (``canonical``'s inverse)."""
     from fusionstitching.schedule.template import parse_template
@@ -407,10 +437,12 @@ __all__ = [
     "WARP_SIZE",
     "canonical",
     "evaluations",
+    "form",
     "iter_ranked_templates",
     "model_choice",
     "model_estimate_us",
     "ranked_templates",
+    "refit",
     "renamed",
     "tuning_space",
 ]

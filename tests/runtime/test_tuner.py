@@ -87,6 +87,23 @@ def test_the_fastest_candidate_wins_and_a_second_tuner_reads_it_from_the_library
     assert second.hits == 1 and COUNTS["perflib hits"] == before[1] + 1
 
 
+def test_a_pattern_kept_from_its_shape_class_is_decided_as_planned_and_measures_nothing(tmp_path):
+    """``FusionPlan.kept``: a specialization took the template an earlier one of its shape class
+    ran; the tuner neither measures it nor surveys it, even where the library knows nothing."""
+    compiled = _layernorm()
+    kernel = compiled.kernels[0]
+    kept = frozenset({frozenset(n.name for n in kernel.lowered.pattern.nodes)})
+    tuner = Tuner(compiled.graph, Options(strict=True), "Test GPU", "sm_90", _never, PerfLib(tmp_path / FILE_NAME),
+                  budget_s=1.0, kept=kept)
+    tuner.prioritize(compiled.kernels)
+    assert not tuner.leaves_out()
+    assert tuner.kernel_for(kernel, []) is kernel
+    assert (tuner.kept_hits, tuner.tuned, tuner.hits) == (1, 0, 0)
+    measure = LastIsFastest()  # without it, the same pattern is measured
+    Tuner(compiled.graph, Options(strict=True), "Test GPU", "sm_90", measure, None).kernel_for(kernel, [])
+    assert len(measure.calls) == 1
+
+
 def test_another_gpu_or_no_library_measures_again(tmp_path):
     compiled = _layernorm()
     library = PerfLib(tmp_path / FILE_NAME)

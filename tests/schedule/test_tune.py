@@ -505,3 +505,40 @@ def test_a_reduction_with_its_own_schedule_is_summed_once_for_its_readers():
     spec, bandwidth = gpu_spec("H200"), bandwidth_model("H200")
     moved = sum(n.size * n.dtype.itemsize for n in list(pattern.inputs) + list(pattern.outputs))
     assert model_estimate_us(pattern, template, spec, bandwidth) < 2 * bandwidth.time_us(moved)
+
+
+def _layernorm_plan(batch: int, hidden: int = 256):
+    from fusionstitching.bench.workloads import make
+    from fusionstitching.frontend.torch_fx import capture
+
+    workload = make("layernorm", batch=batch, hidden=hidden)
+    compiled = compile_graph(capture(workload.fn, *workload.inputs).forward, Options(strict=True))
+    kernel = compiled.kernels[0]
+    return compiled.graph, kernel, sorted(kernel.lowered.pattern.nodes, key=compiled.graph.index.position.__getitem__)
+
+
+def test_a_template_refits_to_other_sizes_of_its_form_and_computes_the_same():
+    """Every template of a LayerNorm's space at 96 rows, taken to 120 rows (one shape class): where
+    ``refit`` finds it, the form is kept, the launch is sized for 120 rows, and the kernel computes
+    what the plan's kernel at 120 rows computes; a form outside the space is refused."""
+    from fusionstitching.schedule.tune import form, refit
+
+    graph_a, _kernel_a, nodes_a = _layernorm_plan(96)
+    graph_b, kernel_b, nodes_b = _layernorm_plan(120)
+    arrays = _inputs(kernel_b, np.random.default_rng(0))
+    expected = kernel_b.simulate(arrays)
+    refitted = 0
+    for template in ranked_templates(graph_a, nodes_a, SPEC, BANDWIDTH):
+        wanted = form(canonical(template, nodes_a))
+        assert "blocks=*" in wanted
+        fitted = refit(graph_b, nodes_b, wanted, kernel_b.template)
+        if fitted is None:
+            continue
+        refitted += 1
+        assert form(canonical(fitted, nodes_b)) == wanted
+        assert fitted in ranked_templates(graph_b, nodes_b, SPEC, BANDWIDTH) or fitted == kernel_b.template
+        got = generate(graph_b, nodes_b, fitted).simulate(arrays)
+        for a, b in zip(expected, got):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
+    assert refitted >= 3
+    assert refit(graph_b, nodes_b, "n0[THREAD,THREAD]; launch(blocks=*,threads=32)", kernel_b.template) is None
