@@ -332,19 +332,21 @@ def _norm_and_softmax(x, w):
 
 
 def test_specializations_of_one_shape_class_keep_the_first_ones_templates():
-    """Lengths 100 and 120 are one shape class (sizes bucketed by powers of two): the second keeps
-    the templates the first ran, refitted to its sizes (``schedule.tune.refit``); 200 is another
-    class and chooses its own. Every call matches eager."""
+    """Lengths 100 and 116 are one shape class (the power of two above them, 128, and the largest
+    power of two dividing them, 4): the second keeps the templates the first ran, refitted to its
+    sizes (``schedule.tune.refit``); 120 (divisible by 8) is another class and chooses its own.
+    Every call matches eager."""
     from fusionstitching.backend import _shape_class
 
     w = torch.randn(64)
-    assert _shape_class([torch.randn(2, 100, 64), w]) == _shape_class([torch.randn(2, 120, 64), w])
-    assert _shape_class([torch.randn(2, 100, 64), w]) != _shape_class([torch.randn(2, 200, 64), w])
+    assert _shape_class([torch.randn(2, 100, 64), w]) == _shape_class([torch.randn(2, 116, 64), w])
+    assert _shape_class([torch.randn(2, 100, 64), w]) != _shape_class([torch.randn(2, 120, 64), w])
+    assert _shape_class([torch.randn(2, 100, 64), w]) != _shape_class([torch.randn(2, 196, 64), w])
     torch._dynamo.reset()
     reset_stats()
     compiled = fusionstitching.compile(_norm_and_softmax, options={"strict": True}, dynamic=True)
     kept = []
-    for length in (100, 120, 200):
+    for length in (100, 116, 120):
         x = torch.randn(2, length, 64)
         for got, want in zip(compiled(x, w), _norm_and_softmax(x, w)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -658,3 +658,27 @@ def test_a_node_run_on_the_host_is_announced():
     assert fn.on_host
     got = fn(torch.arange(24, dtype=torch.int32).reshape(4, 6))
     assert got.tolist() == [15, 51, 87, 123]
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_a_0d_cpu_input_moved_to_the_gpu_is_reused_while_its_value_stays():
+    """A model's float attribute traced with dynamic shapes arrives as a 0-d CPU tensor each call:
+    its device copy is reused while the value is the same bits (not for -0.0 after 0.0, nor NaN),
+    and a new value is moved again."""
+    b = GraphBuilder("scaled")
+    x = b.parameter((1024,), DType.F32, "x")
+    s = b.parameter((), DType.F64, "s")
+    scale = b.node("convert", [s], dtype=DType.F32)
+    out = b.node("mul", [x, b.node("broadcast_in_dim", [scale], shape=(1024,), broadcast_dimensions=())])
+    compiled = compile_plan(explore(b.build([out])))
+    x = torch.randn(1024, device="cuda")
+    first = compiled(x, torch.tensor(0.5, dtype=torch.float64))[0]
+    copy = compiled._kept_moves[1][2]
+    torch.testing.assert_close(first, x * 0.5)
+    compiled(x, torch.tensor(0.5, dtype=torch.float64))
+    assert compiled._kept_moves[1][2] is copy  # the same value: no new copy
+    for value in (0.0, -0.0, float("nan"), 2.0):
+        got = compiled(x, torch.tensor(value, dtype=torch.float64))[0]
+        torch.testing.assert_close(got, x * value, equal_nan=True)
+        assert torch.equal(torch.signbit(got), torch.signbit(x * value))
