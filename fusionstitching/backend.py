@@ -1185,7 +1185,7 @@ def _fakes(args: list[Any]) -> list[Any]:
 _ALIGNMENT_CLASSES = 16  # the largest power of two whose divisibility tells sizes of one class apart
 
 
-def _bucket(size: int) -> tuple[int, int]:
+def size_class(size: int) -> tuple[int, int]:
     """A size's shape class: the power of two at or above it, and the largest power of two up to
     16 that divides it (sizes below 2 are their own class). Divisibility is part of it because
     templates tile dims by powers of two up to 16 (vectors, rows per warp): a tiling that divides
@@ -1198,16 +1198,16 @@ def _bucket(size: int) -> tuple[int, int]:
 
 def _shape_class(inputs: list[Any]) -> tuple:
     """The shape class of a call's inputs: ``_signature`` with every size and stride bucketed
-    (``_bucket``). Specializations of one class keep one set of templates (``_Runner.classes``): the
+    (``size_class``). Specializations of one class keep one set of templates (``_Runner.classes``): the
     sizes within a class are less than 2x apart and alike in divisibility, so a template measured at
     one serves the others, refitted to their sizes and checked again there (``schedule.tune.refit``)."""
     key = []
     for value in inputs:
         if isinstance(value, torch.Tensor):
-            key.append((tuple(_bucket(d) for d in value.shape), tuple(_bucket(abs(s)) for s in value.stride()),
+            key.append((tuple(size_class(d) for d in value.shape), tuple(size_class(abs(s)) for s in value.stride()),
                         value.dtype, value.device.type))
         elif isinstance(value, int) and not isinstance(value, bool):
-            key.append(("int", _bucket(value)))
+            key.append(("int", size_class(value)))
         else:
             key.append((type(value).__name__, value))
     return tuple(key)

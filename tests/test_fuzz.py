@@ -7,6 +7,7 @@ import dataclasses
 import random
 import re
 import runpy
+import sys
 
 import numpy as np
 import pytest
@@ -330,3 +331,44 @@ def test_the_third_round_compiles_symbolic_shapes_in_the_background(tmp_path):
     text = reproducer(program, run.config_for(k), Outcome("mismatch", "output 0", "made up", "mismatch"), "5:k")
     assert "'async_compile': True" in text and "wait_for_compiles(300)" in text
     compile(text, "repro.py", "exec")
+
+
+def test_a_symbolic_program_is_called_again_within_and_outside_its_shape_classes(monkeypatch):
+    """``other_sizes``: every size of 3 or more that the program uses moved within its shape class,
+    then one moved out of it; a symbolic configuration's check calls the compiled function at them
+    against eager there, which compiles more specializations of its graphs."""
+    from fusionstitching.backend import reset_stats, size_class, stats
+    from fusionstitching.fuzz.check import other_sizes
+
+    n = len(run.CONFIGS)
+    found = 0
+    for k in range(n, 2 * n):
+        program = generate(9, k)
+        if program.expect_error:
+            continue
+        moves = other_sizes(program)
+        if not moves:
+            continue
+        sizes = program.size_map
+        *within, outside = moves
+        for moved in within:
+            changed = [s for s in sizes if moved[s] != sizes[s]]
+            assert changed and all(size_class(moved[s]) == size_class(sizes[s]) for s in changed)
+        changed = [s for s in sizes if outside[s] != sizes[s]]
+        assert len(changed) == 1 and size_class(outside[changed[0]]) != size_class(sizes[changed[0]])
+        other = build(program.with_sizes(outside), suffix="_test")
+        if other.text.split("def make_inputs")[0] != build(program).text.split("def make_inputs")[0]:
+            continue  # sizes spelled out in the code: another function at other sizes
+        module = sys.modules["fusionstitching.fuzz.check"]
+        with monkeypatch.context() as patch:  # the program's own sizes only
+            patch.setattr(module, "_at_other_sizes", lambda *args: None)
+            reset_stats()
+            assert check(program, run.config_for(k), plans="off").status == "ok"
+            alone = stats()["shape specializations"]
+        reset_stats()
+        assert check(program, run.config_for(k), plans="off").status == "ok"
+        assert stats()["shape specializations"] > alone, program.ident
+        found += 1
+        if found == 2:
+            break
+    assert found == 2

@@ -58,7 +58,7 @@ import torch
 import torch.utils._python_dispatch
 import torch.utils._pytree
 
-from fusionstitching.fuzz.programs import Built, Program, build
+from fusionstitching.fuzz.programs import Built, Program, build, used_symbols
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 2e-2, "float64": 1e-9}
 SCALE_FLOOR = 0.1  # inputs are O(1): a result smaller than this is a cancellation, judged in absolute terms
@@ -260,6 +260,69 @@ def _against_eager(program: Program, built: Built, config: Config, device: str) 
             raise _Failure(_error("torch.compile" + (f", call {call + 1}" if call else ""), err)) from err
         # outputs of a CUDA-graph replay are overwritten by the next call: compared before it
         _compare_runs(program, built, inputs, compiled, eager, f"call {call + 1}: " if call else "")
+    if config.dynamic and config.mode is None:
+        if config.async_compile:
+            from fusionstitching.backend import wait_for_compiles
+
+            wait_for_compiles(300)
+        _at_other_sizes(program, built, device, compiled_fn)
+
+
+def _at_other_sizes(program: Program, built: Built, device: str, compiled_fn: Callable[..., Any]) -> None:
+    """The program compiled with symbolic shapes, called again at other sizes (``other_sizes``):
+    every size moved within its shape class (``backend.size_class``: the specialization keeps the
+    templates of the first one of the class, refitted) and one size moved out of it (a new class,
+    whose kernels may run the first specialization's code with the sizes as arguments). A program
+    that spells sizes out in its code is another function at other sizes, and one that eager
+    rejects there is not run."""
+    head = built.text.split("def make_inputs")[0]
+    for k, sizes in enumerate(other_sizes(program)):
+        other = program.with_sizes(sizes)
+        if not other.valid_sizes(sizes):
+            continue
+        rebuilt = build(other, suffix=f"_sizes{k}")
+        if rebuilt.text.split("def make_inputs")[0] != head:
+            continue
+        inputs = functools.partial(rebuilt.make_inputs, device)
+        eager = _eager_or_none(rebuilt.fn, inputs, other)
+        if eager is None:  # not a program at these sizes
+            continue
+        label = "sizes " + ", ".join(f"{name}={value}" for name, value in sorted(sizes.items())
+                                     if value != program.size_map[name]) + ": "
+        try:
+            compiled = _run(compiled_fn, inputs, other)
+        except Exception as err:
+            raise _Failure(_error(f"torch.compile at {label[:-2]}", err)) from err
+        _compare_runs(other, rebuilt, inputs, compiled, eager, label)
+
+
+def _eager_or_none(fn: Callable[..., Any], inputs: Callable[[], list[torch.Tensor]], program: Program) -> _Run | None:
+    try:
+        return _run(fn, inputs, program)
+    except Exception:  # noqa: BLE001 -- any error: eager rejects the program at these sizes
+        return None
+
+
+def other_sizes(program: Program) -> list[dict[str, int]]:
+    """Sizes to call a program compiled with symbolic shapes at again: each size of 3 or more that
+    the program uses moved to the nearest other size of its shape class (where there is one), and
+    the first such size moved to twice itself plus one, outside its class."""
+    from fusionstitching.backend import size_class
+
+    sizes = program.size_map
+    used = sorted(s for s in used_symbols(program) if sizes[s] >= 3)
+    within = {}
+    for name in used:
+        value = sizes[name]
+        top = size_class(value)[0]
+        near = sorted(range(top // 2 + 1, top + 1), key=lambda w: (abs(w - value), w))
+        same = next((w for w in near if w != value and size_class(w) == size_class(value)), None)
+        if same is not None:
+            within[name] = same
+    result = [{**sizes, **within}] if within else []
+    if used:
+        result.append({**sizes, used[0]: 2 * sizes[used[0]] + 1})
+    return result
 
 
 def _compare_runs(program: Program, built: Built, inputs: Callable[[], list[torch.Tensor]], compiled: _Run,

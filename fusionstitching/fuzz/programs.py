@@ -239,13 +239,15 @@ class Built:
     text: str
 
 
-def build(program: Program) -> Built:
+def build(program: Program, suffix: str = "") -> Built:
     """Execute the program's source as a module (``fuzz_S_k``, registered in ``sys.modules``, where
-    TorchDynamo looks up the globals of the functions it inlines) and once more with ``DT = float64``."""
+    TorchDynamo looks up the globals of the functions it inlines) and once more with ``DT = float64``.
+    ``suffix`` names the module of another build of the program (at other sizes), which leaves the
+    first one's registered."""
     import torch
 
     text = source(program)
-    name = f"fuzz_{program.ident.replace(':', '_')}"
+    name = f"fuzz_{program.ident.replace(':', '_')}{suffix}"
     module = _module(name, text, f"<fuzz program {program.ident}>")
     wide = _module(name + "_f64", text, f"<fuzz program {program.ident}, float64>")
     wide.DT = torch.float64
