@@ -396,9 +396,9 @@ class _Runner:
         # the kernels of its specializations by skeleton: a later one's kernels that differ from an
         # earlier one's only in constants run one compiled kernel, the sizes its arguments
         self.families = SizeFamilies()
-        # the first specialization compiled in each shape class (``_shape_class``): a later one of the
-        # class keeps the templates it ran, tuned or the model's (``explore.transfer``'s ``kept``)
-        self.classes: dict[tuple, Any] = {}
+        # the specializations compiled in each shape class (``_shape_class``), in order: a later one
+        # keeps the templates they decided, the first's first (``explore.transfer``'s ``kept``)
+        self.classes: dict[tuple, list[Any]] = {}
         self.ran: set[tuple] = set()  # signatures run compiled at least once (``_paired_call``)
         tensors_only = all(isinstance(x, torch.Tensor) for x in example_inputs)
         static = _static_inputs(example_inputs)
@@ -869,11 +869,13 @@ class _Runner:
         if backward is not None:
             self._explore_ahead(backward, promised)
         shape_class = _shape_class(inputs)
-        source = self.classes.get(shape_class)
-        kept = source.kept_templates() if source is not None and source.settled else None
+        kept: dict[frozenset[str], str] = {}
+        for earlier in self.classes.get(shape_class, ()):
+            if earlier.settled:
+                kept = {**earlier.kept_templates(), **kept}
         compiled = compile_graph(graph, self.options, self.mode, device=device, output_devices=output_devices,
-                                 like=tuple(self.likes), families=self.families, kept=kept)
-        self.classes.setdefault(shape_class, compiled)
+                                 like=tuple(self.likes), families=self.families, kept=kept or None)
+        self.classes.setdefault(shape_class, []).append(compiled)
         _count("compilations")
         _count("kernels shared across shapes", compiled.shared_kernels)
         _count("templates kept across shapes", len(compiled.plan.kept))

@@ -129,12 +129,17 @@ class CompiledGraph:
 
     def kept_templates(self) -> dict[frozenset[str], str]:
         """Per pattern (its node names), the ``schedule.tune.form`` of the template its kernel runs:
-        what a specialization of the same shape class keeps (``explore.transfer``)."""
+        what a specialization of the same shape class keeps (``explore.transfer``). Where the first
+        GPU call tuned, only the patterns it decided (measured, read from the library, kept, or at
+        the latency floor): one its budget left to the model stays open for the next
+        specialization of the class to measure."""
         from fusionstitching.schedule.tune import canonical, form
 
         position = self.graph.index.position
         kept = {}
         for kernel in self.kernels:
+            if self.tuning is not None and not self.tuning.decided(kernel):
+                continue
             nodes = sorted(kernel.lowered.pattern.nodes, key=position.__getitem__)
             kept[frozenset(n.name for n in nodes)] = form(canonical(kernel.template, nodes))
         return kept

@@ -170,6 +170,11 @@ class Tuner:
                                 key=lambda item: -item[1] / max(len(item[2].cuda_source), 1))
         self._choose()
 
+    def decided(self, kernel: GeneratedKernel) -> bool:
+        """Whether ``kernel``'s pattern has its template decided (not left to the model for want of
+        budget)."""
+        return self.key(kernel) in self._decided
+
     def _keep(self, key: str, kernel: GeneratedKernel) -> str | None:
         """Where ``kernel``'s pattern is one of ``kept`` and undecided: its template, decided now."""
         if not self.kept or key in self._decided:

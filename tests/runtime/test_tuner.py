@@ -224,8 +224,15 @@ def test_a_spent_budget_leaves_the_plans_template_undecided(tmp_path):
     assert tuner.kernel_for(kernel, []) is kernel
     assert not measure.calls and tuner.over_budget == 1 and tuner.tuned == 0
     assert PerfLib(tmp_path / FILE_NAME).winner(tuner.key(kernel)) is None
+    # undecided: a specialization of the same shape class does not keep it but measures it
+    assert not tuner.decided(kernel)
+    compiled.tuning = tuner
+    assert compiled.kept_templates() == {}
     unlimited = Tuner(compiled.graph, Options(tune="exhaustive"), "Test GPU", "sm_90", measure, None, budget_s=0.0)
     assert unlimited.kernel_for(kernel, []) is not kernel
+    assert unlimited.decided(kernel)
+    compiled.tuning = unlimited
+    assert len(compiled.kept_templates()) == 1
 
 
 def test_a_candidate_predicted_to_overrun_the_budget_is_not_made(tmp_path):
