@@ -646,45 +646,36 @@ def _widened(node: Node, computed: bool) -> bool:
 
 def duplicate_broadcasts(graph: Graph, computed: bool = False) -> Graph:
     """A copy of ``graph`` where each broadcast, iota or widening convert of an input
-    (``_duplicated``; with ``computed``, a widening convert of any value) with k > 1 users is k
-    nodes, one per user (repeated until no such node is left: the copies of an outer broadcast
-    share the inner one)."""
-    changed = False
-    while True:
-        result = _duplicate_once(graph, computed)
-        if result is graph:
-            break
-        graph, changed = result, True
-    if changed:  # the rounds only copy nodes: verifying the last graph verifies them all
-        verify(graph)
-    return graph
-
-
-def _duplicate_once(graph: Graph, computed: bool) -> Graph:
-    users = graph.index.users
+    (``_duplicated``; with ``computed``, a widening convert of any value) that is not an output is
+    read by one user only: each further user reads a copy of its own, made with copies of the
+    duplicated nodes under it (the copies of an outer broadcast do not share the inner one). One
+    pass in graph order: a node's first user takes the node, every later user a new copy."""
     outputs = graph.index.output_ids
-    shared = {id(n) for n in graph.nodes
-              if _duplicated(n, computed) and len(users[n]) > 1 and id(n) not in outputs}
-    if not shared:
+    users = graph.index.users
+    if not any(_duplicated(n, computed) and len(users[n]) > 1 and id(n) not in outputs for n in graph.nodes):
         return graph
     names = _Names(n.name for n in graph.nodes)
-    copies: dict[int, Node] = {id(p): p for p in graph.parameters}
-    first_user: dict[int, int] = {}
-    per_user: dict[tuple[int, int], Node] = {}  # (shared node, user) → that user's copy
+    copies: dict[int, Node] = {id(p): p for p in graph.parameters}  # each node's first copy
+    first_user: dict[int, object] = {}  # duplicated node → the user that reads its first copy
+    per_user: dict[tuple[int, int], Node] = {}  # (duplicated node, a later user) → that user's copy
+    stand_ins: list[object] = []  # kept alive: their ids key ``per_user``
+
+    def use(x: Node, user: object) -> Node:
+        """The node ``user`` reads for ``x`` (a user reading ``x`` twice reads one node)."""
+        if not _duplicated(x, computed) or id(x) in outputs or first_user.setdefault(id(x), user) is user:
+            return copies[id(x)]
+        key = (id(x), id(user))
+        if key not in per_user:
+            copy = object()  # stands for the copy while its operands are chosen
+            stand_ins.append(copy)
+            operands = tuple(use(o, copy) for o in x.operands)
+            per_user[key] = dataclasses.replace(x, name=names.new(x.name), operands=operands)
+        return per_user[key]
+
     for old in graph.nodes:
-        if id(old) in copies:
-            continue
-        operands = []
-        for x in old.operands:
-            copy = copies[id(x)]
-            if id(x) in shared and first_user.setdefault(id(x), id(old)) != id(old):
-                key = (id(x), id(old))
-                if key not in per_user:
-                    per_user[key] = dataclasses.replace(copy, name=names.new(x.name))
-                copy = per_user[key]
-            operands.append(copy)
-        copies[id(old)] = dataclasses.replace(old, operands=tuple(operands))
-    return _rebuilt(graph, copies, verified=False)
+        if id(old) not in copies:
+            copies[id(old)] = dataclasses.replace(old, operands=tuple(use(x, old) for x in old.operands))
+    return _rebuilt(graph, copies)
 
 
 def _rebuilt(graph: Graph, copies: Mapping[int, Node], verified: bool = True) -> Graph:
