@@ -236,8 +236,12 @@ class ValueEmitter:
         return True
 
     def nested(self, body: Callable[[], K.Expr | None]) -> tuple[list[K.Stmt], K.Expr | None]:
-        """Run ``body`` collecting its statements in a new scope; returns them and its result."""
+        """Run ``body`` collecting its statements in a new scope; returns them and its result. The
+        index bounds recorded in the scope (``bound``) end with it: an index is below a shape's
+        size only where the scope's guards hold (a group of one row bounds the warp register by 1
+        inside its guard; the next group's rows run on every warp)."""
         saved = self.stmts
+        saved_bounds = dict(self.index_bounds)
         self.stmts = []
         self._undo.append([])
         try:
@@ -251,6 +255,8 @@ class ValueEmitter:
                 else:
                     table[key] = shadowed
             self.stmts = saved
+            self.index_bounds.clear()
+            self.index_bounds.update(saved_bounds)
 
     def idx(self, value: int) -> K.Const:
         const = self._consts.get(value)

@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 
 from fusionstitching.codegen import kernel_ir as K
@@ -116,3 +117,24 @@ def test_group_norm_activations_are_read_sixteen_bytes_at_a_time():
     (normalize,) = [s for s in sources if "expf" in s]
     assert "reinterpret_cast<const uint4*>(&in0[" in normalize
     assert "fs_b2f(in0[" not in normalize
+
+
+def test_a_bound_from_one_groups_guard_does_not_reach_the_next_group():
+    """Fuzz program 1306823149:12: a kernel's group of one row ([1, 1], a slice of the input) is
+    guarded by ``warp < 1``, and the bound its reshape recorded for the warp register stayed for
+    the next group, whose 8 rows run on 8 warps: there it merged the rows of a transposed input as
+    if contiguous (``w`` for ``(w / 4) * 2044 + w % 4``), and a std over the input read the wrong
+    rows. Index bounds now end with the scope that recorded them."""
+    import fusionstitching
+
+    def fn(x0):
+        v0 = torch.expm1(x0)
+        v3 = v0 + v0.std(dim=(0, 1, 2), correction=0)
+        return torch.softmax(v0, dim=2), torch.log(v3.unsqueeze(0).expand(1, 2, 4, 511).abs() + 0.5).mean(0)
+
+    x = torch.randn((2, 511, 4), generator=torch.Generator().manual_seed(69042119349434)).transpose(-1, -2)
+    torch._dynamo.reset()
+    generators = ("substitution", "deep", "exploratory", "dp", "merging", "packing", "remote")
+    compiled = fusionstitching.compile(fn, options={"strict": True, "solver": "ilp", "generators": generators})
+    for got, want in zip(compiled(x), fn(x)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
