@@ -11,8 +11,8 @@ import random
 from pathlib import Path
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from fusionstitching.codegen import kernel_ir as K
 from fusionstitching.codegen.reshape import reshape_index
