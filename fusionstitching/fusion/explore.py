@@ -228,7 +228,9 @@ def transfer(plan: FusionPlan, graph: Graph, options: Options | None = None,
     result.estimated_us = plan_time_us(result, scorer=scorer)
     result.notes.append(f"the patterns of the plan of {plan.graph.name}'s shapes, checked again at these shapes "
                         "(fusion/explore.py transfer)")
-    result = _model_templates(result, options, kept or {})
+    if kept:  # the class's templates first; the model chooses for the other patterns
+        result = keep_templates(result, kept, options)
+    result = _model_templates(result, options)
     result.transferred = True
     result.seconds = time.perf_counter() - start
     return result
@@ -268,30 +270,21 @@ def _jointly_acyclic(graph: Graph, patterns: Sequence[Sequence[Node]]) -> bool:
     return seen == len(indegree)
 
 
-def _model_templates(plan: FusionPlan, options: Options,
-                     kept: Mapping[frozenset[str], str] | None = None) -> FusionPlan:
+def _model_templates(plan: FusionPlan, options: Options) -> FusionPlan:
     """Each pattern takes the template the latency evaluator ranks first where it beats the default
     rule's (``schedule.tune.model_choice``); patterns of one structure and template are decided once.
-    A pattern of ``kept`` (``transfer``) takes the kept template, refitted, where it builds."""
+    The patterns of ``plan.kept`` (``keep_templates``) keep theirs."""
     graph = plan.graph
     spec, bandwidth = gpu_spec(options.device), bandwidth_model(options.device)
     aliased = in_place_outputs(graph)
     position = graph.index.position
     decided: dict[tuple, str] = {}
-    patterns, changed, taken = [], 0, set()
+    patterns, changed = [], 0
     for pattern in plan.patterns:
-        if pattern.schedule is None:
+        if pattern.schedule is None or frozenset(pattern.nodes) in plan.kept:
             patterns.append(pattern)
             continue
         nodes = sorted((graph.node(n) for n in pattern.nodes), key=position.__getitem__)
-        names = frozenset(pattern.nodes)
-        if kept and names in kept:
-            template = refit(graph, nodes, kept[names], pattern.schedule, options.smem_limit)
-            if template is not None:
-                taken.add(names)
-                changed += template != pattern.schedule
-                patterns.append(dataclasses.replace(pattern, schedule=template))
-                continue
         key = (pattern_structure(graph, nodes, aliased), canonical(pattern.schedule, nodes))
         text = decided.get(key)
         if text is None:
@@ -301,11 +294,10 @@ def _model_templates(plan: FusionPlan, options: Options,
             pattern = dataclasses.replace(pattern, schedule=renamed(text, nodes))
             changed += 1
         patterns.append(pattern)
-    if changed or taken:
-        plan = dataclasses.replace(plan, patterns=tuple(patterns), notes=list(plan.notes), kept=frozenset(taken))
+    if changed:
+        plan = dataclasses.replace(plan, patterns=tuple(patterns), notes=list(plan.notes))
         plan.notes.append(f"model templates: {changed} pattern(s) take the latency evaluator's first template "
-                          "over the default rule's (schedule/tune.py model_choice) or the one kept for the shape "
-                          f"class; {len(taken)} kept (schedule/tune.py refit)")
+                          "over the default rule's (schedule/tune.py model_choice)")
     return plan
 
 
