@@ -328,14 +328,27 @@ class Tuner:
         if made and compile_all is not None:
             compile_all(made)
 
-    def _at_the_floor(self, kernel: GeneratedKernel) -> bool:
+    def _at_the_floor(self, kernel: GeneratedKernel, inputs: Sequence[Any] | None = None) -> bool:
         """Whether the kernel takes less than twice the GPU's latency floor (the time of the smallest
-        copy) as the survey measured it, or else by the latency evaluator: such a kernel is bound by latency, not by its schedule, and
-        the few microseconds it takes are within the timing's noise (BERT batch 1's kernels). A
+        copy): such a kernel is bound by latency, not by its schedule, and the few microseconds it
+        takes are within the timing's noise (BERT batch 1's kernels). Judged by the kernel's
+        measured time where the survey took one; else by the latency evaluator, which can put a
         kernel of few bytes whose threads loop long (a packed sub-kernel recomputing reductions, a
-        block looping over a large grid) is not at the floor."""
-        us = self._surveyed.get(self.key(kernel))
-        return (self.plan_us(kernel) if us is None else us) < 2 * self.bandwidth.floor_us
+        block looping over a large grid) above the floor but also puts some kernels below it that
+        take several times the floor (few blocks each reducing a long row). So with ``inputs`` (the
+        pattern is about to be tuned), a kernel the evaluator puts at the floor is timed alone, as
+        the survey times it, and judged by that: one launch's measurement, no candidate made."""
+        floor = 2 * self.bandwidth.floor_us
+        key = self.key(kernel)
+        us = self._surveyed.get(key)
+        if us is not None:
+            return us < floor
+        if self.plan_us(kernel) >= floor:
+            return False
+        if inputs is None:
+            return True
+        us = self._surveyed[key] = self.measure([kernel], inputs)[0]
+        return us is None or us < floor
 
     def plan_us(self, kernel: GeneratedKernel) -> float:
         """The latency evaluator's µs for ``kernel`` (its pattern under the template it was made
@@ -376,7 +389,7 @@ class Tuner:
         """Measure the candidates of ``kernel``'s pattern (``_candidates``, or those ``_look_ahead``
         made while an earlier pattern was measured); store them; the winner's canonical text."""
         current = canonical(kernel.template, nodes)
-        if self.options.tune != "exhaustive" and self._at_the_floor(kernel):
+        if self.options.tune != "exhaustive" and self._at_the_floor(kernel, inputs):
             self.at_floor += 1
             return current
         prepared = self._prepared.pop(key, None)

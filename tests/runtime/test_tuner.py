@@ -395,21 +395,49 @@ def test_the_budget_is_chosen_again_at_the_cost_the_first_pattern_measured():
 
 
 def test_a_prioritized_pattern_at_the_latency_floor_counts_as_such_not_as_over_budget():
+    from fusionstitching.cost.bandwidth import bandwidth_model
+
     compiled = _layernorm(batch=16, hidden=64)
     kernel = compiled.kernels[0]
-    measure = LastIsFastest()
+    measure = ByName({kernel.name: bandwidth_model("H100").floor_us})
     tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, None, budget_s=10.0)
     tuner.prioritize(compiled.kernels)
-    assert tuner.kernel_for(kernel, []) is kernel and not measure.calls
+    assert tuner.kernel_for(kernel, []) is kernel and measure.calls == [[kernel.name]]
     assert tuner.at_floor == 1 and tuner.over_budget == 0
 
 
-def test_a_kernel_at_the_latency_floor_is_not_measured(tmp_path):
+def test_a_kernel_at_the_latency_floor_is_timed_alone_and_no_candidate_made(tmp_path):
+    from fusionstitching.cost.bandwidth import bandwidth_model
+
     compiled = _layernorm(batch=16, hidden=64)
-    measure = LastIsFastest()
+    kernel = compiled.kernels[0]
+    measure = ByName({kernel.name: bandwidth_model("H100").floor_us})
     tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, PerfLib(tmp_path / FILE_NAME))
-    assert tuner.kernel_for(compiled.kernels[0], []) is compiled.kernels[0]
-    assert not measure.calls and tuner.at_floor == 1 and tuner.tuned == 0
+    assert tuner.plan_us(kernel) < 2 * tuner.bandwidth.floor_us  # the model puts it at the floor
+    assert tuner.kernel_for(kernel, []) is kernel
+    assert measure.calls == [[kernel.name]] and tuner.at_floor == 1 and tuner.tuned == 0
+
+
+def test_a_kernel_the_model_puts_at_the_floor_but_measured_above_it_is_tuned(tmp_path):
+    """The latency evaluator puts some kernels below the floor that take several times it (a
+    softmax of few long rows); the plan's kernel timed alone decides, and such a one is tuned."""
+    from fusionstitching.cost.bandwidth import bandwidth_model
+
+    compiled = _layernorm(batch=16, hidden=64)
+    kernel = compiled.kernels[0]
+    floor = bandwidth_model("H100").floor_us
+
+    class Slow(LastIsFastest):  # the plan's kernel takes over 3 floors, the last candidate 5/3
+        def __call__(self, kernels, inputs, flush=True):
+            times = super().__call__(kernels, inputs, flush)
+            return [10 * floor / 3] if len(kernels) == 1 else [t * floor / 3 for t in times]
+
+    measure = Slow()
+    tuner = Tuner(compiled.graph, Options(), "Test GPU", "sm_90", measure, PerfLib(tmp_path / FILE_NAME))
+    assert tuner.plan_us(kernel) < 2 * tuner.bandwidth.floor_us
+    assert tuner.kernel_for(kernel, []) is not kernel
+    assert len(measure.calls) == 2 and len(measure.calls[0]) == 1 and len(measure.calls[1]) > 1
+    assert tuner.at_floor == 0 and tuner.tuned == 1
 
 
 def _tune_after(barrier, results, path: str) -> None:
