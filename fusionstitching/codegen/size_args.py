@@ -17,8 +17,10 @@ member differs at another constant, the family's parametric kernel is made again
 too (one more compile; the earlier members keep theirs).
 
 Why this is exact: a member runs the parametric kernel with its own constants bound, which is its
-own kernel, constant for constant (``bind(parametric, values) == member``, tested): the skeleton
-compares everything else. Two constants are never made arguments: a ``pow`` exponent (the
+own kernel, constant for constant (``bind(parametric, values) == member``, tested, comments aside):
+the skeleton compares everything else but the comments' text, which quotes sizes (a packed
+sub-kernel's block range) and is no code. A parametric kernel's comments are those of the member
+it was made from. Two constants are never made arguments: a ``pow`` exponent (the
 printer expands small integral ones) and an integer divisor that is not positive in a member (the
 printer's division by a positive argument is C's ``/``).
 """
@@ -37,13 +39,16 @@ _PLAIN, _DIVISOR, _EXPONENT = "plain", "divisor", "exponent"
 PREFIX = "fs_size"  # the name of a size argument: fs_size0, fs_size1, ...
 
 
-def _rebuild(node: Any, const: Callable[[K.Const, str], Any], role: str = _PLAIN) -> Any:
+def _rebuild(node: Any, const: Callable[[K.Const, str], Any], role: str = _PLAIN, comments: bool = True) -> Any:
     """``node`` with each constant ``c`` replaced by ``const(c, role)``, in preorder (a subtree
-    shared in the DAG is visited once per occurrence, as the printer prints it)."""
+    shared in the DAG is visited once per occurrence, as the printer prints it); without
+    ``comments``, every comment's text blanked."""
     if isinstance(node, K.Const):
         return const(node, role)
+    if isinstance(node, K.Comment) and not comments:
+        return K.Comment("")
     if isinstance(node, tuple):
-        return tuple(_rebuild(item, const) for item in node)
+        return tuple(_rebuild(item, const, comments=comments) for item in node)
     fields = getattr(node, "__dataclass_fields__", None)
     if fields is None:
         return node
@@ -56,7 +61,8 @@ def _rebuild(node: Any, const: Callable[[K.Const, str], Any], role: str = _PLAIN
                 child_role = _EXPONENT
             elif node.op in ("div", "rem") and node.dtype not in K.FLOAT_TYPES:
                 child_role = _DIVISOR
-        values[name] = _rebuild(value, const, child_role) if isinstance(value, tuple) or hasattr(value, "__dataclass_fields__") else value
+        values[name] = _rebuild(value, const, child_role, comments) \
+            if isinstance(value, tuple) or hasattr(value, "__dataclass_fields__") else value
     return type(node)(**values)
 
 
@@ -79,7 +85,7 @@ class _Skeleton:
                 return c
             return K.Param(f"c{len(self.consts) - 1}", c.dtype)
 
-        body = _rebuild(kernel.body, blank)
+        body = _rebuild(kernel.body, blank, comments=False)  # a comment may quote sizes: it is no code
         buffers = tuple((b.name, b.dtype, b.space, b.readonly, b.aligned, b.noalias) for b in kernel.params)
         shared = tuple((b.name, b.dtype, b.extent) for b in kernel.shared)
         self.key = (kernel.name, kernel.threads, buffers, shared, kernel.scalars, body)

@@ -16,7 +16,7 @@ from fusionstitching import pipeline
 from fusionstitching.codegen import cuda_c
 from fusionstitching.codegen import kernel_ir as K
 from fusionstitching.codegen.nvrtc import compile_cuda
-from fusionstitching.codegen.size_args import SizeFamilies, bind, pack, parametrize
+from fusionstitching.codegen.size_args import SizeFamilies, _rebuild, bind, pack, parametrize
 
 
 class _Block(torch.nn.Module):
@@ -83,7 +83,7 @@ def test_a_later_specializations_kernels_run_their_familys_parametric_kernel_bou
         ir, own = parametric.lowered.kernel, member.lowered.kernel
         assert len(ir.scalars) == len(values) == len(packed)
         bound = bind(ir, values, own.blocks, own.notes)
-        assert bound.body == own.body, member.name
+        assert _code(bound.body) == _code(own.body), member.name
         assert (bound.name, bound.threads, bound.shared, bound.blocks) == (own.name, own.threads, own.shared, own.blocks)
         assert [dataclasses.replace(b, extent=0) for b in bound.params] == \
             [dataclasses.replace(b, extent=0) for b in own.params]
@@ -145,6 +145,27 @@ class _Generated:
         self.lowered = LoweredKernel(kernel, None, (), (), {})
         self.template = None
         self._twin = self._scalar_variant = self._shared = None
+
+
+def _code(body):
+    """A kernel body without its comments' text (a parametric kernel's are its maker's)."""
+    return _rebuild(body, lambda c, role: c, comments=False)
+
+
+def test_members_whose_comments_quote_other_sizes_share_a_kernel():
+    """A packed sub-kernel's comment quotes its block range; two members differing there and in
+    the range's constant are one family, the range an argument."""
+    def commented(stop):
+        kernel = _kernel(stop, 64, 0.5)
+        note = K.Comment(f"sub-kernel out0: blocks [0, {stop // 256})")
+        return dataclasses.replace(kernel, body=(note, *kernel.body))
+
+    families = SizeFamilies()
+    first, second = _Generated(commented(1024)), _Generated(commented(2048))
+    assert families.adopt([first]) == 0 and families.adopt([second]) == 1
+    parametric, _, values = second._shared
+    assert values == (2048,) and "< fs_size0" in parametric.cuda_source
+    assert "blocks [0, 8)" in parametric.cuda_source  # the comment of the member it was made from
 
 
 def test_a_family_takes_as_arguments_only_the_constants_its_members_differ_in():
