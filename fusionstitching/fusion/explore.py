@@ -49,10 +49,9 @@ kernels or estimated time on any of those graphs.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from fusionstitching._host import collector_paused
 from fusionstitching.cost.bandwidth import bandwidth_model
@@ -200,12 +199,8 @@ def transfer(plan: FusionPlan, graph: Graph, options: Options | None = None,
     start = time.perf_counter()
     prepared = _prepared(graph, options)
     names = {n.name for n in plan.graph.nodes}
-    # padding a GEMM is worth it above a size (its arithmetic grows faster than the pads' copies):
-    # where these shapes decide otherwise than the plan's, the plan's decisions are taken (any is
-    # correct; one plan for the shape class, not an exploration per size)
-    padded = frozenset(_padded_dots(plan.graph))
-    for split, pads in itertools.product((True, False) if options.split_reshaped_dims else (False,), (None, padded)):
-        rewritten, notes, _, _ = _rewritten(prepared, options, split, pads)
+    for split in ((True, False) if options.split_reshaped_dims else (False,)):
+        rewritten, notes, _, _ = _rewritten(prepared, options, split)
         if {n.name for n in rewritten.nodes} == names:
             break
     else:
@@ -239,11 +234,6 @@ def transfer(plan: FusionPlan, graph: Graph, options: Options | None = None,
     result.transferred = True
     result.seconds = time.perf_counter() - start
     return result
-
-
-def _padded_dots(graph: Graph) -> list[str]:
-    """The names of the dots ``pad_unaligned_dots`` padded in ``graph`` (each ``<name>_padded``)."""
-    return [n.name.removesuffix("_padded") for n in graph.nodes if n.op == "dot_general" and n.name.endswith("_padded")]
 
 
 def _not_transferred(plan: FusionPlan, graph: Graph, why: str) -> None:
@@ -364,12 +354,11 @@ def _prepared(graph: Graph, options: Options) -> tuple[Graph, tuple[str, ...]]:
     return graph, tuple(notes)
 
 
-def _rewritten(prepared: tuple[Graph, tuple[str, ...]], options: Options, split: bool,
-               padded: Collection[str] | None = None) -> tuple[Graph, list[str], bool, list]:
+def _rewritten(prepared: tuple[Graph, tuple[str, ...]], options: Options, split: bool
+               ) -> tuple[Graph, list[str], bool, list]:
     """The rewrites of a ``_prepared`` graph before its candidates are generated, with reshapes
     resolved by splitting dims or not: the graph, the notes, whether splitting changed the graph,
-    and the reductions split (``split.part_kernels``'s argument). ``padded``: the dots to pad
-    (``pad_unaligned_dots``'s ``only``); None: those worth padding at these shapes."""
+    and the reductions split (``split.part_kernels``'s argument)."""
     graph, notes, splits = prepared[0], list(prepared[1]), []
     refined = refine_reshaped_regions(graph) if split else graph
     split, graph = refined is not graph, refined
@@ -381,8 +370,8 @@ def _rewritten(prepared: tuple[Graph, tuple[str, ...]], options: Options, split:
     # rewrites look for one convert with its users
     graph = duplicate_broadcasts(graph, computed=True)
     if options.pad_gemms:
-        graph, done = pad_unaligned_dots(graph, gpu_spec(options.device), options, only=padded)
-        notes += [f"pad {d}" for d in done]
+        graph, padded = pad_unaligned_dots(graph, gpu_spec(options.device), options)
+        notes += [f"pad {d}" for d in padded]
     if options.gemm_bias:
         graph, folded = bias_into_gemms(graph, options)
         notes += [f"fold {d}" for d in folded]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 from fusionstitching.cost.gpu_spec import GpuSpec, gpu_spec
 from fusionstitching.fusion.legality import dot_flops, is_small_dot
@@ -57,18 +57,16 @@ class PaddedDot:
                 f"GEMM at least {self.gemm_us:.1f} us)")
 
 
-def pad_unaligned_dots(graph: Graph, spec: GpuSpec, options: Options, free: Sequence[int] = (),
-                       only: Collection[str] | None = None) -> tuple[Graph, list[PaddedDot]]:
+def pad_unaligned_dots(graph: Graph, spec: GpuSpec, options: Options, free: Sequence[int] = ()
+                       ) -> tuple[Graph, list[PaddedDot]]:
     """A copy of ``graph`` whose library dots with unaligned leading dimensions take padded
     operands (see the module docstring), and what was padded. A padded dot that is an output
     promised the padded product's layout, or one of the outputs ``free`` (whose layout the caller
-    will choose), costs no copy and gets a slice of its own. ``only``: the names of the dots to
-    pad, each where it is unaligned, whether or not padding is worth its cost here (the decisions
-    of another shape specialization of the graph, ``explore.transfer``)."""
+    will choose), costs no copy and gets a slice of its own."""
     # empty products are folded to constants before exploration (``fold_empty``); a caller that
     # runs before it (``padded_layouts``) has nothing to pad there
     candidates = [n for n in graph.nodes if n.op == "dot_general" and not is_small_dot(n, options)
-                  and all(x.size for x in n.operands) and n.size and (only is None or n.name in only)]
+                  and all(x.size for x in n.operands) and n.size]
     if not candidates:
         return graph, []
     outputs: dict[int, int] = {}
@@ -92,8 +90,8 @@ def pad_unaligned_dots(graph: Graph, spec: GpuSpec, options: Options, free: Sequ
                 k = outputs.get(id(old))
                 laid_out = k is not None and k not in graph.mutations and (
                     k in free or _promised_padded(graph.output_layouts[k], new, highs))
-                verdict = _costs(new, highs, spec, k is not None and not laid_out)
-                if verdict is not None and (only is not None or verdict[0] < verdict[1]):
+                verdict = _worth(new, highs, spec, k is not None and not laid_out)
+                if verdict is not None:
                     lhs = _padded(new.operands[0], highs[0], names, made)
                     rhs = _padded(new.operands[1], highs[1], names, made)
                     product = _make("dot_general", [lhs, rhs], names.new(f"{old.name}_padded"), dtype=new.dtype,
@@ -200,14 +198,12 @@ def _paddings(dot: Node) -> tuple[list[int], list[int]] | None:
     return highs
 
 
-def _costs(dot: Node, highs: tuple[list[int], list[int]], spec: GpuSpec, is_output: bool
+def _worth(dot: Node, highs: tuple[list[int], list[int]], spec: GpuSpec, is_output: bool
            ) -> tuple[float, float] | None:
-    """(cost µs, GEMM µs): what padding costs (its copies, and the padded GEMM's extra
-    arithmetic) and the GEMM's arithmetic at the datasheet rate, the least that the slow kernel
-    would lose; padding is worth it where the first is less. None where the GPU has no rate for
-    the dtype. A pad of a graph input or a library result is a copy (read and write); one of a
-    kernel's value costs that kernel's extra write; a graph output sliced back to its shape is a
-    copy."""
+    """(cost µs, GEMM µs) when what padding costs (its copies, and the padded GEMM's extra
+    arithmetic) takes less time than the GEMM's arithmetic at the datasheet rate, else None. A pad of a graph input or a library result is a copy (read and
+    write); one of a kernel's value costs that kernel's extra write; a graph output sliced back to
+    its shape is a copy."""
     rate = spec.peak_half_tflops if dot.operands[0].dtype.is_half else spec.peak_f32_tflops
     if rate <= 0:
         return None
@@ -233,7 +229,7 @@ def _costs(dot: Node, highs: tuple[list[int], list[int]], spec: GpuSpec, is_outp
     growth *= math.prod((s + h) / s for d, (s, h) in enumerate(zip(dot.operands[1].shape, highs[1]))
                         if d not in rb and d not in rc)
     copy_us = moved / (spec.peak_bandwidth_gbs * 1e3) + gemm_us * (growth - 1)
-    return copy_us, gemm_us
+    return (copy_us, gemm_us) if copy_us < gemm_us else None
 
 
 def _padded(node: Node, high: list[int], names: _Names, made: dict[tuple, Node]) -> Node:

@@ -9,7 +9,6 @@ import torch
 
 from fusionstitching.cost.gpu_spec import gpu_spec
 from fusionstitching.fusion import explore
-from fusionstitching.fusion.explore import transfer
 from fusionstitching.fusion.padding import pad_unaligned_dots
 from fusionstitching.graph import reference
 from fusionstitching.graph.graph import GraphBuilder
@@ -243,44 +242,3 @@ def test_training_through_the_backend_saves_the_padded_logits_and_matches_eager(
     first = forward.saved[0]
     k = next(k for k, strides in forward.promised.items() if strides == (1008, 1))
     assert backward.static.graph.parameters[k - first].layout.strides == (1008, 1)
-
-
-def _logits_then_exp(rows: int):
-    """``exp(x @ w)`` with ``w`` [64, 1001] in bf16: the unaligned vocabulary is worth padding for
-    many rows (the GEMM's arithmetic grows with them, the weight's pad copy does not), not for few."""
-    b = GraphBuilder("logits")
-    x = b.parameter((rows, 64), DType.BF16, "x")
-    w = b.parameter((64, 1001), DType.BF16, "w")
-    dot = b.node("dot_general", [b.unary("neg", x), w], lhs_batch=(), rhs_batch=(), lhs_contract=(1,),
-                 rhs_contract=(0,))
-    return b.build([b.unary("exp", dot)])
-
-
-def test_only_pads_the_dots_named_whether_or_not_worth_it_here():
-    few, many = _logits_then_exp(64), _logits_then_exp(8192)
-    options = Options(small_dot_max_flops=0)
-    assert pad_unaligned_dots(few, H100, options)[1] == [] and len(pad_unaligned_dots(many, H100, options)[1]) == 1
-    dot = next(n.name for n in few.nodes if n.op == "dot_general")
-    padded, done = pad_unaligned_dots(few, H100, options, only={dot})
-    assert [d.node for d in done] == [dot] and done[0].copy_us > done[0].gemm_us  # not worth it, padded
-    arrays = random_arrays(few)
-    np.testing.assert_allclose(reference.evaluate(padded, arrays)[0].astype(np.float32),
-                               reference.evaluate(few, arrays)[0].astype(np.float32), rtol=2e-2, atol=2e-2)
-    assert pad_unaligned_dots(many, H100, options, only=set()) == (many, [])
-
-
-def test_a_plan_transfers_across_the_size_where_padding_starts_to_pay_with_its_own_decisions():
-    """Two specializations on either side of the size where padding the GEMM pays: each transfers
-    to the other with the plan's decision (padded or not), instead of being explored again."""
-    options = Options(small_dot_max_flops=0)
-    few, many = _logits_then_exp(64), _logits_then_exp(8192)
-    unpadded, padded = explore(few, options=options), explore(many, options=options)
-    assert not any(n.op == "pad" for n in unpadded.graph.nodes) and any(n.op == "pad" for n in padded.graph.nodes)
-    to_many, to_few = transfer(unpadded, many, options), transfer(padded, few, options)
-    assert to_many is not None and to_few is not None
-    assert not any(n.op == "pad" for n in to_many.graph.nodes) and any(n.op == "pad" for n in to_few.graph.nodes)
-    for plan in (to_many, to_few):
-        arrays = random_arrays(plan.graph)
-        source = many if plan is to_many else few
-        np.testing.assert_allclose(reference.evaluate(plan.graph, arrays)[0].astype(np.float32),
-                                   reference.evaluate(source, arrays)[0].astype(np.float32), rtol=2e-2, atol=2e-2)
