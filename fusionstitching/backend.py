@@ -43,8 +43,11 @@ raises too are the user's and always propagate: an index out of range met by a g
 (``IndexError``), and an error of a library op that the graph raises in PyTorch as well (same type,
 same message: torch's own index check in a scatter, say), which then propagates as PyTorch raises it.
 A first run of a specialization that fails otherwise runs the graph in PyTorch to tell the two
-apart. A graph called with more than ``Options.max_specializations`` shapes runs the further shapes
-in PyTorch (one warning). Library calls inside a plan (GEMMs, ops without a lowering) are counted in
+apart. ``Options.max_specializations`` bounds the shape classes a graph is compiled for (``_admits``):
+shapes of further classes run in PyTorch (one warning); a new shape of an admitted class compiles
+(it keeps the class's templates and runs its kernels' code). Under ``mode="reduce-overhead"`` as many
+specializations replay CUDA graphs, each of which holds a memory pool; later ones launch their
+kernels. Library calls inside a plan (GEMMs, ops without a lowering) are counted in
 ``stats()["library calls"]``.
 
 Threads. Compiling a specialization holds the runner's lock; shapes are propagated through the graph
@@ -359,7 +362,9 @@ class _Runner:
         self.compiled: dict[tuple, Any] = {}
         self.fallback: str | None = None
         self.lock = threading.Lock()  # compiling a specialization
-        self.over_limit = False  # more shapes than Options.max_specializations were seen
+        self.over_limit = False  # shapes of more classes than Options.max_specializations were seen
+        self.admitted: set[tuple] = set()  # the shape classes whose signatures are compiled (``_admits``)
+        self.graphed = 0  # specializations compiled to replay CUDA graphs (``mode="reduce-overhead"``)
         # Outputs that are numbers, not tensors (a size saved for the backward of a symbolic graph),
         # per specialization: {output index: value}.
         self.numbers: dict[tuple, dict[int, Any]] = {}
@@ -440,6 +445,7 @@ class _Runner:
                 return None
             traced, numbers = concrete
         self.numbers[key] = numbers
+        self.admitted.add(_shape_class(inputs))
         return self._compile(traced, inputs, key, choose_layouts=choose_layouts, backward=backward, publish=publish)
 
     def _compile_in_background(self, gm: fx.GraphModule, inputs: list[Any], key: tuple,
@@ -544,14 +550,14 @@ class _Runner:
                 compiled = self.compiled.get(key)
                 if compiled is None and self.static_key is None and self.options.async_compile \
                         and self.kind == "inference":
-                    if key not in self.jobs and len(self.compiled) + len(self.jobs) >= self.options.max_specializations:
+                    if not self._admits(args):
                         return self._beyond_limit(args)
                     compiled = self._specialization(key, args)
                     if compiled is None:
                         return self._eager(args)
                     first = True
                 elif compiled is None:
-                    if len(self.compiled) >= self.options.max_specializations:
+                    if not self._admits(args):
                         return self._beyond_limit(args)
                     compiled = self._compile_now(key, args)
                     if compiled is None:
@@ -652,7 +658,7 @@ class _Runner:
         with self.lock:
             compiled = self.compiled.get(key)
             if compiled is None:
-                if key not in self.jobs and len(self.compiled) + len(self.jobs) >= self.options.max_specializations:
+                if not self._admits(args):
                     self._over_the_limit()
                     return None
                 compiled = self._specialization(key, args)  # None: counted as a call in PyTorch
@@ -711,7 +717,7 @@ class _Runner:
                 self.compiled[key] = compiled
             if path is False or (path is None and compiled is None):
                 if compiled is None and job is None:
-                    if len(self.compiled) + len(self.jobs) >= self.options.max_specializations:
+                    if not self._admits(args):
                         self._over_the_limit()
                         return None
                     self._specialization(key, args)  # submitted; counted as a call in PyTorch
@@ -719,7 +725,7 @@ class _Runner:
                     _count("eager while compiling")
                 return None
             if compiled is None:  # behind a compiled forward, a signature not compiled ahead
-                if len(self.compiled) + len(self.jobs) >= self.options.max_specializations:
+                if not self._admits(args):
                     self._over_the_limit()
                     return None
                 compiled = self._compile_now(key, args)
@@ -790,6 +796,20 @@ class _Runner:
             self.proven = True
         return results
 
+    def _admits(self, args: list[Any]) -> bool:
+        """Whether a new signature of the call ``args`` may be compiled (the runner's lock held):
+        ``Options.max_specializations`` counts shape classes (``_shape_class``), not signatures. A
+        signature of a class admitted before is (its specialization keeps the class's templates
+        and runs its kernels' code: little to compile, nothing to tune); a new class is while
+        fewer than the limit are admitted."""
+        shape_class = _shape_class(args)
+        if shape_class in self.admitted:
+            return True
+        if len(self.admitted) >= self.options.max_specializations:
+            return False
+        self.admitted.add(shape_class)
+        return True
+
     def _beyond_limit(self, args: list[Any]) -> list[Any]:
         self._over_the_limit()
         return self._eager(args)
@@ -798,9 +818,9 @@ class _Runner:
         if not self.over_limit:
             self.over_limit = True
             _count("fallbacks")
-            warnings.warn(f"fusionstitching: graph {self.name} was called with more than "
-                          f"{self.options.max_specializations} shapes (Options.max_specializations); "
-                          "further shapes run in PyTorch", FallbackWarning, stacklevel=4)
+            warnings.warn(f"fusionstitching: graph {self.name} was called with shapes of more than "
+                          f"{self.options.max_specializations} shape classes (Options.max_specializations); "
+                          "shapes of further classes run in PyTorch", FallbackWarning, stacklevel=4)
 
     def _eager(self, args: list[Any]) -> list[Any]:
         """The graph run by PyTorch, its saved outputs in the strides promised to the backward."""
@@ -873,7 +893,13 @@ class _Runner:
         for earlier in self.classes.get(shape_class, ()):
             if earlier.settled:
                 kept = {**earlier.kept_templates(), **kept}
-        compiled = compile_graph(graph, self.options, self.mode, device=device, output_devices=output_devices,
+        mode = self.mode
+        if mode == "reduce-overhead":  # each CUDA graph holds a memory pool: as many as classes admitted
+            if self.graphed >= self.options.max_specializations:
+                mode = None  # this specialization launches its kernels one by one
+            else:
+                self.graphed += 1
+        compiled = compile_graph(graph, self.options, mode, device=device, output_devices=output_devices,
                                  like=tuple(self.likes), families=self.families, kept=kept or None)
         self.classes.setdefault(shape_class, []).append(compiled)
         _count("compilations")

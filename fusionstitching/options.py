@@ -66,8 +66,9 @@ class Options:
     # A training graph's backward is explored in a worker process while the forward compiles and
     # runs, and its compile takes that plan (``fusion/background.py``).
     explore_ahead: bool = True
-    # Shape specializations compiled per graph; a graph called with more distinct shapes runs the
-    # others in PyTorch (one FallbackWarning).
+    # Shape classes (sizes bucketed by power of two and alignment, ``backend.size_class``) a graph
+    # is compiled for: any number of shapes of each; shapes of further classes run in PyTorch (one
+    # FallbackWarning). Under mode="reduce-overhead", also the specializations that replay CUDA graphs.
     max_specializations: int = 16
     # A graph compiles in a background thread while its calls run in PyTorch (a graph of symbolic
     # shapes: each shape signature); the compiled program takes over at the first call after it is

@@ -231,6 +231,29 @@ def test_reduce_overhead_mode_replays_a_cuda_graph_correctly(name):
         assert relative_error(out, ref) < 1e-5, seed
 
 
+def test_reduce_overhead_replays_cuda_graphs_for_as_many_specializations_as_the_limit(monkeypatch):
+    """Each CUDA graph holds a memory pool: under ``mode="reduce-overhead"`` a graph's first
+    ``max_specializations`` specializations are compiled to replay one, and later ones (of admitted
+    shape classes) launch their kernels."""
+    from fusionstitching import pipeline
+
+    modes = []
+    plain = pipeline.compile_graph
+
+    def recorded(graph, options, mode=None, **kwargs):
+        modes.append(mode)
+        return plain(graph, options, mode, **kwargs)
+
+    monkeypatch.setattr(pipeline, "compile_graph", recorded)
+    torch._dynamo.reset()
+    compiled = fusionstitching.compile(lambda x: x.cos() * 2, mode="reduce-overhead", dynamic=True,
+                                       options={"max_specializations": 2, "strict": True})
+    for rows in (9, 11, 13, 16):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(compiled(x), x.cos() * 2)
+    assert modes == ["reduce-overhead", "reduce-overhead", None, None]
+
+
 def test_the_torch_dynamo_entry_point_names_the_backend_function():
     """``torch.compile(backend="fusionstitching")`` without importing the package goes through the
     entry point in pyproject.toml: it must name the backend function where it lives."""

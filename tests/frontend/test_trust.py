@@ -207,6 +207,25 @@ def test_more_shapes_than_the_limit_run_in_pytorch_with_one_warning():
     assert len(limit) == 1 and "max_specializations" in str(limit[0].message)
 
 
+def test_the_limit_counts_shape_classes_and_new_shapes_of_an_admitted_class_compile():
+    """With a limit of one class, rows 9, 11 and 13 (one class: at most 16, odd) all compile; 16 rows
+    (another class) run in PyTorch, announced once; 15 rows are of the first class again."""
+    from fusionstitching.backend import reset_stats, stats
+
+    torch._dynamo.reset()
+    reset_stats()
+    f = torch.compile(lambda x: x.sin() + 1, backend="fusionstitching", dynamic=True,
+                      options={"max_specializations": 1, "strict": True})
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for rows in (9, 11, 13, 16, 15):
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(f(x), x.sin() + 1)
+    limit = [w for w in record if issubclass(w.category, fusionstitching.FallbackWarning)]
+    assert len(limit) == 1 and "shape classes" in str(limit[0].message)
+    assert stats()["compilations"] == 4
+
+
 def test_two_threads_call_one_compiled_function_while_it_specializes():
     """A new shape was re-traced with make_fx, whose process-wide tracing flag made other threads'
     compiled calls fail meanwhile."""
