@@ -5,6 +5,7 @@ constants bound is that kernel, constant for constant."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import struct
 import warnings
 
@@ -235,3 +236,42 @@ def test_on_the_gpu_kernels_shared_across_lengths_give_eagers_values():
         nvrtc.append(fusionstitching.stats()["compile seconds"]["nvrtc"] - seconds)
     assert fusionstitching.stats()["kernels shared across shapes"] > before
     print("NVRTC seconds per length:", [round(s, 3) for s in nvrtc])
+
+
+def test_packed_kernels_of_other_lengths_share_their_familys_kernel(monkeypatch):
+    """A packed kernel's comments quote its sub-kernels' block ranges, which follow the lengths:
+    BERT's packed kernels at later lengths run their family's parametric kernel, which bound to
+    their constants is their code, and compiles with NVRTC; the outputs are eager's."""
+    from fusionstitching.bench import workloads as W
+
+    compiles = []
+    plain = pipeline.compile_graph
+
+    def recorded(*args, **kwargs):
+        compiled = plain(*args, **kwargs)
+        compiles.append(compiled)
+        return compiled
+
+    monkeypatch.setattr(pipeline, "compile_graph", recorded)
+    torch._dynamo.reset()
+    model = W.bert(batch=2, seq=24, hidden=64, layers=2, heads=2).fn
+    compiled = fusionstitching.compile(model, dynamic=True, options={"device": "h200", "strict": True})
+    for length in (20, 28, 22):
+        ids = torch.randint(0, 1000, (2, length), generator=torch.Generator().manual_seed(length))
+        mask = torch.ones(2, length, dtype=torch.long)
+        mask[0, length // 2:] = 0
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(compiled(ids, mask), model(ids, mask), rtol=1e-4, atol=1e-4)
+    shared = [k for c in compiles[1:] for k in _variants(c.kernels) if k._shared is not None]
+    # a sub-kernel whose block range follows the length: its bound an argument
+    ranged = [k for k in shared if re.search(r"blockIdx\.x\) < fs_size\d+\)", k._shared[0].cuda_source)]
+    assert ranged, [c.shared_kernels for c in compiles]
+    sources = set()
+    for member in shared:
+        parametric, _, values = member._shared
+        own = member.lowered.kernel
+        assert _code(bind(parametric.lowered.kernel, values, own.blocks).body) == _code(own.body), member.name
+        sources.add(parametric.cuda_source)
+    for source in sources:
+        compile_cuda(source, "sm_90")
