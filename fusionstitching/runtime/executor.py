@@ -130,9 +130,9 @@ class CompiledGraph:
     def kept_templates(self) -> dict[frozenset[str], str]:
         """Per pattern (its node names), the ``schedule.tune.form`` of the template its kernel runs:
         what a specialization of the same shape class keeps (``explore.transfer``). Where the first
-        GPU call tuned, only the patterns it decided (measured, read from the library, kept, or at
-        the latency floor): one its budget left to the model stays open for the next
-        specialization of the class to measure."""
+        GPU call tuned, only the patterns it decided (measured, read from the library, or kept,
+        ``Tuner.decided``): one its budget left to the model, or one passed over at the latency
+        floor at these sizes, stays open for the next specialization of the class to judge."""
         from fusionstitching.schedule.tune import canonical, form
 
         position = self.graph.index.position

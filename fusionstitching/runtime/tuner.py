@@ -123,6 +123,7 @@ class Tuner:
         self.over_budget = 0  # patterns left with the plan's template when the budget was spent
         self.seconds_per_character = seconds_per_character  # a candidate's predicted cost, per character
         self.at_floor = 0  # patterns not measured: their kernels take about the latency floor
+        self._floored: set[str] = set()  # their keys (``decided``)
         self._worth: set[str] | None = None  # keys the budget is kept for (``prioritize``); None: all
         self._patterns: list[tuple[str, float, GeneratedKernel]] = []  # (key, worth µs, kernel), in order
         self._plan_us: dict[str, float] = {}  # kernel name -> the latency evaluator's µs (``plan_us``)
@@ -171,9 +172,12 @@ class Tuner:
         self._choose()
 
     def decided(self, kernel: GeneratedKernel) -> bool:
-        """Whether ``kernel``'s pattern has its template decided (not left to the model for want of
-        budget)."""
-        return self.key(kernel) in self._decided
+        """Whether ``kernel``'s pattern has its template decided for its shape class: measured, read
+        from the library or kept from the class; not left to the model for want of budget, nor
+        passed over at the latency floor, a judgement of these sizes only (a kernel at the floor
+        here may be above it at sizes of the class up to twice these)."""
+        key = self.key(kernel)
+        return key in self._decided and key not in self._floored
 
     def _keep(self, key: str, kernel: GeneratedKernel) -> str | None:
         """Where ``kernel``'s pattern is one of ``kept`` and undecided: its template, decided now."""
@@ -391,6 +395,7 @@ class Tuner:
         current = canonical(kernel.template, nodes)
         if self.options.tune != "exhaustive" and self._at_the_floor(kernel, inputs):
             self.at_floor += 1
+            self._floored.add(key)
             return current
         prepared = self._prepared.pop(key, None)
         if prepared is not None:  # made ahead while an earlier pattern was measured

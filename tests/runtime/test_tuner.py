@@ -416,6 +416,10 @@ def test_a_kernel_at_the_latency_floor_is_timed_alone_and_no_candidate_made(tmp_
     assert tuner.plan_us(kernel) < 2 * tuner.bandwidth.floor_us  # the model puts it at the floor
     assert tuner.kernel_for(kernel, []) is kernel
     assert measure.calls == [[kernel.name]] and tuner.at_floor == 1 and tuner.tuned == 0
+    # a judgement of these sizes: not kept for the shape class, whose larger sizes judge it again
+    assert not tuner.decided(kernel)
+    compiled.tuning = tuner
+    assert compiled.kept_templates() == {}
 
 
 def test_a_kernel_the_model_puts_at_the_floor_but_measured_above_it_is_tuned(tmp_path):
