@@ -38,8 +38,8 @@ class _Block(torch.nn.Module):
         return torch.nn.functional.gelu(self.norm(y + x))
 
 
-def _compiled_kernels(monkeypatch, model, lengths, dynamic=True):
-    """The kernels of each compile of ``model`` over ``lengths``, and the outputs against eager."""
+def _recorded_compiles(monkeypatch) -> list:
+    """The CompiledGraph of each ``pipeline.compile_graph`` call from now on, in order."""
     compiles = []
     plain = pipeline.compile_graph
 
@@ -50,6 +50,12 @@ def _compiled_kernels(monkeypatch, model, lengths, dynamic=True):
 
     monkeypatch.setattr(pipeline, "compile_graph", recorded)
     torch._dynamo.reset()
+    return compiles
+
+
+def _compiled_kernels(monkeypatch, model, lengths, dynamic=True):
+    """The kernels of each compile of ``model`` over ``lengths``, and the outputs against eager."""
+    compiles = _recorded_compiles(monkeypatch)
     compiled = fusionstitching.compile(model, dynamic=dynamic, options={"device": "h200"})
     for seq in lengths:
         x = torch.randn(2, seq, 32)
@@ -244,16 +250,7 @@ def test_packed_kernels_of_other_lengths_share_their_familys_kernel(monkeypatch)
     their constants is their code, and compiles with NVRTC; the outputs are eager's."""
     from fusionstitching.bench import workloads as W
 
-    compiles = []
-    plain = pipeline.compile_graph
-
-    def recorded(*args, **kwargs):
-        compiled = plain(*args, **kwargs)
-        compiles.append(compiled)
-        return compiled
-
-    monkeypatch.setattr(pipeline, "compile_graph", recorded)
-    torch._dynamo.reset()
+    compiles = _recorded_compiles(monkeypatch)
     model = W.bert(batch=2, seq=24, hidden=64, layers=2, heads=2).fn
     compiled = fusionstitching.compile(model, dynamic=True, options={"device": "h200", "strict": True})
     for length in (20, 28, 22):
