@@ -365,6 +365,7 @@ class _Runner:
         self.over_limit = False  # shapes of more classes than Options.max_specializations were seen
         self.admitted: set[tuple] = set()  # the shape classes whose signatures are compiled (``_admits``)
         self.graphed = 0  # specializations compiled to replay CUDA graphs (``mode="reduce-overhead"``)
+        self.graphed_lock = threading.Lock()
         # Outputs that are numbers, not tensors (a size saved for the backward of a symbolic graph),
         # per specialization: {output index: value}.
         self.numbers: dict[tuple, dict[int, Any]] = {}
@@ -895,10 +896,11 @@ class _Runner:
                 kept = {**earlier.kept_templates(), **kept}
         mode = self.mode
         if mode == "reduce-overhead":  # each CUDA graph holds a memory pool: as many as classes admitted
-            if self.graphed >= self.options.max_specializations:
-                mode = None  # this specialization launches its kernels one by one
-            else:
-                self.graphed += 1
+            with self.graphed_lock:  # background compiles run side by side, without the runner's lock
+                if self.graphed >= self.options.max_specializations:
+                    mode = None  # this specialization launches its kernels one by one
+                else:
+                    self.graphed += 1
         compiled = compile_graph(graph, self.options, mode, device=device, output_devices=output_devices,
                                  like=tuple(self.likes), families=self.families, kept=kept or None)
         self.classes.setdefault(shape_class, []).append(compiled)
