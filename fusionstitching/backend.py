@@ -127,10 +127,13 @@ def stats() -> dict[str, Any]:
     ``"perflib hits"`` (patterns whose schedule came from the performance library); ``"plan cache
     hits"`` (graphs whose plan was read from the plan cache, ``fusion/plan_cache.py``); ``"surveyed"``
     (patterns whose plan kernel a first call timed to spend its tuning budget); ``"padded
-    GEMMs"`` (library GEMMs of unaligned sizes measured faster on zero-padded operands). Every key
+    GEMMs"`` (library GEMMs of unaligned sizes measured faster on zero-padded operands at run time);
+    ``"GEMMs timed"`` and ``"GEMM times read"`` (unaligned library GEMM problems timed unaligned and
+    padded before planning, or read from the performance library: ``runtime/gemm_timing.py``). Every key
     is there from the start (0 until it happens); every value is an int but ``"compile seconds"``: a dict from compile phase (``_host.PHASES``) to the seconds
     spent in it (``_host.timed``)."""
     from fusionstitching.fusion import plan_cache
+    from fusionstitching.runtime.gemm_timing import COUNTS as GEMM_COUNTS
     from fusionstitching.runtime.program import PADDING_CHOICES
     from fusionstitching.runtime.tuner import COUNTS
 
@@ -141,12 +144,15 @@ def stats() -> dict[str, Any]:
     result["plan cache hits"] = plan_cache.COUNTS["hits"]
     result["surveyed"] = COUNTS["surveyed"]
     result["padded GEMMs"] = PADDING_CHOICES["padded"]
+    result["GEMMs timed"] = GEMM_COUNTS["timed"]
+    result["GEMM times read"] = GEMM_COUNTS["read"]
     result["compile seconds"] = {phase: float(COMPILE_SECONDS[phase]) for phase in PHASES}
     return result
 
 
 def reset_stats() -> None:
     from fusionstitching.fusion import plan_cache
+    from fusionstitching.runtime.gemm_timing import COUNTS as GEMM_COUNTS
     from fusionstitching.runtime.program import PADDING_CHOICES
     from fusionstitching.runtime.tuner import COUNTS
 
@@ -156,6 +162,7 @@ def reset_stats() -> None:
     plan_cache.COUNTS.update(hits=0, stored=0)
     COMPILE_SECONDS.clear()
     PADDING_CHOICES.update(measured=0, padded=0)
+    GEMM_COUNTS.update(timed=0, read=0)
 
 
 class _Pair:
@@ -860,7 +867,7 @@ class _Runner:
         from fusionstitching.frontend.torch_fx import convert
         from fusionstitching.fusion.padding import padded_layouts
         from fusionstitching.graph.layout import saved_layouts
-        from fusionstitching.pipeline import compile_graph
+        from fusionstitching.pipeline import compile_graph, with_gemm_timings
 
         try:
             specs, slots = [], []
@@ -879,11 +886,14 @@ class _Runner:
         except Unsupported as err:  # a program outside what the compiler takes: announced, not an error
             self._fall_back(str(err))
             return None
+        # the unaligned GEMMs timed on this GPU (``runtime/gemm_timing.py``) before the padding pass
+        # promises a saved product's layout or plans the graph
+        options = with_gemm_timings(graph, self.options, device)
         promised = {}
         if choose_layouts and self.saved:
             chosen = saved_layouts(graph, self.saved) if self.options.channels_last else graph
             chosen = padded_layouts(chosen, [k for k in self.saved if chosen.output_layouts[k] is graph.output_layouts[k]],
-                                    self.options)
+                                    options)
             promised = {k: tuple(chosen.output_layouts[k].strides) for k in self.saved
                         if chosen.output_layouts[k] is not graph.output_layouts[k]}
             graph = chosen
@@ -901,7 +911,7 @@ class _Runner:
                     mode = None  # this specialization launches its kernels one by one
                 else:
                     self.graphed += 1
-        compiled = compile_graph(graph, self.options, mode, device=device, output_devices=output_devices,
+        compiled = compile_graph(graph, options, mode, device=device, output_devices=output_devices,
                                  like=tuple(self.likes), families=self.families, kept=kept or None)
         self.classes.setdefault(shape_class, []).append(compiled)
         _count("compilations")
@@ -931,6 +941,7 @@ class _Runner:
         from fusionstitching.fusion import background
         from fusionstitching.fusion.explore import DEFAULT_GENERATORS
         from fusionstitching.graph.graph import Layout
+        from fusionstitching.pipeline import with_gemm_timings
 
         values = [node.meta.get("val") for node in backward.graph.find_nodes(op="placeholder")]
         if not values or not all(isinstance(v, torch.Tensor) for v in values) or _symbolic(values):
@@ -953,8 +964,9 @@ class _Runner:
             from fusionstitching.runtime.kernel_call import device_arch
 
             arch = device_arch(_indexed(device))
+        options = with_gemm_timings(graph, self.options, device and _indexed(device))  # as its compile will
         with timed("exploration"):  # keying and sending the graph
-            background.submit(graph, self.options, self.options.generators or DEFAULT_GENERATORS, arch)
+            background.submit(graph, options, options.generators or DEFAULT_GENERATORS, arch)
 
     def _failed(self, err: BaseException, stage: str | None, gm: fx.GraphModule | None = None) -> None:
         """An internal error: raised with its evidence under ``Options(strict=True)``, else the graph

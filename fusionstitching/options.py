@@ -36,6 +36,11 @@ class Options:
     # Library GEMMs with a leading dimension that is not a whole number of 16-byte vectors take
     # zero-padded operands, padded by the kernels that produce them (``fusion/padding.py``).
     pad_gemms: bool = True
+    # What padding saves, measured: (``fusion.padding.GemmProblem.describe()``, µs unaligned, µs
+    # padded) of the graph's unaligned library GEMMs on its GPU. The backend fills it before a graph
+    # is planned (``runtime/gemm_timing.py``), unless tune="off"; the padding pass prefers these
+    # figures to its model, and plans cached on disk are keyed by them.
+    gemm_timings: tuple[tuple[str, float, float], ...] = ()
     # A library GEMM whose bias add must be written to memory in any plan (a graph output, an
     # operand of library calls) adds the bias in its epilogue: one ``addmm`` call instead of the
     # GEMM and a kernel pass over its result (``fusion/gemm_bias.py``).

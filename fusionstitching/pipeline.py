@@ -22,6 +22,7 @@ of every kernel (the compile stage).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -63,7 +64,7 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
     families of the graph's other specializations, whose parametric kernels this one's kernels
     take where they can (``codegen/size_args.py``). ``kept``: the templates a specialization of the
     same shape class ran, per pattern, for a transferred plan (``explore.transfer``)."""
-    options = options or Options()
+    options = with_gemm_timings(graph, options or Options(), device)
     start = time.perf_counter()
     generators = options.generators or DEFAULT_GENERATORS
     waited, ahead = 0.0, 0.0  # waiting for a worker's plan; the seconds the worker explored it
@@ -94,6 +95,19 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
     if directory:
         dump(compiled, graph, Path(directory))
     return compiled
+
+
+def with_gemm_timings(graph: Graph, options: Options, device: Any) -> Options:
+    """``options`` with the measured times of ``graph``'s unaligned library GEMMs on CUDA ``device``
+    (``runtime/gemm_timing.py``), which the padding pass prefers to its model; ``options`` itself
+    where there is nothing to time or no GPU. The seconds count as tuning."""
+    if device is None or getattr(device, "type", "cuda") != "cuda" or options.gemm_timings:
+        return options
+    from fusionstitching.runtime.gemm_timing import gemm_timings
+
+    with timed("tuning"):
+        timings = gemm_timings(graph, options, device)
+    return dataclasses.replace(options, gemm_timings=timings) if timings else options
 
 
 def _transferred(like: Sequence[FusionPlan], graph: Graph, options: Options,

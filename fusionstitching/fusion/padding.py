@@ -12,9 +12,12 @@ exploration, so that the fused kernels around it do the padding at no extra pass
 A pad of a value computed by a kernel is written by that kernel (the loss gradient's kernel writes
 the padded gradient); a slice is read by the kernels that consume the product. Only pads of graph
 inputs or library results (a weight), and slices that must be materialized (a graph output), cost a
-copy: the pass pads a GEMM only where those copies and the padded product's extra arithmetic take
-less time than the GEMM's arithmetic at the GPU's datasheet rate, the least that the slow kernel
-would lose. A pad goes under a transpose view
+copy: the pass pads a GEMM only where those copies take less time than the slow kernel loses.
+What it loses is measured on the GPU where there is one (``Options.gemm_timings``: the GEMM timed
+unaligned and padded, ``runtime/gemm_timing.py``); without a measurement, the least it could lose
+is taken: the padded product's extra arithmetic subtracted from the GEMM's arithmetic at the GPU's
+datasheet rate. The unaligned kernels lose far more than that where they are memory-bound
+(their stores are 2- to 8-byte wide), which only a measurement sees. A pad goes under a transpose view
 (the weight gradient reads the loss gradient transposed: both GEMMs then share one padded buffer).
 
 A product that a training forward saves for its backward (GPT-2's logits, 412 MB in bf16 at batch
@@ -31,7 +34,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from fusionstitching.cost.gpu_spec import GpuSpec, gpu_spec
+from fusionstitching.cost.bandwidth import DATASHEET_FLOOR_US, bandwidth_model
+from fusionstitching.cost.gpu_spec import SPECS, GpuSpec, gpu_spec
 from fusionstitching.fusion.legality import dot_flops, is_small_dot
 from fusionstitching.graph.graph import Graph, Node, verify
 from fusionstitching.graph.node import Layout, contiguous_strides
@@ -42,19 +46,45 @@ VECTOR_BYTES = 16  # the widest load of a GEMM kernel's operand tiles
 
 
 @dataclasses.dataclass(frozen=True)
+class GemmProblem:
+    """A library GEMM as ``runtime.program.dot_function`` hands it to cuBLAS: ``batch`` products of
+    an ``m`` x ``k`` by a ``k`` x ``n`` matrix, each operand stored with the contracted dim
+    innermost or not, and the sizes the padding pass would pad them to."""
+
+    dtype: str  # the operands'
+    out_dtype: str
+    batch: int
+    m: int
+    k: int
+    n: int
+    lhs_k_inner: bool  # lhs stored m x k (else k x m)
+    rhs_k_inner: bool  # rhs stored n x k (else k x n)
+    padded: tuple[int, int, int]  # (m, k, n) of the padded operands
+
+    def describe(self) -> str:
+        """The problem as one line, the key of its measurement."""
+        layout = ("N" if self.lhs_k_inner else "T") + ("T" if self.rhs_k_inner else "N")
+        m, k, n = self.padded
+        return (f"{self.dtype}->{self.out_dtype} {layout} batch {self.batch} m {self.m} k {self.k} n {self.n} "
+                f"padded to m {m} k {k} n {n}")
+
+
+@dataclasses.dataclass(frozen=True)
 class PaddedDot:
     """One dot the pass padded, for the plan's notes."""
 
     node: str
     before: tuple[tuple[int, ...], tuple[int, ...]]
     after: tuple[tuple[int, ...], tuple[int, ...]]
-    copy_us: float
-    gemm_us: float
+    copy_us: float  # what the pads and slices cost
+    saved_us: float  # what the padded GEMM saves: measured, or the least the model expects
+    measured: bool = False
 
     def __str__(self) -> str:
+        saved = "measured" if self.measured else "at least"
         return (f"{self.node}: operands {list(self.before[0])} x {list(self.before[1])} padded to "
-                f"{list(self.after[0])} x {list(self.after[1])} (cost {self.copy_us:.1f} us, "
-                f"GEMM at least {self.gemm_us:.1f} us)")
+                f"{list(self.after[0])} x {list(self.after[1])} (copies {self.copy_us:.1f} us, "
+                f"saves {saved} {self.saved_us:.1f} us)")
 
 
 def pad_unaligned_dots(graph: Graph, spec: GpuSpec, options: Options, free: Sequence[int] = ()
@@ -63,10 +93,7 @@ def pad_unaligned_dots(graph: Graph, spec: GpuSpec, options: Options, free: Sequ
     operands (see the module docstring), and what was padded. A padded dot that is an output
     promised the padded product's layout, or one of the outputs ``free`` (whose layout the caller
     will choose), costs no copy and gets a slice of its own."""
-    # empty products are folded to constants before exploration (``fold_empty``); a caller that
-    # runs before it (``padded_layouts``) has nothing to pad there
-    candidates = [n for n in graph.nodes if n.op == "dot_general" and not is_small_dot(n, options)
-                  and all(x.size for x in n.operands) and n.size]
+    candidates = _candidates(graph, options)
     if not candidates:
         return graph, []
     outputs: dict[int, int] = {}
@@ -90,7 +117,7 @@ def pad_unaligned_dots(graph: Graph, spec: GpuSpec, options: Options, free: Sequ
                 k = outputs.get(id(old))
                 laid_out = k is not None and k not in graph.mutations and (
                     k in free or _promised_padded(graph.output_layouts[k], new, highs))
-                verdict = _worth(new, highs, spec, k is not None and not laid_out)
+                verdict = _worth(new, highs, spec, options, k is not None and not laid_out)
                 if verdict is not None:
                     lhs = _padded(new.operands[0], highs[0], names, made)
                     rhs = _padded(new.operands[1], highs[1], names, made)
@@ -116,6 +143,40 @@ def pad_unaligned_dots(graph: Graph, spec: GpuSpec, options: Options, free: Sequ
     verify(result)
     result.origins, result.checks = graph.origins, graph.checks
     return result, done
+
+
+def unaligned_gemms(graph: Graph, options: Options) -> list[GemmProblem]:
+    """The GEMM problems of ``graph``'s library dots that the pass would pad, each once, for
+    ``runtime/gemm_timing.py`` to time before the graph is planned."""
+    problems: dict[str, GemmProblem] = {}
+    for dot in _candidates(graph, options):
+        highs = _paddings(dot)
+        if highs is not None:
+            problem = gemm_problem(dot, highs)
+            problems.setdefault(problem.describe(), problem)
+    return list(problems.values())
+
+
+def gemm_problem(dot: Node, highs: tuple[list[int], list[int]]) -> GemmProblem:
+    """``dot`` as the GEMM library sees it, with operands padded by ``highs`` (``_paddings``)."""
+    lhs, rhs = dot.operands
+    lb, rb, lc, rc = (list(dot.attrs[k]) for k in ("lhs_batch", "rhs_batch", "lhs_contract", "rhs_contract"))
+    lfree = [d for d in range(len(lhs.shape)) if d not in lb + lc]
+    rfree = [d for d in range(len(rhs.shape)) if d not in rb + rc]
+
+    def size(node: Node, dims: list[int], high: list[int] | None = None) -> int:
+        return math.prod(node.shape[d] + (high[d] if high else 0) for d in dims)
+
+    return GemmProblem(lhs.dtype.value, dot.dtype.value, size(lhs, lb), size(lhs, lfree), size(lhs, lc),
+                       size(rhs, rfree), _storage_inner(lhs) in lc, _storage_inner(rhs) in rc,
+                       (size(lhs, lfree, highs[0]), size(lhs, lc, highs[0]), size(rhs, rfree, highs[1])))
+
+
+def _candidates(graph: Graph, options: Options) -> list[Node]:
+    """The library dots of ``graph``. Empty products are folded to constants before exploration
+    (``fold_empty``); a caller that runs before it (``padded_layouts``) has nothing to pad there."""
+    return [n for n in graph.nodes if n.op == "dot_general" and not is_small_dot(n, options)
+            and all(x.size for x in n.operands) and n.size]
 
 
 def padded_layouts(graph: Graph, free: Sequence[int], options: Options) -> Graph:
@@ -198,17 +259,17 @@ def _paddings(dot: Node) -> tuple[list[int], list[int]] | None:
     return highs
 
 
-def _worth(dot: Node, highs: tuple[list[int], list[int]], spec: GpuSpec, is_output: bool
-           ) -> tuple[float, float] | None:
-    """(cost µs, GEMM µs) when what padding costs (its copies, and the padded GEMM's extra
-    arithmetic) takes less time than the GEMM's arithmetic at the datasheet rate, else None. A pad of a graph input or a library result is a copy (read and
-    write); one of a kernel's value costs that kernel's extra write; a graph output sliced back to
-    its shape is a copy."""
-    rate = spec.peak_half_tflops if dot.operands[0].dtype.is_half else spec.peak_f32_tflops
-    if rate <= 0:
-        return None
-    gemm_us = dot_flops(dot) / (rate * 1e6)
-    moved = 0
+def _worth(dot: Node, highs: tuple[list[int], list[int]], spec: GpuSpec, options: Options, is_output: bool
+           ) -> tuple[float, float, bool] | None:
+    """(copies µs, saved µs, measured) when what padding costs takes less time than the padded GEMM
+    saves, else None. A pad of a graph input or a library result is a copy (read and write); one of
+    a kernel's value costs that kernel's extra write; a graph output sliced back to its shape is a
+    copy. The saving is measured (``Options.gemm_timings``), and then each copy also costs a
+    kernel's floor; without a measurement it is the least the model can promise: the GEMM's
+    arithmetic at the datasheet rate less the padded product's extra arithmetic."""
+    bandwidth = spec.peak_bandwidth_gbs * 1e3  # bytes per µs
+    floor_us = bandwidth_model(spec.name).floor_us if spec.name in SPECS else DATASHEET_FLOOR_US
+    moved, copies = 0, 0
     for operand, high in zip(dot.operands, highs):
         if not any(high):
             continue
@@ -218,18 +279,31 @@ def _worth(dot: Node, highs: tuple[list[int], list[int]], spec: GpuSpec, is_outp
             source = source.operands[0]
         standalone = source.op in ("parameter", "library", "dot_general", "constant")
         moved += padded + (operand.size * operand.dtype.itemsize if standalone else 0)
+        copies += standalone
     lb, rb, lc, rc = (dot.attrs[k] for k in ("lhs_batch", "rhs_batch", "lhs_contract", "rhs_contract"))
     sliced = any(h for d, h in enumerate(highs[0]) if d not in lb and d not in lc) or \
         any(h for d, h in enumerate(highs[1]) if d not in rb and d not in rc)
     if is_output and sliced:
         moved += 2 * dot.size * dot.dtype.itemsize
-    # the padded GEMM's extra arithmetic: contracted dims are padded alike in both operands, so
-    # the lhs's dims and the rhs's free dims give the product's growth
-    growth = math.prod((s + h) / s for s, h in zip(dot.operands[0].shape, highs[0]))
-    growth *= math.prod((s + h) / s for d, (s, h) in enumerate(zip(dot.operands[1].shape, highs[1]))
-                        if d not in rb and d not in rc)
-    copy_us = moved / (spec.peak_bandwidth_gbs * 1e3) + gemm_us * (growth - 1)
-    return (copy_us, gemm_us) if copy_us < gemm_us else None
+        copies += 1
+    copy_us = moved / bandwidth
+    timings = {problem: (unaligned, padded) for problem, unaligned, padded in options.gemm_timings}
+    timed = timings.get(gemm_problem(dot, highs).describe())
+    if timed is not None:  # GPU times on both sides: each copy a kernel, with its floor
+        copy_us += copies * floor_us
+        saved_us = timed[0] - timed[1]
+    else:  # throughput terms on both sides
+        rate = spec.peak_half_tflops if dot.operands[0].dtype.is_half else spec.peak_f32_tflops
+        if rate <= 0:
+            return None
+        gemm_us = dot_flops(dot) / (rate * 1e6)
+        # contracted dims are padded alike in both operands, so the lhs's dims and the rhs's free
+        # dims give the padded product's growth
+        growth = math.prod((s + h) / s for s, h in zip(dot.operands[0].shape, highs[0]))
+        growth *= math.prod((s + h) / s for d, (s, h) in enumerate(zip(dot.operands[1].shape, highs[1]))
+                            if d not in rb and d not in rc)
+        saved_us = gemm_us * (2 - growth)
+    return (copy_us, saved_us, timed is not None) if copy_us < saved_us else None
 
 
 def _padded(node: Node, high: list[int], names: _Names, made: dict[tuple, Node]) -> Node:

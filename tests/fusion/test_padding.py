@@ -9,7 +9,7 @@ import torch
 
 from fusionstitching.cost.gpu_spec import gpu_spec
 from fusionstitching.fusion import explore
-from fusionstitching.fusion.padding import pad_unaligned_dots
+from fusionstitching.fusion.padding import pad_unaligned_dots, unaligned_gemms
 from fusionstitching.graph import reference
 from fusionstitching.graph.graph import GraphBuilder
 from fusionstitching.graph.ops import DType
@@ -78,6 +78,57 @@ def test_a_gemm_whose_arithmetic_is_cheaper_than_the_copies_is_left_alone():
                             rhs_contract=(0,))])
     padded, done = pad_unaligned_dots(graph, H100, Options(small_dot_max_flops=0))
     assert done == [] and padded is graph
+
+
+def _attention(length: int = 300, heads: int = 96):
+    """Scores q·kᵀ of a [heads, length, 64] query and key, and probabilities (a kernel's value) by
+    the values: the first product's rows and the second's contracted dim are ``length`` long."""
+    b = GraphBuilder("attention")
+    q, k, v = (b.parameter((heads, length, 64), DType.BF16, name) for name in "qkv")
+    dims = {"lhs_batch": (0,), "rhs_batch": (0,)}
+    scores = b.node("dot_general", [q, k], lhs_contract=(2,), rhs_contract=(2,), **dims)
+    context = b.node("dot_general", [b.unary("exp", scores), v], lhs_contract=(2,), rhs_contract=(1,), **dims)
+    return b.build([context])
+
+
+def test_unaligned_gemms_are_described_as_the_library_sees_them():
+    """What the GPU times: batch, M, K, N, each operand's layout (K innermost or not) and the padded
+    sizes, the same for any graph whose dots are that problem."""
+    described = sorted(p.describe() for p in unaligned_gemms(_attention(), Options()))
+    assert described == ["bf16->bf16 NN batch 96 m 300 k 300 n 64 padded to m 300 k 304 n 64",
+                         "bf16->bf16 NT batch 96 m 300 k 64 n 300 padded to m 300 k 64 n 304"]
+    assert unaligned_gemms(_attention(length=256), Options()) == []
+
+
+def test_measured_times_decide_where_the_model_would_not():
+    """A GEMM the model leaves alone (its arithmetic is cheaper than a copy of the weight) is padded
+    when its times say the padded GEMM saves more than the copy costs; GEMMs the model pads are left
+    alone when padding is measured to save nothing (f32 without TF32 on an H200)."""
+    b = GraphBuilder("small")
+    x = b.parameter((64, 64), DType.BF16, "x")
+    w = b.parameter((64, 1001), DType.BF16, "w")
+    small = b.build([b.node("dot_general", [x, w], lhs_batch=(), rhs_batch=(), lhs_contract=(1,),
+                            rhs_contract=(0,))])
+    options = Options(small_dot_max_flops=0)
+    assert pad_unaligned_dots(small, H100, options)[1] == []
+    (problem,) = unaligned_gemms(small, options)
+    timed = Options(small_dot_max_flops=0, gemm_timings=((problem.describe(), 20.0, 5.0),))
+    padded, done = pad_unaligned_dots(small, H100, timed)
+    assert [d.measured for d in done] == [True] and 0 < done[0].copy_us < done[0].saved_us == 15.0
+    assert "saves measured 15.0 us" in str(done[0])
+    arrays = random_arrays(small)
+    np.testing.assert_allclose(reference.evaluate(padded, arrays)[0].astype(np.float32),
+                               reference.evaluate(small, arrays)[0].astype(np.float32), rtol=2e-2, atol=2e-2)
+    # the copy's floor counts against a measured saving: a microsecond saved does not pay for it
+    slight = Options(small_dot_max_flops=0, gemm_timings=((problem.describe(), 6.0, 5.0),))
+    assert pad_unaligned_dots(small, H100, slight)[1] == []
+
+    graph = _gradient_gemms()
+    assert len(pad_unaligned_dots(graph, H100, Options())[1]) == 2
+    even = tuple((p.describe(), 100.0, 100.0) for p in unaligned_gemms(graph, Options()))
+    assert pad_unaligned_dots(graph, H100, Options(gemm_timings=even)) == (graph, [])
+    plan = explore(graph, options=Options(gemm_timings=even))
+    assert not any(n.op == "pad" for n in plan.graph.nodes)
 
 
 def test_aligned_gemms_are_left_alone_and_the_option_turns_the_pass_off():
