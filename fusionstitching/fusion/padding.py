@@ -17,7 +17,7 @@ What it loses is measured on the GPU where there is one (``Options.gemm_timings`
 unaligned and padded, ``runtime/gemm_timing.py``); without a measurement, the least it could lose
 is taken: the padded product's extra arithmetic subtracted from the GEMM's arithmetic at the GPU's
 datasheet rate. The unaligned kernels lose far more than that where they are memory-bound
-(their stores are 2- to 8-byte wide), which only a measurement sees. A pad goes under a transpose view
+(their stores are 2- to 8-byte wide), which only a measurement sees. A pad goes under a transpose view and under a reshape that keeps the padded dims
 (the weight gradient reads the loss gradient transposed: both GEMMs then share one padded buffer).
 
 A product that a training forward saves for its backward (GPT-2's logits, 412 MB in bf16 at batch
@@ -306,14 +306,25 @@ def _worth(dot: Node, highs: tuple[list[int], list[int]], spec: GpuSpec, options
     return (copy_us, saved_us, timed is not None) if copy_us < saved_us else None
 
 
+def _kept_by_reshape(node: Node) -> int:
+    """How many trailing dims a reshape keeps as they are (it merges or splits only dims before
+    them)."""
+    before, after, kept = node.operands[0].shape, node.shape, 0
+    while kept < min(len(before), len(after)) and before[len(before) - 1 - kept] == after[len(after) - 1 - kept]:
+        kept += 1
+    return kept
+
+
 def _padded(node: Node, high: list[int], names: _Names, made: dict[tuple, Node]) -> Node:
     """``node`` zero-padded by ``high`` at the end of each dim; under a transpose view the pad goes
-    to the transposed value, so that readers of either layout share it. One node per padding."""
+    to the transposed value, so that readers of either layout share it, and under a reshape that
+    keeps the padded dims to the reshaped value. One node per padding."""
     if not any(high):
         return node
     key = (id(node), tuple(high))
     if key in made:
         return made[key]
+    kept = _kept_by_reshape(node) if node.op == "reshape" else 0
     if node.op == "transpose":
         permutation = list(node.attrs["permutation"])
         inner_high = [0] * len(high)
@@ -321,6 +332,15 @@ def _padded(node: Node, high: list[int], names: _Names, made: dict[tuple, Node])
             inner_high[dim] = high[position]
         inner = _padded(node.operands[0], inner_high, names, made)
         result = _make("transpose", [inner], names.new(f"{node.name}_padded"), permutation=tuple(permutation))
+    elif kept and not any(high[:len(high) - kept]):
+        # only dims the reshape keeps are padded: the pad goes to its operand, which then lies in
+        # the iteration space of the kernel computing it (a softmax over [batch, heads, L, L] that
+        # the GEMM reads as [batch x heads, L, L] writes its rows padded)
+        source = node.operands[0]
+        inner_high = [0] * (len(source.shape) - kept) + high[len(high) - kept:]
+        inner = _padded(source, inner_high, names, made)
+        result = _make("reshape", [inner], names.new(f"{node.name}_padded"),
+                       shape=tuple(s + h for s, h in zip(node.shape, high)))
     else:
         rank = len(node.shape)
         result = _make("pad", [node], names.new(f"{node.name}_padded"), low=(0,) * rank, high=tuple(high),

@@ -131,6 +131,35 @@ def test_measured_times_decide_where_the_model_would_not():
     assert not any(n.op == "pad" for n in plan.graph.nodes)
 
 
+def test_a_pad_under_a_reshape_is_written_by_the_kernel_that_computes_the_reshaped_value():
+    """Attention probabilities computed over [batch, heads, L, L] and multiplied as [batch x heads,
+    L, L]: the pad goes under the reshape, so the softmax kernel writes its rows padded (one kernel,
+    as without padding) instead of a kernel of its own re-reading them."""
+    b = GraphBuilder("softmax_by_values")
+    shape = (8, 12, 300, 300)
+    x = b.parameter(shape, DType.BF16, "x")
+    v = b.parameter((96, 300, 64), DType.BF16, "v")
+    f = b.convert(x, DType.F32)
+    e = b.unary("exp", b.binary("sub", f, b.broadcast(b.reduce(f, (3,), "max"), shape, (0, 1, 2))))
+    p = b.binary("div", e, b.broadcast(b.reduce(e, (3,), "sum"), shape, (0, 1, 2)))
+    probs = b.reshape(b.convert(p, DType.BF16), (96, 300, 300))
+    graph = b.build([b.node("dot_general", [probs, v], lhs_batch=(0,), rhs_batch=(0,), lhs_contract=(2,),
+                            rhs_contract=(1,))])
+    timed = Options(gemm_timings=tuple((q.describe(), 30.0, 10.0) for q in unaligned_gemms(graph, Options())))
+    padded, done = pad_unaligned_dots(graph, H100, timed)
+    assert len(done) == 1
+    (pad,) = [n for n in padded.nodes if n.op == "pad" and n.operands[0].op != "parameter"]
+    assert pad.shape == (8, 12, 300, 304) and pad.operands[0].op == "convert"
+    arrays = random_arrays(graph)
+    np.testing.assert_allclose(reference.evaluate(padded, arrays)[0].astype(np.float32),
+                               reference.evaluate(graph, arrays)[0].astype(np.float32), rtol=2e-2, atol=2e-2)
+    plan = explore(graph, options=timed)
+    owner = plan.pattern_of(next(n.name for n in plan.graph.nodes if n.op == "pad" and n.shape == pad.shape))
+    assert owner is not None and {"reduce", "exp"} <= {plan.graph.node(n).op for n in owner.nodes}, plan.explain()
+    # and two copies: v padded, and the graph's output sliced out of the padded product
+    assert plan.kernel_count == explore(graph).kernel_count + 2, plan.explain()
+
+
 def test_aligned_gemms_are_left_alone_and_the_option_turns_the_pass_off():
     graph = _gradient_gemms(vocab=1024)
     assert pad_unaligned_dots(graph, H100, Options()) == (graph, [])
