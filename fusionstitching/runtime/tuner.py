@@ -333,31 +333,26 @@ class Tuner:
             compile_all(made)
 
     def _at_the_floor(self, kernel: GeneratedKernel, inputs: Sequence[Any] | None = None) -> bool:
-        """Whether the kernel takes about the GPU's latency floor (the time of the smallest copy):
-        such a kernel is bound by latency, not by its schedule (BERT batch 1's kernels), and no
-        candidate could win by more than the timing's noise. Judged by the kernel's
+        """Whether the kernel takes less than twice the GPU's latency floor (the time of the smallest
+        copy): such a kernel is bound by latency, not by its schedule, and the few microseconds it
+        takes are within the timing's noise (BERT batch 1's kernels). Judged by the kernel's
         measured time where the survey took one; else by the latency evaluator, which can put a
         kernel of few bytes whose threads loop long (a packed sub-kernel recomputing reductions, a
         block looping over a large grid) above the floor but also puts some kernels below it that
         take several times the floor (few blocks each reducing a long row). So with ``inputs`` (the
         pattern is about to be tuned), a kernel the evaluator puts at the floor is timed alone, as
         the survey times it, and judged by that: one launch's measurement, no candidate made."""
+        floor = 2 * self.bandwidth.floor_us
         key = self.key(kernel)
         us = self._surveyed.get(key)
         if us is not None:
-            return self._within_noise_of_the_floor(us)
-        if not self._within_noise_of_the_floor(self.plan_us(kernel)):
+            return us < floor
+        if self.plan_us(kernel) >= floor:
             return False
         if inputs is None:
             return True
         us = self._surveyed[key] = self.measure([kernel], inputs)[0]
-        return us is None or self._within_noise_of_the_floor(us)
-
-    def _within_noise_of_the_floor(self, us: float) -> bool:
-        """Whether a kernel of ``us`` µs has nothing a schedule could win: no template makes it
-        faster than the floor, and what it takes above the floor is within the timing's
-        resolution or noise, the least a candidate has to win by to be chosen."""
-        return us - self.bandwidth.floor_us < max(RESOLUTION_US, NOISE * us)
+        return us is None or us < floor
 
     def plan_us(self, kernel: GeneratedKernel) -> float:
         """The latency evaluator's µs for ``kernel`` (its pattern under the template it was made
