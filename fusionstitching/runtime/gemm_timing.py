@@ -111,7 +111,8 @@ def _measure(problem: GemmProblem, device: Any) -> tuple[float, float]:
         return run
 
     variants = [product(problem.m, problem.k, problem.n), product(*problem.padded)]
-    with torch.cuda.device(device):
+    # the problem's own dtypes, whatever autocast the compiling call runs under
+    with torch.cuda.device(device), torch.autocast("cuda", enabled=False):
         for run in variants:
             run()
         samples: list[list[Any]] = [[], []]
