@@ -61,6 +61,11 @@ def gemm_timings(graph: Graph, options: Options, device: Any) -> tuple[tuple[str
             except torch.OutOfMemoryError:
                 logger.info("GEMM %s: no memory to time it; the padding model decides", text)
                 continue
+            except RuntimeError:  # another thread capturing a CUDA graph, say: the model decides
+                if options.strict:
+                    raise
+                logger.warning("GEMM %s could not be timed; the padding model decides", text, exc_info=True)
+                continue
             COUNTS["timed"] += 1
             library.store(key, [Measured("unaligned", times[0]), Measured("padded", times[1])],
                           chosen="padded" if times[1] < times[0] else "unaligned",
