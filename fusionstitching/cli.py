@@ -229,26 +229,35 @@ def _perflib_command(args: argparse.Namespace) -> int:
     """``fusionstitching perflib``: list the performance library's entries, or prune them."""
     from fusionstitching.cost.perflib import FILE_NAME, PerfLib
     from fusionstitching.options import cache_root
+    from fusionstitching.runtime.gemm_timing import is_gemm_entry, library_version
     from fusionstitching.runtime.tuner import generator
 
     library = PerfLib(cache_root(args.cache_dir) / FILE_NAME)
     if args.prune_stale or args.older_than is not None or args.device:
-        removed = library.prune(generator=generator() if args.prune_stale else None,
+        removed = library.prune(generator=(generator(), library_version()) if args.prune_stale else None,
                                 older_than_s=None if args.older_than is None else args.older_than * 86400,
                                 device=args.device)
         print(f"{library.path}: {removed} entries removed")
         return 0
-    winners = library.winners()
-    print(f"{library.path}: {len(winners)} patterns (generator {generator()})")
-    if not winners:
-        return 0
-    print("| key | GPU | pattern | chosen template | µs | model's µs | candidates | current |")
-    print("|---|---|---|---|---|---|---|---|")
-    for w in winners:
-        print(f"| {w.key[:12]} | {w.device} | {w.description} | {w.template} | {w.us:.1f} | {w.model_us:.1f} "
-              f"| {w.candidates} | {'yes' if w.generator == generator() else 'stale'} |")
-    right = sum(w.model_was_right for w in winners)
-    print(f"the model's first choice was the measured winner for {right} of {len(winners)} patterns")
+    everything = library.winners()
+    winners = [w for w in everything if not is_gemm_entry(w.generator)]
+    gemms = [w for w in everything if is_gemm_entry(w.generator)]
+    print(f"{library.path}: {len(winners)} patterns (generator {generator()}), {len(gemms)} GEMM problems")
+    if winners:
+        print("| key | GPU | pattern | chosen template | µs | model's µs | candidates | current |")
+        print("|---|---|---|---|---|---|---|---|")
+        for w in winners:
+            print(f"| {w.key[:12]} | {w.device} | {w.description} | {w.template} | {w.us:.1f} | {w.model_us:.1f} "
+                  f"| {w.candidates} | {'yes' if w.generator == generator() else 'stale'} |")
+        right = sum(w.model_was_right for w in winners)
+        print(f"the model's first choice was the measured winner for {right} of {len(winners)} patterns")
+    if gemms:  # runtime/gemm_timing.py: unaligned GEMMs timed as they are and padded
+        print("| key | GPU | GEMM | µs unaligned | µs padded | current |")
+        print("|---|---|---|---|---|---|")
+        for w in gemms:
+            times = {m.template: m.us for m in library.measurements(w.key)}
+            print(f"| {w.key[:12]} | {w.device} | {w.description} | {times.get('unaligned', float('nan')):.1f} "
+                  f"| {times.get('padded', float('nan')):.1f} | {'yes' if w.generator == library_version() else 'stale'} |")
     if args.key:
         for m in library.measurements(next((w.key for w in winners if w.key.startswith(args.key)), args.key)):
             print(f"  {m.us:9.1f} µs  rank {m.model_rank}  {m.registers} registers  {m.shared_bytes} B shared  "

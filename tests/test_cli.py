@@ -73,6 +73,7 @@ def test_explain_command_rejects_unknown_workloads(tmp_path, capsys):
 
 def test_perflib_command_lists_entries_and_prunes_stale_ones(tmp_path, capsys):
     from fusionstitching.cost.perflib import Measured, PerfLib
+    from fusionstitching.runtime.gemm_timing import LIBRARY, library_version
     from fusionstitching.runtime.tuner import generator
 
     library = PerfLib(tmp_path / "perflib.sqlite")
@@ -80,14 +81,21 @@ def test_perflib_command_lists_entries_and_prunes_stale_ones(tmp_path, capsys):
                              Measured("n0[GRID]; launch(blocks=2,threads=32)", 5.0, model_rank=1)],
                   description="reduce; f32[8, 8]", device="Test GPU", arch="sm_90", generator=generator())
     library.store("b" * 32, [Measured("n0[GRID]; launch(blocks=1,threads=64)", 1.0)], generator="old")
+    # a GEMM's times (runtime/gemm_timing.py): listed apart, kept while the GEMM library is current
+    for key, version in (("c" * 32, library_version()), ("d" * 32, f"{LIBRARY} torch 0.1 cuda 1.0")):
+        library.store(key, [Measured("unaligned", 26.4), Measured("padded", 9.8)], chosen="padded",
+                      description="GEMM bf16->bf16 NT batch 96 m 300 k 64 n 300 padded to m 300 k 64 n 304",
+                      device="Test GPU", generator=version)
     assert main(["perflib", "--cache-dir", str(tmp_path), "--key", "aaaa"]) == 0
     out = capsys.readouterr().out
-    assert "2 patterns" in out and "| Test GPU | reduce; f32[8, 8] |" in out and "stale" in out
+    assert "2 patterns" in out and "2 GEMM problems" in out and "| Test GPU | reduce; f32[8, 8] |" in out
+    assert "stale" in out
     assert "won by" not in out and "the model's first choice was the measured winner for 1 of 2" in out
     assert "rank 1" in out and "5.0 µs" in out
+    assert "| GEMM bf16->bf16 NT batch 96 m 300 k 64 n 300 padded to m 300 k 64 n 304 | 26.4 | 9.8 | yes |" in out
     assert main(["perflib", "--cache-dir", str(tmp_path), "--prune-stale"]) == 0
-    assert "1 entries removed" in capsys.readouterr().out
-    assert [w.key for w in library.winners()] == ["a" * 32]
+    assert "2 entries removed" in capsys.readouterr().out
+    assert sorted(w.key for w in library.winners()) == ["a" * 32, "c" * 32]
 
 
 def test_tune_command_needs_a_gpu(capsys):

@@ -27,7 +27,7 @@ import os
 import sqlite3
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -248,14 +248,16 @@ class PerfLib:
 
         return self._run(write, winner)
 
-    def prune(self, *, generator: str | None = None, older_than_s: float | None = None,
+    def prune(self, *, generator: str | Sequence[str] | None = None, older_than_s: float | None = None,
               device: str | None = None) -> int:
-        """Delete entries of other generator versions than ``generator``, older than
-        ``older_than_s`` seconds, or of GPU ``device``; returns how many keys went."""
+        """Delete entries of other generator versions than ``generator`` (one, or several that are
+        all current), older than ``older_than_s`` seconds, or of GPU ``device``; returns how many
+        keys went."""
         conditions, values = [], []
         if generator is not None:
-            conditions.append("generator != ?")
-            values.append(generator)
+            current = [generator] if isinstance(generator, str) else list(generator)
+            conditions.append(f"generator NOT IN ({', '.join('?' * len(current))})")
+            values.extend(current)
         if older_than_s is not None:
             conditions.append("created < ?")
             values.append(time.time() - older_than_s)

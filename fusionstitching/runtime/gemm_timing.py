@@ -29,6 +29,7 @@ SPACER_CYCLES = 200_000  # a GPU spin before each timed run, so that the events 
 # (device name, problem) -> (unaligned µs, padded µs); measured or read in this process
 _TIMED: dict[tuple[str, str], tuple[float, float]] = {}
 COUNTS = {"timed": 0, "read": 0}
+LIBRARY = "GEMM library:"  # the ``generator`` of these entries begins so (``is_gemm_entry``)
 
 
 def gemm_timings(graph: Graph, options: Options, device: Any) -> tuple[tuple[str, float, float], ...]:
@@ -44,7 +45,7 @@ def gemm_timings(graph: Graph, options: Options, device: Any) -> tuple[tuple[str
         return ()
     name = torch.cuda.get_device_name(device)
     library = PerfLib(cache_root(options.cache_dir) / FILE_NAME)
-    version = f"torch {torch.__version__} cuda {torch.version.cuda}"
+    version = library_version()
     timings = []
     for problem in problems:
         text = problem.describe()
@@ -73,6 +74,19 @@ def gemm_timings(graph: Graph, options: Options, device: Any) -> tuple[tuple[str
         _TIMED[(name, text)] = times
         timings.append((text, *times))
     return tuple(sorted(timings))
+
+
+def library_version() -> str:
+    """The ``generator`` of the library's GEMM entries: the GEMM library that was timed, as torch
+    and CUDA versions (a new torch may bring another cuBLAS)."""
+    import torch
+
+    return f"{LIBRARY} torch {torch.__version__} cuda {torch.version.cuda}"
+
+
+def is_gemm_entry(generator: str) -> bool:
+    """Whether a library entry of this ``generator`` holds a GEMM's times (not a pattern's schedules)."""
+    return generator.startswith(LIBRARY)
 
 
 def _operand(torch: Any, generator: Any, batch: int, rows: int, inner: int, transposed: bool, dtype: Any,
