@@ -13,6 +13,7 @@ The planner receives them as ``Options.gemm_timings``.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from typing import Any
 
@@ -24,7 +25,10 @@ from fusionstitching.options import Options, cache_root
 logger = logging.getLogger(__name__)
 
 ROUNDS = 9  # timed runs of each variant, the two interleaved
-REPEATS = 5  # back-to-back launches per timed run: events around several, so that the timing resolution is no issue
+# Back-to-back launches per timed run, at most: events around several, so that the timing
+# resolution is no issue for a small GEMM, while a large one is timed in one launch per run.
+REPEATS = 5
+RUN_US = 50.0
 SPACER_CYCLES = 200_000  # a GPU spin before each timed run, so that the events time the GPU, not the host's launches
 # (device name, problem) -> (unaligned µs, padded µs); measured or read in this process
 _TIMED: dict[tuple[str, str], tuple[float, float]] = {}
@@ -134,16 +138,23 @@ def _measure(problem: GemmProblem, device: Any) -> tuple[float, float]:
     with torch.cuda.device(device), torch.autocast("cuda", enabled=False):
         for run in variants:
             run()
+        # as many launches per timed run as make it last RUN_US (a large GEMM: one)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        variants[0]()
+        end.record()
+        end.synchronize()
+        repeats = max(1, min(REPEATS, math.ceil(RUN_US / max(1e3 * start.elapsed_time(end), 1e-3))))
         samples: list[list[Any]] = [[], []]
         for _ in range(ROUNDS):
             for j, run in enumerate(variants):
                 torch.cuda._sleep(SPACER_CYCLES)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                for _ in range(REPEATS):
+                for _ in range(repeats):
                     run()
                 end.record()
                 samples[j].append((start, end))
         torch.cuda.synchronize(device)
-    unaligned, padded = (statistics.median(1e3 * s.elapsed_time(e) / REPEATS for s, e in runs) for runs in samples)
+    unaligned, padded = (statistics.median(1e3 * s.elapsed_time(e) / repeats for s, e in runs) for runs in samples)
     return unaligned, padded
