@@ -87,3 +87,32 @@ def test_two_layers_dropouts_share_one_kernel_source_and_each_draws_its_own_numb
         np.testing.assert_allclose(g.numpy(), e, rtol=1e-5, atol=1e-5)
     kept = [(g != 0).numpy() for g in got]
     assert not np.array_equal(kept[0], kept[1])  # v is the identity: equal streams would drop the same
+
+
+def test_a_graph_planned_for_a_gpu_takes_its_gemm_timings_and_its_plan_is_keyed_by_them(monkeypatch):
+    """``pipeline.with_gemm_timings``: on a CUDA device the unaligned GEMMs' measured times join the
+    options the graph is planned with (and so the plan cache's key); without a device, or with
+    times given, the options stay as they are."""
+    from fusionstitching.fusion import plan_cache
+    from fusionstitching.fusion.explore import DEFAULT_GENERATORS
+    from fusionstitching.graph.graph import GraphBuilder
+    from fusionstitching.graph.ops import DType
+    from fusionstitching.options import Options
+    from fusionstitching.pipeline import with_gemm_timings
+    from fusionstitching.runtime import gemm_timing
+
+    b = GraphBuilder("scores")
+    q, k = (b.parameter((96, 300, 64), DType.BF16, name) for name in "qk")
+    graph = b.build([b.node("dot_general", [q, k], lhs_batch=(0,), rhs_batch=(0,), lhs_contract=(2,),
+                            rhs_contract=(2,))])
+    timed = []
+    monkeypatch.setattr(gemm_timing, "gemm_timings",
+                        lambda graph, options, device: timed.append(device) or (("scores problem", 26.4, 9.8),))
+    options = Options()
+    assert with_gemm_timings(graph, options, None) is options
+    assert with_gemm_timings(graph, options, torch.device("cpu")) is options and timed == []
+    planned = with_gemm_timings(graph, options, torch.device("cuda", 0))
+    assert planned.gemm_timings == (("scores problem", 26.4, 9.8),) and len(timed) == 1
+    assert with_gemm_timings(graph, planned, torch.device("cuda", 0)) is planned and len(timed) == 1
+    assert plan_cache.plan_key(graph, "ilp", DEFAULT_GENERATORS, planned) != \
+        plan_cache.plan_key(graph, "ilp", DEFAULT_GENERATORS, options)
