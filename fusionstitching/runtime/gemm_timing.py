@@ -47,6 +47,7 @@ def gemm_timings(graph: Graph, options: Options, device: Any) -> tuple[tuple[str
     problems = unaligned_gemms(graph, options)
     if not problems:
         return ()
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     name = torch.cuda.get_device_name(device)
     library = PerfLib(cache_root(options.cache_dir) / FILE_NAME)
     version = library_version()
