@@ -17,8 +17,10 @@ What it loses is measured on the GPU where there is one (``Options.gemm_timings`
 unaligned and padded, ``runtime/gemm_timing.py``); without a measurement, the least it could lose
 is taken: the padded product's extra arithmetic subtracted from the GEMM's arithmetic at the GPU's
 datasheet rate. The unaligned kernels lose far more than that where they are memory-bound
-(their stores are 2- to 8-byte wide), which only a measurement sees. A pad goes under a transpose view and under a reshape that keeps the padded dims
-(the weight gradient reads the loss gradient transposed: both GEMMs then share one padded buffer).
+(their stores are 2- to 8-byte wide), which only a measurement sees. A pad goes under a transpose
+view (the weight gradient reads the loss gradient transposed: both GEMMs then share one padded
+buffer) and under a reshape that keeps the padded dims (attention probabilities computed over
+[batch, heads, L, L] are padded there, by the softmax kernel).
 
 A product that a training forward saves for its backward (GPT-2's logits, 412 MB in bf16 at batch
 8 × 512) need not be copied out of the padded buffer: no user sees a saved tensor's layout, so
