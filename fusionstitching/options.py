@@ -111,6 +111,11 @@ class Options:
                 raise ValueError(f"Options.{name} must be a number >= 0, got {value!r}")
         if type(self.tune_candidates) is not int or self.tune_candidates < 1:
             raise ValueError(f"Options.tune_candidates must be an int >= 1, got {self.tune_candidates!r}")
+        for entry in self.gemm_timings:
+            if not (isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], str)
+                    and all(isinstance(t, (int, float)) and t >= 0 for t in entry[1:])):
+                raise ValueError(f"Options.gemm_timings: each entry is (GEMM problem, µs unaligned, µs padded) "
+                                 f"with times >= 0, got {entry!r}")
         if self.score not in ("delta", "model"):
             raise ValueError(f"Options.score: unknown score {self.score!r}; known: 'delta', 'model'")
 

@@ -74,6 +74,13 @@ def test_nothing_is_timed_with_tuning_off_without_the_pass_or_without_unaligned_
     assert not (tmp_path / FILE_NAME).exists()
 
 
+def test_malformed_gemm_timings_are_refused_with_the_entry_named():
+    for bad in (("problem", 1.0), ("problem", -1.0, 2.0), (3, 1.0, 2.0), "problem"):
+        with pytest.raises(ValueError, match=r"Options.gemm_timings: each entry is \(GEMM problem"):
+            Options(gemm_timings=(bad,))
+    assert Options(gemm_timings=(("problem", 26.4, 9.8),)).gemm_timings == (("problem", 26.4, 9.8),)
+
+
 @pytest.mark.gpu
 @gpu_only
 def test_padding_an_unaligned_bf16_gemm_is_measured_faster_and_f32_is_measured_no_slower(tmp_path, fresh):
