@@ -227,6 +227,13 @@ def _reduced_tiles(length: int, lanes: int, vector: int) -> tuple[Tile, ...]:
         k = -(-length // (lanes * v))
         if k * v <= MAX_REGISTER_ELEMENTS:
             return (Tile(Level.THREAD, k), Tile(Level.CTA, lanes), Tile(Level.THREAD, v))
+    # A row shorter than the slots, one vector per lane (BERT's attention rows of 100 bf16: 25 vectors
+    # of 4 in a warp's 32): in registers it is read once, where the loop reads it again for every
+    # reduction. Taken when no more lanes idle than in the loop's last pass (v at most the loop's
+    # passes), so a row of a few elements keeps the loop, which spreads it over more lanes.
+    v = next((v for v in widths if 1 < v <= -(-length // lanes) and length % v == 0 and length <= lanes * v), None)
+    if v is not None:
+        return (Tile(Level.CTA, lanes), Tile(Level.THREAD, v))
     return (Tile(Level.CTA),)
 
 

@@ -191,7 +191,8 @@ def test_wide_column_sum_with_an_epilogue_takes_a_thread_per_column():
 
 @pytest.mark.parametrize("rows,cols,dtype", [(8, 1000, DType.F32), (4, 200, DType.F32), (8, 520, DType.BF16)])
 def test_rows_with_a_vector_tail_stay_in_registers(rows, cols, dtype):
-    """A log-softmax over 1000 classes: 250 vectors of 4 in 256 slots of a warp. The row is read
+    """A log-softmax over 1000 classes: 250 vectors of 4 in 256 slots of a warp (or of a block of
+    256 threads, one vector each, when there are few rows to give the warps). The row is read
     once into registers as 16-byte vectors; the slots past the end read the last vector again
     (clamped index) and are masked out of the reductions and the stores."""
     b = GraphBuilder("log_softmax")
@@ -206,7 +207,8 @@ def test_rows_with_a_vector_tail_stay_in_registers(rows, cols, dtype):
     nodes = [n for n in graph.nodes if n.op != "parameter"]
     template = feasible(graph, nodes)
     vector = 16 // dtype.itemsize if cols % (16 // dtype.itemsize) == 0 else 8 // dtype.itemsize
-    assert f"CTA_32-THREAD_{vector}]" in str(template) and "THREAD_" in str(template).split(",")[1], template
+    # a warp per row (THREAD_k-CTA_32-THREAD_v) or, for rows a block of vectors covers, a block per row
+    assert re.search(rf"CTA_(32|256)-THREAD_{vector}\]", str(template)), template
     kernel = generate(graph, nodes, template)
     assert "(registers)" in kernel.cuda_source and "_vec" in kernel.cuda_source
     compile_cuda(kernel.cuda_source, "sm_90")
@@ -423,3 +425,42 @@ def test_padded_vector_reads_on_the_gpu():
     (got,) = call_generated(kernel, inputs)
     (want,) = reference.evaluate(graph, [arrays["x"], arrays["y"]])
     np.testing.assert_array_equal(got.float().cpu().numpy(), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("cols,tiles", [(100, "CTA_32-THREAD_4]"), (60, "CTA_32-THREAD_2]")])
+def test_rows_shorter_than_a_warp_of_vectors_stay_in_registers(cols, tiles):
+    """BERT's attention scores at sequence length 100: rows of 100 bf16 are 25 vectors of 4, one per
+    lane of a warp (7 lanes idle, as in a loop's last pass). Read once into registers, where the
+    lane-stride loop read each row again for the max, the sum and the output."""
+    b = GraphBuilder("softmax")
+    x = b.parameter((64, cols), DType.BF16, "x")
+    xf = b.convert(x, DType.F32)
+    top = b.broadcast(b.reduce(xf, [1], "max"), (64, cols), (0,))
+    e = b.unary("exp", b.binary("sub", xf, top))
+    total = b.broadcast(b.reduce(e, [1], "sum"), (64, cols), (0,))
+    graph = b.build([b.convert(b.binary("div", e, total), DType.BF16)])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    template = feasible(graph, nodes)
+    assert tiles in str(template) and f"THREAD_{cols // 32}-CTA" not in str(template), template
+    kernel = generate(graph, nodes, template)
+    assert "(registers)" in kernel.cuda_source and "for (" not in kernel.cuda_source.split("extern")[1]
+    compile_cuda(kernel.cuda_source, "sm_90")
+    import ml_dtypes
+    data = (np.random.default_rng(2).standard_normal((64, cols)) * 3).astype(ml_dtypes.bfloat16)
+    (got,) = kernel.simulate([data])
+    (want,) = reference.evaluate(graph, [data])
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("length,lanes,vector,tiles", [
+    (100, 32, 8, "CTA_32-THREAD_4"),  # 25 of 32 lanes, as in the loop's last pass
+    (1000, 256, 4, "CTA_256-THREAD_4"),  # a block per row: 250 of 256
+    (8, 32, 8, "CTA"),  # one vector in one lane: the loop keeps 8 lanes busy
+    (20, 32, 8, "CTA"),
+    (96, 32, 8, "THREAD_3-CTA_32"),  # whole: no tail
+])
+def test_a_row_shorter_than_the_slots_takes_registers_where_no_more_lanes_idle(length, lanes, vector, tiles):
+    from fusionstitching.schedule.grouping import _reduced_tiles
+
+    got = "-".join(f"{t.level.value}_{t.size}" if t.size else t.level.value for t in _reduced_tiles(length, lanes, vector))
+    assert got == tiles

@@ -285,6 +285,31 @@ def test_a_widened_computed_value_and_its_centred_copy_are_recomputed_by_each_us
     assert crossing == [], plan.explain()
 
 
+def test_a_normalization_rounded_to_its_inputs_width_is_shared_by_its_users():
+    """BERT's LayerNorm under autocast, ``((x.float() - mean) * rstd * w + b).to(bf16)``, read by the
+    next GEMM and by the residual add after it. Recomputed by the residual's kernel it reads as many
+    bytes of ``x`` as of the result, and the LayerNorm's kernel must write ``x``, its mean and rstd
+    beside the result: the result is read instead."""
+    rows, cols = 256, 768
+    b = GraphBuilder("layernorm_bf16")
+    x = b.parameter((rows, cols), DType.BF16, "x")
+    r = b.parameter((rows, cols), DType.BF16, "r")
+    wide = b.convert(b.binary("add", x, r), DType.F32)
+    n = b.broadcast(b.constant(float(cols), DType.F32), (rows,), ())
+    mean = b.broadcast(b.binary("div", b.reduce(wide, (1,), "sum"), n), (rows, cols), (0,))
+    centred = b.binary("sub", wide, mean)
+    var = b.binary("div", b.reduce(b.binary("mul", centred, centred), (1,), "sum"), n)
+    rstd = b.unary("rsqrt", b.binary("add", var, b.broadcast(b.constant(1e-5, DType.F32), (rows,), ())))
+    normed = b.binary("mul", b.binary("sub", wide, mean), b.broadcast(rstd, (rows, cols), (0,)))
+    y = b.convert(normed, DType.BF16)
+    graph = b.build([b.unary("neg", y), b.binary("add", y, r)])
+    dup = duplicate_broadcasts(graph, computed=True)
+    assert sum(1 for n in dup.nodes if n.op == "convert" and n.dtype == DType.BF16) == 1, [n.name for n in dup.nodes]
+    arrays = random_arrays(graph)
+    for want, got in zip(reference.evaluate(graph, arrays), reference.evaluate(dup, arrays)):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_a_one_hot_built_from_small_inputs_is_recomputed_by_each_user():
     """Cross-entropy's gradient one-hot ``select(iota == target, -1, 0) * weight``: [rows, vocab]
     made from [rows] inputs. Its row sum and the softmax gradient each recompute it; written once
