@@ -607,17 +607,19 @@ def _duplicated(node: Node, computed: bool) -> bool:
 
 def _source_bytes(node: Node, computed: bool) -> float:
     """The bytes per element of ``node`` that a user recomputing its chain (``_recomputed_size``)
-    reads: a widened value's narrow source, a broadcast's operand (per element of ``node``). A
-    LayerNorm's normalization ``((x.float() - mean) * rstd * w + b).to(bf16)`` reads as many bytes
-    of ``x`` as of its result: recomputed per reader, it reads no fewer and makes ``x`` and the
-    statistics be written beside the result."""
+    reads from values that are in memory only for it: a computed widened value's narrow source, a
+    broadcast's operand (per element of ``node``). A graph input is in memory anyway. A LayerNorm's
+    normalization ``((x.float() - mean) * rstd * w + b).to(bf16)`` of a computed ``x`` reads as many
+    bytes of ``x`` as of its result: recomputed per reader, it reads no fewer and makes ``x`` and
+    the statistics be written beside the result."""
     leaves: dict[int, float] = {}
     stack = [node]
     while stack:
         n = stack.pop()
         for x in n.operands:
             if x.op == "broadcast_in_dim":
-                leaves[id(x)] = sum(o.size * o.dtype.itemsize for o in x.operands) / max(1, node.size)
+                leaves[id(x)] = sum(o.size * o.dtype.itemsize for o in x.operands
+                                    if o.op != "parameter") / max(1, node.size)
             elif x.op in DUPLICATED_OPS or x.op == "constant":
                 continue
             elif _widened(x, computed):
@@ -627,7 +629,8 @@ def _source_bytes(node: Node, computed: bool) -> float:
                 source = source.operands[0]  # the convert's operand
                 while source.op == "reshape":
                     source = source.operands[0]
-                leaves[id(x)] = source.size * source.dtype.itemsize / max(1, node.size)
+                if source.op != "parameter":
+                    leaves[id(x)] = source.size * source.dtype.itemsize / max(1, node.size)
             else:
                 stack.append(x)
     return sum(leaves.values())
