@@ -623,12 +623,7 @@ def _source_bytes(node: Node, computed: bool) -> float:
             elif x.op in DUPLICATED_OPS or x.op == "constant":
                 continue
             elif _widened(x, computed):
-                source = x
-                while source.op == "reshape":
-                    source = source.operands[0]
-                source = source.operands[0]  # the convert's operand
-                while source.op == "reshape":
-                    source = source.operands[0]
+                source = _widened_source(x)
                 if source.op != "parameter":
                     leaves[id(x)] = source.size * source.dtype.itemsize / max(1, node.size)
             else:
@@ -667,14 +662,20 @@ def _widened(node: Node, computed: bool) -> bool:
     """A widening convert, through reshapes on either side (GroupNorm's
     ``x.float().reshape(n, groups, -1)``: the reshape is what its several users read), of a graph
     input, or of any value with ``computed``."""
+    source = _widened_source(node)
+    return source is not None and (computed or source.op == "parameter")
+
+
+def _widened_source(node: Node) -> Node | None:
+    """The value a widening convert (through reshapes on either side) converts, or None."""
     while node.op == "reshape":
         node = node.operands[0]
     if node.op != "convert" or node.dtype.itemsize < node.operands[0].dtype.itemsize:
-        return False
+        return None
     source = node.operands[0]
     while source.op == "reshape":
         source = source.operands[0]
-    return computed or source.op == "parameter"
+    return source
 
 
 def duplicate_broadcasts(graph: Graph, computed: bool = False) -> Graph:

@@ -23,6 +23,9 @@ def _modules():
         "instancenorm": (lambda: torch.nn.InstanceNorm2d(16, affine=True), (2, 16, 6, 6)),
         "rmsnorm_module": (lambda: torch.nn.RMSNorm(32), (4, 7, 32)),
         "layernorm": (lambda: torch.nn.LayerNorm(24), (5, 24)),
+        # rows shorter than a warp's vector slots, one vector per lane, and rows with a tail of slots
+        **{f"layernorm_rows_{rows}x{cols}": (lambda cols=cols: torch.nn.LayerNorm(cols), (rows, cols))
+           for cols in (36, 100, 250) for rows in (3, 96)},
     }
 
 
