@@ -133,8 +133,26 @@ def _lower_group(em: ValueEmitter, sched: Schedule, stores, start: int, stop: in
     def thread_level() -> list[K.Stmt]:
         kept = [f for f in factors if f.level == Level.THREAD and f.dim not in reduced and f is not lane]
         red = [f for f in factors if f.level == Level.THREAD and f.dim in reduced]
-        return _serial(em, kept, lambda: _element(em, stores, factors, space, reduced, red, lane, vectorize_access,
-                                                  guard_tails, probe))
+        # Tails of dims no THREAD tile walks are tested once, outside the thread's loop: tested per
+        # point, the unrolled points keep a branch each between their loads, and a thread waits for
+        # each load before it issues the next (see ``groups.strided_loop``).
+        outside = [d for d, size in enumerate(space) if guard_tails and d not in reduced
+                   and math.prod(f.extent for f in factors if f.dim == d) > size
+                   and all(f.level != Level.THREAD for f in factors if f.dim == d)]
+        if not outside or all(f.extent == 1 for f in kept):
+            return _serial(em, kept, lambda: _element(em, stores, factors, space, reduced, red, lane,
+                                                      vectorize_access, guard_tails, probe))
+
+        def hoisted():
+            guard = None
+            for d in outside:
+                guard = K.land(guard, K.lt(em.let("i", _dim_index(em, factors, d)), em.idx(space[d])))
+            return guard, _serial(em, kept, lambda: _element(em, stores, factors, space, reduced, red, lane,
+                                                             vectorize_access, guard_tails, probe,
+                                                             tested=frozenset(outside)))
+
+        prefix, (guard, loops) = em.nested(hoisted)
+        return prefix + [K.If(guard, tuple(loops))]
 
     grid_first = K.Binary("sub", special("bid"), em.idx(start), it) if start else special("bid")
     nest = level_loop(Level.GRID, grid_first, em.idx(stop - start), stop - start, cta_level, "grid_stride")
@@ -187,9 +205,9 @@ def _vector_lane(factors: list[Factor], space, stores, reduced) -> Factor | None
 
 def _element(em: ValueEmitter, stores, factors: list[Factor], space, reduced, red_factors,
              lane: Factor | None = None, vectorize_access: bool = False,
-             guard_tails: bool = True, probe: bool = False) -> list[K.Stmt]:
-    """The body at one point of the iteration space (or the lanes of a vector): compute, store.
-    A probe lowers the first lane only: every lane computes the same nodes at indices that differ by
+             guard_tails: bool = True, probe: bool = False, tested: frozenset[int] = frozenset()) -> list[K.Stmt]:
+    """The body at one point of the iteration space (or the lanes of a vector): compute, store;
+    the tails of dims in ``tested`` are tested by the caller. A probe lowers the first lane only: every lane computes the same nodes at indices that differ by
     a constant, and what lowering refuses here (an op, a dtype, a constant) does not depend on the
     index, so the other lanes refuse nothing the first one accepts."""
     saved = em.stmts
@@ -206,7 +224,7 @@ def _element(em: ValueEmitter, stores, factors: list[Factor], space, reduced, re
     guard = None
     for d, size in enumerate(space):
         covered = math.prod(f.extent for f in factors if f.dim == d)
-        if covered > size and d not in reduced and guard_tails:
+        if covered > size and d not in reduced and d not in tested and guard_tails:
             guard = K.land(guard, K.lt(index[d], em.idx(size)))
     prefix = em.stmts
 

@@ -67,7 +67,6 @@ from fusionstitching.schedule.packing import (
     _column_sum,
     _packed_template,
     interleave_period,
-    invariant_work,
     loop_rounds,
     row_invariant_work,
     serial_rounds,
@@ -96,9 +95,8 @@ def tuning_space(pattern) -> list[tuple[str, Callable[[], KernelSchedule]]]:
             makes += [("neighbours", lambda t=t: _packed_template(pattern, t, neighbours=period))
                       for t in _near(BLOCK_THREADS, 256)]
         makes += [("threads", lambda t=t: _packed_template(pattern, t)) for t in _near(BLOCK_THREADS, 256)]
-        if invariant_work(pattern, min(ROWS_PER_THREAD)):
-            makes += [("rows", lambda r=r: _packed_template(pattern, DEFAULT_THREADS, rows=r))
-                      for r in _near(ROWS_PER_THREAD, 4)]
+        makes += [("rows", lambda r=r: _packed_template(pattern, DEFAULT_THREADS, rows=r))
+                  for r in _near(ROWS_PER_THREAD, 4)]
         if row_invariant_work(pattern):
             makes += [("row loop", lambda t=t: _packed_template(pattern, t, row_loop=True))
                       for t in _near(BLOCK_THREADS, 256)]

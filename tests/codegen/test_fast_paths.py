@@ -464,3 +464,32 @@ def test_a_row_shorter_than_the_slots_takes_registers_where_no_more_lanes_idle(l
 
     got = "-".join(f"{t.level.value}_{t.size}" if t.size else t.level.value for t in _reduced_tiles(length, lanes, vector))
     assert got == tiles
+
+
+def _odd_row_slice(rows: int, cols: int, padded: int, dtype=DType.BF16):
+    """The unpadded columns of a padded GEMM result: rows of odd length, read and written a scalar
+    at a time (no vector divides them)."""
+    b = GraphBuilder("slice")
+    x = b.parameter((rows, padded), dtype, "x")
+    return b.build([b.node("slice", [x], start=(0, 0), limit=(rows, cols), stride=(1, 1))])
+
+
+def test_a_threads_points_along_rows_test_the_column_tail_once_before_their_loads():
+    """A thread taking 4 rows of a column (``packing.with_rows``) tests the column tail once,
+    outside its unrolled loop, so the 4 loads issue together; the values are the reference's."""
+    from fusionstitching.schedule.packing import _packed_template
+
+    graph = _odd_row_slice(8, 257, 264)
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    template = _packed_template(resolve_pattern(graph, nodes), 256, rows=4)
+    assert "GRID-THREAD_4," in str(template), template
+    kernel = generate(graph, nodes, template)
+    body = kernel.cuda_source.split("extern")[1]
+    tail, loop = body.index("< (257)"), body.index("#pragma unroll")
+    assert tail < loop and body.count("< (257)") == 1, body
+    compile_cuda(kernel.cuda_source, "sm_90")
+    import ml_dtypes
+    data = np.random.default_rng(0).standard_normal((8, 264)).astype(ml_dtypes.bfloat16)
+    (got,) = kernel.simulate([data])
+    (want,) = reference.evaluate(graph, [data])
+    np.testing.assert_array_equal(got, want)

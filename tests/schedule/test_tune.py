@@ -542,3 +542,30 @@ def test_a_template_refits_to_other_sizes_of_its_form_and_computes_the_same():
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
     assert refitted >= 3
     assert refit(graph_b, nodes_b, "n0[THREAD,THREAD]; launch(blocks=*,threads=32)", kernel_b.template) is None
+
+
+@pytest.mark.parametrize("cols, padded, vectors", [(50257, 50264, False), (50256, 50264, True)])
+def test_scalar_reads_take_several_rows_per_thread_where_loads_in_flight_bound_them(cols, padded, vectors):
+    """A copy of rows of odd length (a padded GEMM's result unpadded) reads one bf16 per load: at a
+    point per thread the GPU holds too few loads in flight to cover DRAM latency (each wave of
+    resident threads waits one round trip), so the evaluator ranks first a template whose threads
+    take several rows (``GRID-THREAD_<r>``, their loads issued together). Rows read as 16-byte
+    vectors are not bound so and keep the default rule's template."""
+    from fusionstitching.graph.graph import GraphBuilder
+    from fusionstitching.graph.ops import DType
+    from fusionstitching.graph.pattern import resolve_pattern
+    from fusionstitching.schedule.grouping import choose_template
+    from fusionstitching.schedule.tune import model_choice
+
+    b = GraphBuilder("slice")
+    x = b.parameter((4096, padded), DType.BF16, "x")
+    graph = b.build([b.node("slice", [x], start=(0, 0), limit=(4096, cols), stride=(1, 1))])
+    nodes = [n for n in graph.nodes if n.op != "parameter"]
+    pattern = resolve_pattern(graph, nodes)
+    default = choose_template(pattern)
+    chosen = model_choice(graph, nodes, default, SPEC, BANDWIDTH)
+    if vectors:
+        assert chosen == default
+        return
+    assert "GRID-THREAD_" in str(chosen).split("[")[1].split(",")[0], chosen
+    assert model_estimate_us(pattern, chosen, SPEC, BANDWIDTH) < 0.6 * model_estimate_us(pattern, default, SPEC, BANDWIDTH)
