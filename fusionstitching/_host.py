@@ -2,11 +2,13 @@
 
 Planning and lowering allocate many short-lived objects (expression trees, candidate templates,
 per-pattern dictionaries): with Python's cyclic collector running, a young-generation collection
-every 700 allocations scans the survivors over and over, which took 10–20 % of the exploration
-of BERT-base's training graphs on a 2-core machine. ``collector_paused`` switches the cyclic
-collector off while a compile stage runs and back on afterwards (reference counting still frees
-everything acyclic at once; cycles left behind are collected at the next collection); it leaves
-a collector that the caller had switched off alone.
+every 700 allocations scans the survivors over and over, which took 10–20 % of the exploration of
+BERT-base's training graphs on a 2-core machine, and half of the time the tuner takes to make its
+candidates (lowering checks and lowering, the first GPU call's own compile work).
+``collector_paused`` switches the cyclic collector off while a compile stage, or one pattern's
+candidates, are made, and back on afterwards (reference counting still frees everything acyclic at
+once; cycles left behind are collected at the next collection); it leaves a collector that the
+caller had switched off alone.
 
 ``COMPILE_SECONDS`` adds up, per phase, the seconds this process spent compiling (``timed``):
 AOTAutograd's tracing ("tracing", what the backend call takes besides the phases inside it), the

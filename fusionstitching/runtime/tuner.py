@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from fusionstitching._host import collector_paused
 from fusionstitching.codegen.generate import GeneratedKernel, generate
 from fusionstitching.cost.bandwidth import bandwidth_model
 from fusionstitching.cost.gpu_spec import gpu_spec, spec_key
@@ -363,6 +364,7 @@ class Tuner:
                                                                  self.bandwidth)
         return us
 
+    @collector_paused()  # lowering allocates as planning does (``_host``)
     def _generate(self, nodes: list[Node], template, like: GeneratedKernel) -> GeneratedKernel:
         """The kernel for ``nodes`` under ``template`` (a pattern of the same structure and template
         made earlier in this graph gives its twin: one compile, one module)."""
@@ -445,6 +447,7 @@ class Tuner:
                     best.template, best.us, measured[0].us)
         return best.template
 
+    @collector_paused()  # the ranked templates' lowering checks and the candidates' lowering
     def _candidates(self, kernel: GeneratedKernel, nodes: list[Node], start: float | None = None
                     ) -> tuple[list[GeneratedKernel], bool]:
         """``kernel`` and the tuning space's next best templates for its pattern, generated, and
