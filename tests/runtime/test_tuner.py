@@ -719,3 +719,33 @@ def test_a_winner_is_made_and_compiled_at_once_for_the_patterns_kernels_whose_sc
         assert measure.compiled == [made]  # nothing more to compile at the second's turn
     assert len(measure.calls) == 0 and tuner.hits == 1
 
+
+
+def test_candidates_are_made_with_the_cyclic_collector_paused_and_it_is_back_on_after(tmp_path, monkeypatch):
+    """Lowering allocates expression trees with cycles; with the collector on, its full collections
+    walk the whole process again and again (``_host``). The tuner makes its candidates with it off
+    and leaves it on."""
+    import gc
+
+    import fusionstitching.runtime.tuner as tuner_module
+
+    states = []
+    made = tuner_module.generate
+
+    def recording(*args, **kwargs):
+        states.append(gc.isenabled())
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(tuner_module, "generate", recording)
+    compiled = _layernorm()
+    tuner = Tuner(compiled.graph, Options(strict=True), "Test GPU", "sm_90", LastIsFastest(),
+                  PerfLib(tmp_path / FILE_NAME))
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        assert tuner.kernel_for(compiled.kernels[0], []) is not compiled.kernels[0]
+        assert states and not any(states)
+        assert gc.isenabled()
+    finally:
+        if not was:
+            gc.disable()
