@@ -319,6 +319,43 @@ def _all(cx: LoweringContext, x: Node, dims: Any = None, keepdim: bool = False) 
     return cx.lift(_reduce(cx, _nonzero(cx, x), dims, keepdim, "min", DType.BOOL), cx.dtype)
 
 
+@lowers("aten.linalg_vector_norm.default")
+def _vector_norm(cx: LoweringContext, x: Node, ord: Any = 2, dims: Any = None, keepdim: bool = False, *,
+                 dtype: Any = None) -> Node:
+    """``torch.linalg.vector_norm`` (``F.normalize``, weight norm, gradient norms) as torch computes it:
+    the input cast to ``dtype`` where one is given, then |x| reduced in the compute type (f32 for the
+    half types, as torch's accumulation type): ord 2 as the square root of the sum of squares, 1 as
+    the sum, ±inf as the max / min, 0 as the count of nonzeros, any other p as (Σ|x|^p)^(1/p).
+    Integer inputs (which eager rejects) and reductions over an empty dim (where eager rejects ±inf)
+    stay torch's op."""
+    if not x.dtype.is_float:
+        raise Unsupported(f"linalg_vector_norm of {x.dtype.value}: eager rejects a non-float input")
+    dims = cx.normalize_dims(dims, len(x.shape))
+    if any(x.shape[d] == 0 for d in dims):
+        raise Unsupported("linalg_vector_norm over an empty dim")
+    if not isinstance(ord, (int, float)) or isinstance(ord, bool):
+        raise Unsupported(f"linalg_vector_norm of ord {ord!r}")
+    if dtype is not None:
+        x = cx.lift(x, cx.dtype, x.shape)
+    compute = cx.dtype.compute
+    value = cx.lift(x, compute, x.shape)
+    if ord == 0:
+        out = _reduce(cx, cx.lift(_nonzero(cx, value), compute, x.shape), dims, keepdim, "sum", compute)
+    elif ord == 2:
+        out = cx.b.unary("sqrt", _reduce(cx, cx.b.binary("mul", value, value), dims, keepdim, "sum", compute))
+    else:
+        magnitude = cx.b.unary("abs", value)
+        if math.isinf(ord):
+            out = _reduce(cx, magnitude, dims, keepdim, "max" if ord > 0 else "min", compute)
+        elif ord == 1:
+            out = _reduce(cx, magnitude, dims, keepdim, "sum", compute)
+        else:
+            powered = cx.b.binary("pow", magnitude, cx.lift(float(ord), compute, x.shape))
+            total = _reduce(cx, powered, dims, keepdim, "sum", compute)
+            out = cx.b.binary("pow", total, cx.lift(1.0 / ord, compute, total.shape))
+    return cx.lift(out, cx.dtype, out.shape)
+
+
 def _nonzero(cx: LoweringContext, x: Node) -> Node:
     if x.dtype == DType.BOOL:
         return x
@@ -805,20 +842,37 @@ MASKED_SUM_MAX_ROWS = 2 * 3
 @lowers("aten.index_put.default")
 def _index_put(cx: LoweringContext, x: Node, indices: Sequence[Node | None], values: Node,
                accumulate: bool = False) -> Node:
-    """Accumulating put along dim 0 (an embedding gradient): ``x + onehot(index)^T @ values``, for
-    up to ``ONE_HOT_MAX_ROWS`` rows. A longer one-hot row would make the GEMM do ``rows`` times the
-    work of the scatter-add (orders of magnitude more on a vocabulary-sized table), so that case
-    stays torch's op (a library call)."""
-    if not accumulate or len(indices) != 1 or indices[0] is None or indices[0].dtype == DType.BOOL:
-        raise Unsupported("index_put other than accumulate=True with one integer index on dim 0")
-    index = indices[0]
-    rows, rest = x.shape[0], x.shape[1:]
+    """Accumulating put along one dim ``d`` (an embedding gradient on dim 0; the gradient of a table
+    indexed on a later dim, ``bias[:, idx]``): ``x + onehot(index)^T @ values`` with ``d`` moved to
+    the front, for up to ``ONE_HOT_MAX_ROWS`` rows. A longer one-hot row would make the GEMM do
+    ``rows`` times the work of the scatter-add (orders of magnitude more on a vocabulary-sized
+    table), so that case stays torch's op (a library call), as do several index tensors."""
+    given = [k for k, index in enumerate(indices) if index is not None]
+    if not accumulate or len(given) != 1 or indices[given[0]].dtype == DType.BOOL:
+        raise Unsupported("index_put other than accumulate=True with one integer index")
+    d, index = given[0], indices[given[0]]
+    rows = x.shape[d]
     if rows > ONE_HOT_MAX_ROWS:
         raise Unsupported(f"index_put into {rows} rows: a scatter-add, not a one-hot GEMM over more than "
                           f"{ONE_HOT_MAX_ROWS} rows")
+    if d == 0:
+        return _put_rows(cx, x, index, cx.lift(values, cx.dtype, index.shape + x.shape[1:]))
+    # A single advanced index keeps its place: ``values`` is [x's dims before d, index dims, the rest].
+    rank, k = len(x.shape), len(index.shape)
+    front = (d, *range(d), *range(d + 1, rank))
+    spread = cx.lift(values, cx.dtype, x.shape[:d] + index.shape + x.shape[d + 1:])
+    moved = cx.b.transpose(spread, (*range(d, d + k), *range(d), *range(d + k, rank + k - 1)))
+    put = _put_rows(cx, cx.b.transpose(x, front), index, moved)
+    return cx.b.transpose(put, tuple(front.index(i) for i in range(rank)))
+
+
+def _put_rows(cx: LoweringContext, x: Node, index: Node, values: Node) -> Node:
+    """``x`` plus, in each row ``r`` of dim 0, the sum of the rows of ``values`` (shaped ``index.shape
+    + x.shape[1:]``) whose index is ``r``; indices checked against the rows, negative ones wrapped."""
+    rows, rest = x.shape[0], x.shape[1:]
     n = math.prod(index.shape)
     flat_index = _checked(cx, _wrap_negative(cx, cx.reshape(cx.lift(index, DType.I64, index.shape), (n,)), rows), rows)
-    flat_values = cx.reshape(cx.lift(values, cx.dtype, index.shape + rest), (n, math.prod(rest)))
+    flat_values = cx.reshape(values, (n, math.prod(rest)))
     if cx.dtype.is_float and rows <= MASKED_SUM_MAX_ROWS:
         summed = _masked_sum(cx, flat_index, flat_values, rows)
     else:
@@ -826,7 +880,7 @@ def _index_put(cx: LoweringContext, x: Node, indices: Sequence[Node | None], val
         onehot = cx.b.convert(hit, cx.dtype)
         summed = (_one_hot_sum(cx, onehot, flat_values) if cx.dtype.is_float
                   else _one_hot_product(cx, onehot, flat_values))
-    return cx.b.binary("add", cx.lift(x, cx.dtype), cx.reshape(summed, x.shape))
+    return cx.b.binary("add", cx.lift(x, cx.dtype, x.shape), cx.reshape(summed, x.shape))
 
 
 def _masked_sum(cx: LoweringContext, index: Node, values: Node, rows: int) -> Node:

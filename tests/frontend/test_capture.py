@@ -219,6 +219,33 @@ def test_captured_graphs_round_trip_through_json(name):
         np.testing.assert_array_equal(a, b)
 
 
+class _TableOnALaterDim(torch.nn.Module):
+    """A bias table read through an index on its second dim, as LeViT's attention biases are."""
+
+    def __init__(self, heads: int, offsets: int, dims: int = 2) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(heads, offsets, *([3] * (dims - 2))))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        bias = self.table[:, index]
+        return x * bias if bias.dim() == x.dim() else x * bias.sum(-1)
+
+
+@pytest.mark.parametrize("dims, index", [(2, torch.tensor([[0, 3, 9, 3], [1, 1, 2, 9]])),
+                                         (3, torch.tensor([[-1, 3], [4, -10]]))])
+def test_gradient_of_a_table_indexed_on_a_later_dim_is_lowered(dims, index):
+    """``table[:, index]``'s gradient (``index_put`` with the index on dim 1) is the one-hot product
+    with the indexed dim moved to the front, not a library call; negative indices wrap."""
+    torch.manual_seed(0)
+    module = _TableOnALaterDim(4, 10, dims)
+    x = torch.randn(4, *index.shape)
+    captured, fallbacks = _capture_quietly(module, x, index, train=True)
+    assert not [n for g in (captured.forward, captured.backward) for n in g.nodes if n.category == Category.LIBRARY]
+    assert not fallbacks
+    errors = check_against_eager(captured, module, (x, index), train=True)
+    assert max(errors.forward) < 1e-6 and max(errors.backward) < 1e-6
+
+
 def test_large_embedding_gradients_are_a_scatter_add_not_a_one_hot_gemm():
     from fusionstitching.frontend.aten_table import ONE_HOT_MAX_ROWS
 
