@@ -246,6 +246,21 @@ def test_gradient_of_a_table_indexed_on_a_later_dim_is_lowered(dims, index):
     assert max(errors.forward) < 1e-6 and max(errors.backward) < 1e-6
 
 
+def test_an_accumulating_put_on_a_later_dim_checks_its_indices_as_eager_does():
+    def fn(x, i, v):
+        return torch.ops.aten.index_put(x, [None, i], v, accumulate=True) * 1.0
+
+    x, v = torch.randn(3, 5), torch.randn(3, 4)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="fusionstitching")
+    inside = torch.tensor([0, 4, -5, 2])
+    torch.testing.assert_close(compiled(x, inside, v), fn(x, inside, v))
+    with pytest.raises(IndexError):
+        fn(x, torch.tensor([0, 5, 1, 2], dtype=torch.long), v)
+    with pytest.raises(IndexError, match="index_put"):
+        compiled(x, torch.tensor([0, 5, 1, 2]), v)
+
+
 def test_large_embedding_gradients_are_a_scatter_add_not_a_one_hot_gemm():
     from fusionstitching.frontend.aten_table import ONE_HOT_MAX_ROWS
 
