@@ -21,6 +21,7 @@ from typing import Any
 
 from fusionstitching.frontend.context import LoweringContext, Unsupported, to_dtype
 from fusionstitching.graph.graph import Node
+from fusionstitching.graph.node import contiguous_strides
 from fusionstitching.graph.ops import DType
 
 Lowering = Callable[..., Any]
@@ -425,21 +426,21 @@ def _reshape(cx: LoweringContext, x: Node, *args: Any) -> Node:
 @lowers("aten.as_strided.default")
 def _as_strided(cx: LoweringContext, x: Node, size: Sequence[int], stride: Sequence[int],
                 storage_offset: int | None = None) -> Node:
-    """An ``as_strided`` that only reshapes: the source is contiguous, the view is contiguous over
-    the same elements from the same first one (torch's GroupNorm decomposition reshapes its
-    statistics this way). Any other is a library call."""
+    """An ``as_strided`` that reads a contiguous run of contiguous data: the source flattened, sliced
+    from the view's first element, reshaped to the view (torch's GroupNorm decomposition reshapes its
+    statistics this way; the gradient of ``as_strided_scatter`` takes the scattered run). Any other
+    is a library call."""
     source = cx.fx_node.args[0].meta.get("val") if hasattr(cx.fx_node.args[0], "meta") else None
     size = tuple(int(n) for n in size)
-    if source is None or not source.is_contiguous() or math.prod(size) != x.size \
-            or storage_offset not in (None, source.storage_offset()):
-        raise Unsupported("as_strided other than a reshape of contiguous data")
-    expected, step = [], 1
-    for n in reversed(size):
-        expected.append(step)
-        step *= n
-    if any(n > 1 and s != e for n, s, e in zip(size, stride, reversed(expected))):
-        raise Unsupported("as_strided other than a reshape of contiguous data")
-    return cx.reshape(x, size)
+    count = math.prod(size)
+    start = (source.storage_offset() if storage_offset is None else int(storage_offset)) - \
+        (source.storage_offset() if source is not None else 0)
+    if source is None or not source.is_contiguous() or not 0 <= start <= start + count <= x.size \
+            or any(n > 1 and s != e for n, s, e in zip(size, stride, contiguous_strides(size))):
+        raise Unsupported("as_strided other than a contiguous run of contiguous data")
+    if (start, count) == (0, x.size):
+        return cx.reshape(x, size)
+    return cx.reshape(_slice_dim(cx, cx.reshape(x, (x.size,)), 0, start, start + count, 1), size)
 
 
 @lowers("aten.permute.default", "aten.permute_copy.default")
@@ -530,6 +531,27 @@ def _select_scatter(cx: LoweringContext, x: Node, src: Node, dim: int, index: in
     shape = tuple(1 if d == dim else s for d, s in enumerate(x.shape))
     return _scatter_into(cx, x, cx.reshape(cx.lift(src, cx.dtype, src.shape), shape), dim,
                          index % x.shape[dim], 1, 1)
+
+
+@lowers("aten.as_strided_scatter.default")
+def _as_strided_scatter(cx: LoweringContext, x: Node, src: Node, size: Sequence[int], stride: Sequence[int],
+                        storage_offset: int | None = None) -> Node:
+    """A scatter into a contiguous run of a contiguous input (the gradient of an ``as_strided`` that
+    reshapes, or reads a flat range, as a pooled ``transpose(1, 2)`` gives): the input flattened, the
+    run taken from the source flattened (``_scatter_into``), reshaped back. The functional op writes
+    into a clone of the input, whose storage is the input's logical order when it is contiguous. Any
+    other view stays a library call."""
+    source = cx.fx_node.args[0].meta.get("val") if hasattr(cx.fx_node.args[0], "meta") else None
+    size = tuple(int(n) for n in size)
+    offset, count = int(storage_offset or 0), math.prod(size)
+    if source is None or not source.is_contiguous() or tuple(src.shape) != size \
+            or not 0 <= offset <= offset + count <= x.size:
+        raise Unsupported("as_strided_scatter other than into a contiguous run of contiguous data")
+    if any(n > 1 and s != e for n, s, e in zip(size, stride, contiguous_strides(size))):
+        raise Unsupported("as_strided_scatter other than into a contiguous run of contiguous data")
+    flat = cx.reshape(cx.lift(x, cx.dtype, x.shape), (x.size,))
+    run = cx.reshape(cx.lift(src, cx.dtype, src.shape), (count,))
+    return cx.reshape(_scatter_into(cx, flat, run, 0, offset, count, 1), x.shape)
 
 
 @lowers("aten.split_with_sizes.default", "aten.split.Tensor", "aten.unbind.int")

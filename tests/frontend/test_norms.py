@@ -83,3 +83,42 @@ def test_as_strided_that_is_not_a_reshape_stays_a_library_call():
     torch.testing.assert_close(torch.compile(fn, backend="fusionstitching")(x), fn(x))
     captured = capture(fn, x)
     assert any(n.op == "library" and "as_strided" in n.attrs.get("target", "") for n in captured.forward.nodes)
+
+
+@pytest.mark.parametrize("fn, shapes", [
+    # the pooler of a Swin model: a [2, 32] view of 64 elements, and its gradient's scatter
+    (lambda x, s: torch.as_strided_scatter(x, s, (2, 32), (32, 1), 0) * 2, ((64,), (2, 32))),
+    # a run from the sixth element; size-1 dims take any stride
+    (lambda x, s: torch.as_strided_scatter(x, s, (3, 4), (4, 1), 5) + 1, ((4, 5), (3, 4))),
+    (lambda x, s: torch.as_strided_scatter(x, s, (3, 1, 4), (4, 7, 1), 2) + 1, ((20,), (3, 1, 4))),
+    (lambda x: torch.as_strided(x, (2, 3), (3, 1), 4) * 3, ((3, 4),)),
+])
+def test_views_and_scatters_of_a_contiguous_run_are_lowered(fn, shapes):
+    torch.manual_seed(0)
+    args = [torch.randn(s) for s in shapes]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(fn, *[a.clone().requires_grad_(True) for a in args], train=True)
+    for graph in filter(None, (captured.forward, captured.backward)):
+        assert not [n for n in graph.nodes if n.op == "library"], graph.name
+    torch._dynamo.reset()
+    leaves = [a.clone().requires_grad_(True) for a in args]
+    got = torch.compile(fn, backend="fusionstitching")(*leaves)
+    want = fn(*[a.requires_grad_(True) for a in args])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    gy = torch.randn_like(want)
+    got.backward(gy)
+    want.backward(gy)
+    for a, b in zip(leaves, args):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+def test_a_scatter_into_a_strided_view_stays_a_library_call():
+    def fn(x, s):
+        return torch.as_strided_scatter(x, s, (3, 3), (1, 3), 0) + 1  # a transposed window
+
+    torch._dynamo.reset()
+    x, s = torch.randn(9), torch.randn(3, 3)
+    torch.testing.assert_close(torch.compile(fn, backend="fusionstitching")(x, s), fn(x, s))
+    captured = capture(fn, x, s)
+    assert any(n.op == "library" and "as_strided_scatter" in n.attrs.get("target", "") for n in captured.forward.nodes)
