@@ -90,6 +90,48 @@ def _pow_scalar(cx: LoweringContext, x: Any, exponent: Any) -> Node:
     return cx.elementwise("pow", x, exponent)
 
 
+@lowers("aten.trunc.default")
+def _trunc(cx: LoweringContext, x: Any) -> Node:
+    """Toward zero: ``ceil`` below zero, ``floor`` elsewhere (an integer is its own value)."""
+    x = cx.lift(x, cx.dtype)
+    if not cx.dtype.is_float:
+        return x
+    negative = cx.b.compare("LT", x, cx.lift(0, cx.dtype, x.shape))
+    return cx.b.select(negative, cx.b.unary("ceil", x), cx.b.unary("floor", x))
+
+
+@lowers("aten.round.default", "aten.round.decimals")
+def _round(cx: LoweringContext, x: Any, decimals: int = 0) -> Node:
+    """Round half to even (C's ``nearbyint``) as torch computes it, in the compute type: with
+    ``decimals`` d > 0 of ``x · 10^d`` then divided by 10^d, with d < 0 of ``x / 10^-d`` then times
+    it. An integer input is its own value."""
+    if not cx.dtype.is_float:
+        return cx.lift(x, cx.dtype)
+    compute = cx.dtype.compute
+    value = cx.lift(x, compute)
+    if decimals:
+        scale = cx.lift(float(10.0 ** abs(decimals)), compute, value.shape)
+        into, back = ("mul", "div") if decimals > 0 else ("div", "mul")
+        value = cx.b.binary(back, _half_to_even(cx, cx.b.binary(into, value, scale)), scale)
+    else:
+        value = _half_to_even(cx, value)
+    return cx.lift(value, cx.dtype, value.shape)
+
+
+def _half_to_even(cx: LoweringContext, x: Node) -> Node:
+    """``nearbyint(x)``: the floor, plus one where the fraction (``x - floor(x)``, exact in binary
+    floating point) is above one half, or is one half and the floor is odd; a zero result keeps
+    ``x``'s sign (``x · 0``), NaN and the infinities stay as they are."""
+    low = cx.b.unary("floor", x)
+    fraction = cx.b.binary("sub", x, low)
+    half, zero = cx.lift(0.5, x.dtype, x.shape), cx.lift(0, x.dtype, x.shape)
+    odd = cx.b.compare("NE", cx.b.binary("rem", low, cx.lift(2, x.dtype, x.shape)), zero)
+    up = cx.b.binary("or", cx.b.compare("GT", fraction, half),
+                     cx.b.binary("and", cx.b.compare("EQ", fraction, half), odd))
+    rounded = cx.b.select(up, cx.b.binary("add", low, cx.lift(1, x.dtype, x.shape)), low)
+    return cx.b.select(cx.b.compare("EQ", rounded, zero), cx.b.binary("mul", x, zero), rounded)
+
+
 @lowers("aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Scalar",
         "aten.rsub.Tensor")
 def _add_sub(cx: LoweringContext, a: Any, b: Any, alpha: Any = 1) -> Node:
