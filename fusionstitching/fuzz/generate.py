@@ -351,8 +351,12 @@ class _Builder:
                     ("sub", "1.5 - {0}", value.bound + 1.5, False), ("sign", "torch.sign({0})", 1.0, True),
                     ("floor", "torch.floor({0})", value.bound + 1, value.exact),
                     ("ceil", "torch.ceil({0})", value.bound + 1, value.exact),
+                    ("trunc", "torch.trunc({0})", value.bound, value.exact),
+                    ("round", "torch.round({0})", value.bound + 1, value.exact),
+                    ("round", "{0}.round(decimals=1)", value.bound + 1, False),
+                    ("frac", "{0}.frac()", 1.0, False),
                 ])
-                if op in ("floor", "ceil") and not value.exact:
+                if op in ("floor", "ceil", "trunc", "round", "frac") and not value.exact:
                     op, code, bound, exact = "neg", "-{0}", value.bound, True
                 return self.add(op, "elementwise", code, [value], value.shape, "float", bound, exact and value.exact)
             op, code, bound = rng.choice([
@@ -533,7 +537,7 @@ class _Builder:
         extent = math.prod(self.size(value.shape[d]) for d in dims)
         empty = extent == 0
         if value.dtype == "float":
-            names = ["sum", "sum", "mean", "var", "amax", "amin", "std"]
+            names = ["sum", "sum", "mean", "var", "amax", "amin", "std", "norm"]
             if extent <= 32 and (len(dims) == 1 or to_scalar):
                 names.append("prod")
         elif value.dtype == "bool":
@@ -546,7 +550,14 @@ class _Builder:
         spelled = [d - rank if rng.random() < 0.3 else d for d in dims]
         dim_text = str(spelled[0]) if len(spelled) == 1 else str(tuple(spelled))
         keep = ", keepdim=True" if keepdim else ""
-        if to_scalar:
+        norm_bound = 0.0
+        if op == "norm":  # ord inf of an empty extent is an error in eager
+            order = rng.choice([2, 2, 1, 3] if empty else [2, 2, 1, 3, "float('inf')"])
+            norm_bound = value.bound * (max(extent, 1) ** (1 / order) if isinstance(order, int) else 1)
+            dim_arg = "" if to_scalar else f", dim={dim_text}{keep}"
+            code = (f"torch.linalg.vector_norm({{0}}, ord={order}{dim_arg})" if order != 2 or rng.random() < 0.5
+                    else f"{{0}}.norm({'' if to_scalar else f'dim={dim_text}{keep}'})")
+        elif to_scalar:
             code = f"{{0}}.{op}()" if op not in ("any", "all") or rng.random() < 0.5 else f"torch.{op}({{0}})"
             if op in ("var", "std") and rng.random() < 0.5:
                 code = f"{{0}}.{op}(correction=0)"
@@ -560,7 +571,8 @@ class _Builder:
             code = f"{{0}}.{op}({dim_text}{keep})"
         bound = {"sum": value.bound * max(extent, 1), "mean": value.bound, "amax": value.bound,
                  "amin": value.bound, "var": value.bound ** 2 * 2, "std": value.bound * 2,
-                 "prod": value.bound ** max(extent, 1) if op == "prod" else 0.0, "any": 1, "all": 1}[op]
+                 "prod": value.bound ** max(extent, 1) if op == "prod" else 0.0, "any": 1, "all": 1,
+                 "norm": norm_bound}[op]
         limit = self.limit() if value.dtype == "float" else INT_BOUND_LIMIT
         if op == "prod" and bound > limit:
             code = code.replace("{0}", "(torch.tanh({0}) * 0.5 + 1)", 1)
