@@ -596,6 +596,51 @@ def _as_strided_scatter(cx: LoweringContext, x: Node, src: Node, size: Sequence[
     return cx.reshape(_scatter_into(cx, flat, run, 0, offset, count, 1), x.shape)
 
 
+def _diagonal_run(x: Node, offset: int, dim1: int, dim2: int) -> tuple[tuple[int, ...], int, int, int]:
+    """Where ``diagonal(x, offset, dim1, dim2)`` lies once ``dim1`` and ``dim2`` are moved last (in
+    that order) and flattened into one dim of a · b elements: the permutation, and the run's first
+    element, count and step (b + 1)."""
+    rank = len(x.shape)
+    a, b = x.shape[dim1], x.shape[dim2]
+    permutation = (*(d for d in range(rank) if d not in (dim1, dim2)), dim1, dim2)
+    count = max(0, min(a, b - offset) if offset >= 0 else min(a + offset, b))
+    start = offset if offset >= 0 else -offset * b
+    return permutation, (start if count else 0), count, b + 1
+
+
+@lowers("aten.diagonal.default", "aten.diagonal_copy.default")
+def _diagonal(cx: LoweringContext, x: Node, offset: int = 0, dim1: int = 0, dim2: int = 1) -> Node:
+    """The diagonal as a strided slice: ``dim1`` and ``dim2`` moved last and flattened, every
+    (b + 1)-th element from the offset's first one; the diagonal is the result's last dim, as in torch."""
+    dim1, dim2 = cx.normalize_dim(dim1, len(x.shape)), cx.normalize_dim(dim2, len(x.shape))
+    if dim1 == dim2:
+        raise Unsupported("diagonal of one dim with itself")
+    permutation, start, count, step = _diagonal_run(x, offset, dim1, dim2)
+    moved = cx.b.transpose(x, permutation)
+    outer = moved.shape[:-2]
+    flat = cx.reshape(moved, (*outer, moved.shape[-2] * moved.shape[-1]))
+    stop = start + (count - 1) * step + 1 if count else 0
+    return cx.reshape(_slice_dim(cx, flat, len(outer), start, stop, step), cx.shape)
+
+
+@lowers("aten.diagonal_scatter.default")
+def _diagonal_scatter(cx: LoweringContext, x: Node, src: Node, offset: int = 0, dim1: int = 0,
+                      dim2: int = 1) -> Node:
+    """``x`` with its diagonal taken from ``src`` (the gradient of ``diagonal``): the same flattened
+    run as ``_diagonal``, written by ``_scatter_into``, and the dims moved back."""
+    dim1, dim2 = cx.normalize_dim(dim1, len(x.shape)), cx.normalize_dim(dim2, len(x.shape))
+    if dim1 == dim2:
+        raise Unsupported("diagonal_scatter of one dim with itself")
+    permutation, start, count, step = _diagonal_run(x, offset, dim1, dim2)
+    moved = cx.b.transpose(cx.lift(x, cx.dtype, x.shape), permutation)
+    outer = moved.shape[:-2]
+    if tuple(src.shape) != (*outer, count):
+        raise Unsupported(f"diagonal_scatter of a {list(src.shape)} source into a {[*outer, count]} diagonal")
+    flat = cx.reshape(moved, (*outer, moved.shape[-2] * moved.shape[-1]))
+    written = cx.reshape(_scatter_into(cx, flat, src, len(outer), start, count, step), moved.shape)
+    return cx.b.transpose(written, tuple(permutation.index(d) for d in range(len(x.shape))))
+
+
 @lowers("aten.split_with_sizes.default", "aten.split.Tensor", "aten.unbind.int")
 def _split(cx: LoweringContext, x: Node, sizes: Any = None, dim: int = 0) -> tuple[Node, ...]:
     name = cx.fx_node.target.__name__
@@ -799,6 +844,20 @@ def _wrap_negative(cx: LoweringContext, index: Node, size: int) -> Node:
     """torch indexing accepts -size <= i < 0; map those to i + size."""
     zero, n = cx.lift(0, index.dtype, index.shape), cx.lift(size, index.dtype, index.shape)
     return cx.b.select(cx.b.compare("LT", index, zero), cx.b.binary("add", index, n), index)
+
+
+@lowers("aten.flip.default")
+def _flip(cx: LoweringContext, x: Node, dims: Sequence[int]) -> Node:
+    """Each dim of ``dims`` reversed: a gather of the positions ``n - 1 - i`` along it (in bounds by
+    construction), which reads like any index arithmetic and fuses."""
+    if not x.shape:
+        return x
+    for d in sorted({cx.normalize_dim(d, len(x.shape)) for d in dims}):
+        n = x.shape[d]
+        if n > 1:
+            positions = cx.b.binary("sub", cx.lift(n - 1, DType.I64, (n,)), cx.b.iota((n,), 0, DType.I64))
+            x = cx.node("gather", x, positions, axis=d, batch_dims=0)
+    return x
 
 
 @lowers("aten.index_select.default")
