@@ -698,6 +698,10 @@ class _Builder:
         if value is None:
             return None
         rank = len(value.shape)
+        if rng.random() < 0.15:  # reversed along one or two dims: a copy, in the shape it had
+            flipped = sorted(rng.sample(range(rank), rng.choice([1, 2])))
+            code = f"{{0}}.flip({flipped[0]})" if len(flipped) == 1 else f"torch.flip({{0}}, {tuple(flipped)})"
+            return self.add("flip", "transpose", code, [value], value.shape, value.dtype, value.bound, value.exact)
         if rank == 2 and rng.random() < 0.3:
             order, code = [1, 0], "{0}.t()"
         elif rng.random() < 0.5:
