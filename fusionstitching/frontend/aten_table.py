@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fusionstitching.frontend.context import LoweringContext, Unsupported, to_dtype
+from fusionstitching.frontend.context import CaptureError, LoweringContext, Unsupported, to_dtype
 from fusionstitching.graph.graph import Node
 from fusionstitching.graph.node import contiguous_strides
 from fusionstitching.graph.ops import DType
@@ -465,21 +465,64 @@ def _reshape(cx: LoweringContext, x: Node, *args: Any) -> Node:
     return cx.reshape(x, cx.shape)
 
 
+def _storage_of(fx_value: Any) -> str:
+    """Whose storage an ``as_strided`` of ``fx_value`` reads: ``"input"`` where it is a graph input or
+    a view of one (through ops whose result aliases their first operand), ``"view"`` where it is a
+    view of a value the graph computes, ``"fresh"`` where it is a computed value itself."""
+    import operator
+
+    node, kind = fx_value, "fresh"
+    while hasattr(node, "op"):
+        if node.op == "placeholder":
+            return "input"
+        if node.op != "call_function" or not node.args:
+            return kind
+        if node.target is not operator.getitem:
+            schema = getattr(node.target, "_schema", None)
+            returns = str(schema).split("->")[-1] if schema is not None else ""
+            if "(a" not in returns or "!" in returns:  # no alias of the first operand, or an in-place write
+                return kind
+        node, kind = node.args[0], "view"
+    return kind
+
+
+def _strided_run(cx: LoweringContext, size: Sequence[int], stride: Sequence[int], storage_offset: Any,
+                 what: str) -> tuple[int, int] | None:
+    """The run an ``as_strided`` view of the first operand covers in the operand's logical order,
+    ``(start, count)``, where the operand is contiguous and the view is a contiguous run within it;
+    else None. The storage offset is relative to the operand's storage: a graph input's varies from
+    call to call and is no part of the compiled graph's values, and an operand's storage past its
+    own elements (a view of a larger value) is none of its logical values, so such an ``as_strided``
+    is rejected (``CaptureError``: the graph runs in PyTorch), as a library call would see neither."""
+    owner = _storage_of(cx.fx_node.args[0])
+    if owner == "input" and storage_offset is not None:
+        raise CaptureError(f"{cx.fx_node.name}: {what} of a graph input reads its storage at an absolute offset, "
+                           "which may differ between calls; the graph runs in PyTorch")
+    source = cx.fx_node.args[0].meta.get("val")
+    count = math.prod(size)
+    start = (0 if storage_offset is None else int(storage_offset) - source.storage_offset()) if source is not None \
+        else -1
+    if source is not None and source.is_contiguous() and 0 <= start <= start + count <= source.numel() \
+            and all(n <= 1 or s == e for n, s, e in zip(size, stride, contiguous_strides(size))):
+        return start, count
+    if owner != "fresh" or source is None or source.storage_offset() != 0:
+        raise CaptureError(f"{cx.fx_node.name}: {what} of a view reads storage beyond the view's elements; "
+                           "the graph runs in PyTorch")
+    return None
+
+
 @lowers("aten.as_strided.default")
 def _as_strided(cx: LoweringContext, x: Node, size: Sequence[int], stride: Sequence[int],
                 storage_offset: int | None = None) -> Node:
-    """An ``as_strided`` that reads a contiguous run of contiguous data: the source flattened, sliced
-    from the view's first element, reshaped to the view (torch's GroupNorm decomposition reshapes its
-    statistics this way; the gradient of ``as_strided_scatter`` takes the scattered run). Any other
-    is a library call."""
-    source = cx.fx_node.args[0].meta.get("val") if hasattr(cx.fx_node.args[0], "meta") else None
+    """An ``as_strided`` that reads a contiguous run of contiguous data (``_strided_run``): the source
+    flattened, sliced from the view's first element, reshaped to the view (torch's GroupNorm
+    decomposition reshapes its statistics this way; the gradient of ``as_strided_scatter`` takes the
+    scattered run). Any other of a computed value is a library call."""
     size = tuple(int(n) for n in size)
-    count = math.prod(size)
-    start = (source.storage_offset() if storage_offset is None else int(storage_offset)) - \
-        (source.storage_offset() if source is not None else 0)
-    if source is None or not source.is_contiguous() or not 0 <= start <= start + count <= x.size \
-            or any(n > 1 and s != e for n, s, e in zip(size, stride, contiguous_strides(size))):
+    run = _strided_run(cx, size, stride, storage_offset, "as_strided")
+    if run is None:
         raise Unsupported("as_strided other than a contiguous run of contiguous data")
+    start, count = run
     if (start, count) == (0, x.size):
         return cx.reshape(x, size)
     return cx.reshape(_slice_dim(cx, cx.reshape(x, (x.size,)), 0, start, start + count, 1), size)
@@ -578,22 +621,19 @@ def _select_scatter(cx: LoweringContext, x: Node, src: Node, dim: int, index: in
 @lowers("aten.as_strided_scatter.default")
 def _as_strided_scatter(cx: LoweringContext, x: Node, src: Node, size: Sequence[int], stride: Sequence[int],
                         storage_offset: int | None = None) -> Node:
-    """A scatter into a contiguous run of a contiguous input (the gradient of an ``as_strided`` that
-    reshapes, or reads a flat range, as a pooled ``transpose(1, 2)`` gives): the input flattened, the
-    run taken from the source flattened (``_scatter_into``), reshaped back. The functional op writes
-    into a clone of the input, whose storage is the input's logical order when it is contiguous. Any
-    other view stays a library call."""
-    source = cx.fx_node.args[0].meta.get("val") if hasattr(cx.fx_node.args[0], "meta") else None
+    """A scatter into a contiguous run of a contiguous input (``_strided_run``; the gradient of an
+    ``as_strided`` that reshapes, or reads a flat range, as a pooled ``transpose(1, 2)`` gives): the
+    input flattened, the run taken from the source flattened (``_scatter_into``), reshaped back. The
+    functional op writes into a clone of the input, whose storage is the input's logical order when
+    it is contiguous. Any other of a computed value stays a library call."""
     size = tuple(int(n) for n in size)
-    offset, count = int(storage_offset or 0), math.prod(size)
-    if source is None or not source.is_contiguous() or tuple(src.shape) != size \
-            or not 0 <= offset <= offset + count <= x.size:
+    run = _strided_run(cx, size, stride, storage_offset, "as_strided_scatter")
+    if run is None or tuple(src.shape) != size:
         raise Unsupported("as_strided_scatter other than into a contiguous run of contiguous data")
-    if any(n > 1 and s != e for n, s, e in zip(size, stride, contiguous_strides(size))):
-        raise Unsupported("as_strided_scatter other than into a contiguous run of contiguous data")
+    start, count = run
     flat = cx.reshape(cx.lift(x, cx.dtype, x.shape), (x.size,))
-    run = cx.reshape(cx.lift(src, cx.dtype, src.shape), (count,))
-    return cx.reshape(_scatter_into(cx, flat, run, 0, offset, count, 1), x.shape)
+    piece = cx.reshape(cx.lift(src, cx.dtype, src.shape), (count,))
+    return cx.reshape(_scatter_into(cx, flat, piece, 0, start, count, 1), x.shape)
 
 
 def _diagonal_run(x: Node, offset: int, dim1: int, dim2: int) -> tuple[tuple[int, ...], int, int, int]:
