@@ -555,8 +555,10 @@ class _Builder:
             order = rng.choice([2, 2, 1, 3] if empty else [2, 2, 1, 3, "float('inf')"])
             norm_bound = value.bound * (max(extent, 1) ** (1 / order) if isinstance(order, int) else 1)
             dim_arg = "" if to_scalar else f", dim={dim_text}{keep}"
-            code = (f"torch.linalg.vector_norm({{0}}, ord={order}{dim_arg})" if order != 2 or rng.random() < 0.5
-                    else f"{{0}}.norm({'' if to_scalar else f'dim={dim_text}{keep}'})")
+            # Tensor.norm over several dims takes 2 at most (a matrix norm's): one dim or all of them here
+            plain = order == 2 and (to_scalar or len(dims) == 1) and rng.random() < 0.5
+            code = (f"{{0}}.norm({'' if to_scalar else f'dim={dim_text}{keep}'})" if plain
+                    else f"torch.linalg.vector_norm({{0}}, ord={order}{dim_arg})")
         elif to_scalar:
             code = f"{{0}}.{op}()" if op not in ("any", "all") or rng.random() < 0.5 else f"torch.{op}({{0}})"
             if op in ("var", "std") and rng.random() < 0.5:
