@@ -251,7 +251,7 @@ def aten_ops(graphs: Sequence[fx.GraphModule]) -> list[str]:
 def first_unlowered(graphs: Sequence[fx.GraphModule]) -> str | None:
     """Why a sample's graphs would not be lowered completely (None: they would be)."""
     from fusionstitching.frontend import aten_table
-    from fusionstitching.frontend.context import CaptureError, Unsupported
+    from fusionstitching.frontend.context import CaptureError, StorageDependent, Unsupported
     from fusionstitching.frontend.torch_fx import LibraryFallbackWarning, convert
 
     for op in aten_ops(graphs):
@@ -264,6 +264,8 @@ def first_unlowered(graphs: Sequence[fx.GraphModule]) -> str | None:
                 convert(gm, _param_specs(gm), list(range(len(_placeholders(gm)))), name="opinfo")
             except Unsupported as why:
                 return f"unsupported: {why}"
+            except StorageDependent as why:  # runs in PyTorch by design
+                return f"runs in PyTorch: {str(why).split(': ', 2)[-1]}"
             except (CaptureError, ValueError, TypeError):
                 pass  # an internal error: the test reports it
         for warning in caught:

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fusionstitching.frontend.context import CaptureError, LoweringContext, Unsupported, to_dtype
+from fusionstitching.frontend.context import LoweringContext, StorageDependent, Unsupported, to_dtype
 from fusionstitching.graph.graph import Node
 from fusionstitching.graph.node import contiguous_strides
 from fusionstitching.graph.ops import DType
@@ -490,25 +490,39 @@ def _strided_run(cx: LoweringContext, size: Sequence[int], stride: Sequence[int]
                  what: str) -> tuple[int, int] | None:
     """The run an ``as_strided`` view of the first operand covers in the operand's logical order,
     ``(start, count)``, where the operand is contiguous and the view is a contiguous run within it;
-    else None. The storage offset is relative to the operand's storage: a graph input's varies from
-    call to call and is no part of the compiled graph's values, and an operand's storage past its
-    own elements (a view of a larger value) is none of its logical values, so such an ``as_strided``
-    is rejected (``CaptureError``: the graph runs in PyTorch), as a library call would see neither."""
-    owner = _storage_of(cx.fx_node.args[0])
-    if owner == "input" and storage_offset is not None:
-        raise CaptureError(f"{cx.fx_node.name}: {what} of a graph input reads its storage at an absolute offset, "
-                           "which may differ between calls; the graph runs in PyTorch")
+    None where a library call computes it (the operand's own elements, from its first). A storage
+    offset is absolute in the operand's storage. AOTAutograd writes a view's omitted offset as the
+    traced operand's own, so an offset equal to it is taken as relative to the operand; any other
+    offset of a graph input (or of a view of one), whose storage offset varies between calls, and a
+    view reading storage past the operand's own elements, are no function of the operand's values:
+    ``StorageDependent``, and the graph runs in PyTorch (a library call would see neither: its operand
+    is passed without its storage)."""
     source = cx.fx_node.args[0].meta.get("val")
-    count = math.prod(size)
-    start = (0 if storage_offset is None else int(storage_offset) - source.storage_offset()) if source is not None \
-        else -1
-    if source is not None and source.is_contiguous() and 0 <= start <= start + count <= source.numel() \
+    if source is None:
+        raise StorageDependent(f"{cx.fx_node.name}: {what} of an operand with no traced layout; the graph runs in PyTorch")
+    owner, traced = _storage_of(cx.fx_node.args[0]), source.storage_offset()
+    offset = traced if storage_offset is None else int(storage_offset)
+    if owner == "input" and offset != traced:
+        raise StorageDependent(f"{cx.fx_node.name}: {what} of a graph input reads its storage at an absolute offset, "
+                           "which differs between calls; the graph runs in PyTorch")
+    start, count = offset - traced, math.prod(size)
+    if not source.is_contiguous():
+        from torch._prims_common import is_non_overlapping_and_dense
+
+        if owner == "fresh" and traced == 0 and is_non_overlapping_and_dense(source):
+            return None  # the library call's operand is laid out in the traced strides: the same storage
+        raise StorageDependent(f"{cx.fx_node.name}: {what} of a strided view reads its storage, not its values; "
+                           "the graph runs in PyTorch")
+    if 0 <= start <= start + count <= source.numel() \
             and all(n <= 1 or s == e for n, s, e in zip(size, stride, contiguous_strides(size))):
         return start, count
-    if owner != "fresh" or source is None or source.storage_offset() != 0:
-        raise CaptureError(f"{cx.fx_node.name}: {what} of a view reads storage beyond the view's elements; "
-                           "the graph runs in PyTorch")
-    return None
+    last = start + sum((n - 1) * s for n, s in zip(size, stride) if n > 0)
+    if traced == 0 and count and min(stride, default=0) >= 0 and 0 <= start and last < source.numel():
+        return None  # within the operand's own elements, at the offset the library call passes
+    if count == 0:
+        return None
+    raise StorageDependent(f"{cx.fx_node.name}: {what} reads storage beyond its operand's elements; "
+                       "the graph runs in PyTorch")
 
 
 @lowers("aten.as_strided.default")

@@ -27,6 +27,11 @@ class CaptureError(RuntimeError):
     """A graph that cannot be converted; the message names the FX node and its ATen op."""
 
 
+class StorageDependent(CaptureError):
+    """A graph whose result depends on more than its inputs' values (an ``as_strided`` at an absolute
+    storage offset of a graph input): it runs in PyTorch, by design rather than by an internal error."""
+
+
 class Unsupported(Exception):
     """Raised by a lowering for a case it does not handle; the node becomes a library call."""
 

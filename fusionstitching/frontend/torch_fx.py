@@ -42,6 +42,7 @@ from fusionstitching.frontend.context import (
     CaptureError,
     LoweringContext,
     RngState,
+    StorageDependent,
     Unsupported,
     layout_of,
     to_dtype,
@@ -214,6 +215,8 @@ def _call(builder, rng, fx_node: fx.Node, values, mutated, warned) -> Any:
             return lowering(LoweringContext(builder, fx_node, rng), *args, **kwargs)
         except Unsupported as why:
             reason = str(why)
+        except StorageDependent as err:
+            raise StorageDependent(f"FX node {fx_node.name} ({op_name}): {err}") from err
         except Exception as err:
             raise CaptureError(f"FX node {fx_node.name} ({op_name}): {type(err).__name__}: {err}") from err
     else:
