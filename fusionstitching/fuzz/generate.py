@@ -551,8 +551,9 @@ class _Builder:
         dim_text = str(spelled[0]) if len(spelled) == 1 else str(tuple(spelled))
         keep = ", keepdim=True" if keepdim else ""
         norm_bound = 0.0
-        if op == "norm":  # ord inf of an empty extent is an error in eager
-            order = rng.choice([2, 2, 1, 3] if empty else [2, 2, 1, 3, "float('inf')"])
+        if op == "norm":  # ord inf of an empty extent is an error in eager: 2 there
+            order = rng.choice([2, 2, 1, 3, "float('inf')"])
+            order = 2 if empty and not isinstance(order, int) else order
             norm_bound = value.bound * (max(extent, 1) ** (1 / order) if isinstance(order, int) else 1)
             dim_arg = "" if to_scalar else f", dim={dim_text}{keep}"
             # Tensor.norm over several dims takes 2 at most (a matrix norm's): one dim or all of them here
@@ -947,7 +948,9 @@ class _Builder:
         name = f"v{len(self.steps)}"
         self.steps.append(Step(name, op, "inplace", code, tuple(o.name for o in operands), shape,
                                target.dtype, mutates=True))
-        changed = replace(target, bound=bound, exact=exact)
+        # a copy_ of a reduced value makes the target one (``coverage.special_cases`` follows operands)
+        changed = replace(target, bound=bound, exact=exact, reduced=target.reduced or any(
+            o.reduced for o in operands))
         self.values[self.values.index(target)] = changed
         value = replace(changed, name=name, shape=shape)
         self.values.append(value)
