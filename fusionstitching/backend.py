@@ -67,6 +67,7 @@ import threading
 import time
 import traceback
 import warnings
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -186,14 +187,16 @@ class _Pair:
         # Whether the two graphs compile per signature (``_Runner._paired_call``): the forward's or
         # the backward's inputs have symbolic shapes or numbers among them. Then: how many tensors
         # a forward saves, and the positions of those that are new (not one of its inputs, not
-        # empty); each forward call's path, (compiled, forward signature), under the addresses of
-        # its new saved tensors (the last ``_PATHS_KEPT``); the forward signature of each layout of
-        # the saved tensors; the backward signature seen after each forward signature; the two
-        # runners.
+        # empty); each forward call's path, (compiled, forward signature, weak references to the
+        # storages of its new saved tensors), under those tensors' addresses (the last
+        # ``_PATHS_KEPT``). An entry whose storages died is stale: a saved-tensor hook that copies
+        # them frees the forward's, and a later step's copies may take those addresses. The
+        # forward signature of each layout of the saved tensors; the backward signature seen after
+        # each forward signature; the two runners.
         self.paired = False
         self.saved_tensors: int | None = None
         self.fresh: tuple[int, ...] = ()
-        self.paths: OrderedDict[tuple, tuple[bool, tuple]] = OrderedDict()
+        self.paths: OrderedDict[tuple, tuple[bool, tuple, tuple]] = OrderedDict()
         self.signatures: dict[tuple, tuple] = {}
         self.backward_for: dict[tuple, tuple] = {}
         self.forward: _Runner | None = None
@@ -619,6 +622,8 @@ class _Runner:
             if saved is not None and len(saved) == pair.saved_tensors:
                 if pair.fresh:  # taken: a second backward through a retained graph finds none
                     entry = pair.paths.pop(tuple(saved[i].data_ptr() for i in pair.fresh), None)
+                    if entry is not None and any(ref() is None for ref in entry[2]):
+                        entry = None  # a later step's copies at the addresses of freed tensors
                 forward_key = entry[1] if entry is not None else pair.signatures.get(_saved_layout(saved))
             if forward_key is not None:
                 pair.backward_for.setdefault(forward_key, key)
@@ -646,7 +651,7 @@ class _Runner:
             pair.signatures[_saved_layout(saved)] = key
             if fresh:
                 address = tuple(saved[i].data_ptr() for i in fresh)
-                pair.paths[address] = (compiled, key)
+                pair.paths[address] = (compiled, key, tuple(weakref.ref(saved[i].untyped_storage()) for i in fresh))
                 pair.paths.move_to_end(address)
                 while len(pair.paths) > _PATHS_KEPT:  # forwards whose backward never came
                     pair.paths.popitem(last=False)

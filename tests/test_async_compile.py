@@ -539,3 +539,20 @@ def test_saved_tensors_moved_by_a_hook_still_let_the_forward_switch(monkeypatch)
         for rows in (32, 17, 32):
             _training_step(compiled, model, reference, rows)
     assert _eager_calls() == eager == 4 and stats()["fallbacks"] == 0
+
+
+def test_a_copying_hooks_freed_tensors_do_not_lend_a_later_step_their_path(monkeypatch):
+    """Under a saved-tensor hook that copies, a forward's own saved tensors are freed at its end
+    and a later step's copies often take their addresses: a backward finds the path recorded under
+    those addresses only while the recorded tensors' storages live, else goes by the layout.
+    Many steps of two sizes after both compiled: every one runs compiled."""
+    model, reference = _model(), _model()
+    compiled = _dynamic(model)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        for rows in (32, 17):
+            _training_step(compiled, model, reference, rows)
+        assert wait_for_compiles(300)
+        eager = _eager_calls()
+        for rows in (32, 17) * 6:
+            _training_step(compiled, model, reference, rows)
+    assert _eager_calls() == eager and stats()["fallbacks"] == 0
