@@ -23,6 +23,7 @@ from fusionstitching.frontend.context import LoweringContext, StorageDependent, 
 from fusionstitching.graph.graph import Node
 from fusionstitching.graph.node import contiguous_strides
 from fusionstitching.graph.ops import DType
+from fusionstitching.options import Options
 
 Lowering = Callable[..., Any]
 TABLE: dict[str, Lowering] = {}
@@ -352,6 +353,54 @@ def _amin(cx: LoweringContext, x: Node, dims: Any = None, keepdim: bool = False)
     return _reduce(cx, x, dims, keepdim, "min", cx.dtype)
 
 
+@lowers("aten.max.dim", "aten.min.dim")
+def _extreme_with_index(cx: LoweringContext, x: Node, dim: int, keepdim: bool = False) -> tuple[Node, Node]:
+    """``torch.max(x, dim)`` / ``torch.min(x, dim)``: the values, and the index of each row's first
+    extreme (a NaN, where the row has one, as torch propagates it) (``_arg_extreme``)."""
+    kind = "max" if cx.fx_node.target.__name__.startswith("max") else "min"
+    d = _reduced_dim(x, dim)
+    index = _arg_extreme(cx, x, d, kind, keepdim)
+    value = _reduce(cx, x, (d,), keepdim, kind, x.dtype) if x.shape else x
+    return value, index
+
+
+@lowers("aten.argmax.default", "aten.argmin.default")
+def _arg_extreme_op(cx: LoweringContext, x: Node, dim: int | None = None, keepdim: bool = False) -> Node:
+    kind = "max" if cx.fx_node.target.__name__.startswith("argmax") else "min"
+    if x.dtype == DType.BOOL:
+        raise Unsupported(f"arg{kind} of a bool tensor (eager rejects it)")
+    if dim is None:  # over the flattened tensor; keepdim keeps every dim as 1
+        flat = _arg_extreme(cx, cx.reshape(x, (math.prod(x.shape),)), 0, kind, False)
+        return cx.reshape(flat, cx.shape)
+    return _arg_extreme(cx, x, _reduced_dim(x, dim), kind, keepdim)
+
+
+def _reduced_dim(x: Node, dim: int) -> int:
+    """``dim`` normalized for a reduction returning indices; an empty dim stays torch's op (which
+    raises eager's error)."""
+    rank = max(len(x.shape), 1)
+    if not -rank <= dim < rank:
+        raise Unsupported(f"dim {dim} out of range for rank {len(x.shape)}")
+    if x.shape and x.shape[dim % rank] == 0:
+        raise Unsupported("an index reduction over an empty dim")
+    return dim % rank
+
+
+def _arg_extreme(cx: LoweringContext, x: Node, d: int, kind: str, keepdim: bool) -> Node:
+    """The int64 index along ``d`` of each row's first maximum (``kind`` "max") or minimum: the
+    smallest position whose element equals the row's extreme, or is NaN where the extreme is
+    (torch's rule: NaN beats every number, and the first of equals wins)."""
+    if not x.shape:
+        return cx.constant(0, DType.I64, ())
+    extreme = cx.broadcast_to(_reduce(cx, x, (d,), True, kind, x.dtype), x.shape)
+    hit = cx.b.compare("EQ", x, extreme)
+    if x.dtype.is_float:
+        hit = cx.b.binary("or", hit, cx.b.compare("NE", x, x))
+    positions = cx.b.iota(x.shape, d, DType.I64)
+    past = cx.lift(x.shape[d], DType.I64, x.shape)
+    return _reduce(cx, cx.b.select(hit, positions, past), (d,), keepdim, "min", DType.I64)
+
+
 @lowers("aten.any.dim", "aten.any.dims", "aten.any.default")
 def _any(cx: LoweringContext, x: Node, dims: Any = None, keepdim: bool = False) -> Node:
     return cx.lift(_reduce(cx, _nonzero(cx, x), dims, keepdim, "max", DType.BOOL), cx.dtype)
@@ -397,6 +446,89 @@ def _vector_norm(cx: LoweringContext, x: Node, ord: Any = 2, dims: Any = None, k
             total = _reduce(cx, powered, dims, keepdim, "sum", compute)
             out = cx.b.binary("pow", total, cx.lift(1.0 / ord, compute, total.shape))
     return cx.lift(out, cx.dtype, out.shape)
+
+
+# The widest block a scan level sums as a triangle: each element then costs at most this many adds
+# over values a warp holds, about what a memory-bound element's time leaves for arithmetic (a GPU
+# issues some 20 f32 operations per byte of DRAM traffic), and a warp's width.
+_SCAN_BLOCK = 32
+# A whole scan is one triangle (one reduction, fused with what reads it) while its work stays within
+# a dot that generated kernels run as fast as the GEMM library: a triangle is the product with a
+# triangular matrix of ones. The default bound (``Options.small_dot_max_flops``, measured); lowering
+# does not see a compilation's options, and either form gives the same values.
+_TRIANGLE_FLOPS = Options.small_dot_max_flops
+
+
+@lowers("aten.cumsum.default", "aten.cumprod.default")
+def _cumulative(cx: LoweringContext, x: Node, dim: int, *, dtype: Any = None) -> Node:
+    """``cumsum`` / ``cumprod`` along ``dim`` (position ids from a mask, cumulative probabilities)
+    in the result's compute type (f32 for the half types, as torch accumulates; an integer or
+    bool input sums in int64), as a blocked scan of reductions and broadcasts that fuses with
+    the ops around it (``_scan``)."""
+    kind = "sum" if cx.fx_node.target.__name__.startswith("cumsum") else "prod"
+    compute = cx.dtype.compute if cx.dtype.is_float else cx.dtype
+    value = cx.lift(x, compute, x.shape)
+    if not x.shape:
+        return cx.lift(value, cx.dtype, ())
+    d = cx.normalize_dim(dim, len(x.shape))
+    last = len(x.shape) - 1
+    if x.shape[d] > 1 and math.prod(x.shape):
+        order = [*(i for i in range(len(x.shape)) if i != d), d]
+        if d != last:
+            value = cx.b.transpose(value, order)
+        value = _scan(cx, value, kind)
+        if d != last:
+            value = cx.b.transpose(value, [order.index(i) for i in range(len(order))])
+    return cx.lift(value, cx.dtype, x.shape)
+
+
+def _scan(cx: LoweringContext, x: Node, kind: str) -> Node:
+    """The inclusive scan (``kind`` "sum" or "prod") of ``x`` along its last dim, of size n, from
+    reductions that read ``x`` itself where they can, so that few kernels result.
+
+    Up to ``_SCAN_BLOCK``, or while its work is that of a small dot (``_TRIANGLE_FLOPS``): a
+    triangle, each position reducing the elements at or before it. Longer:
+    the dim (padded with the identity) in m blocks of s, a triangle within each block combined with
+    what precedes the block. Up to ``_SCAN_BLOCK``² that is one masked reduction of the row per
+    block (s ≈ m ≈ √n: about 2√n operations per element, all reading ``x``); longer, the blocks'
+    totals scanned the same way (one level per factor of up to ``_SCAN_BLOCK`` in n) and shifted by
+    one."""
+    *rows, n = x.shape
+    r = len(rows)
+    unit = 0 if kind == "sum" else 1
+    if n <= _SCAN_BLOCK or 2 * math.prod(x.shape) * n <= _TRIANGLE_FLOPS:
+        return _triangle(cx, x, kind)
+    levels = max(2, math.ceil(math.log2(n) / math.log2(_SCAN_BLOCK)))
+    s = 2 ** math.ceil(math.log2(n) / levels)
+    m = -(-n // s)
+    zeros = (0,) * len(x.shape)
+    padded = x if m * s == n else cx.node("pad", x, low=zeros, high=(*zeros[:-1], m * s - n), interior=zeros,
+                                          value=float(unit))
+    blocks = cx.reshape(padded, (*rows, m, s))
+    if levels == 2:  # before block k: the row's elements j < k·s
+        wide = (*rows, m, m * s)
+        spread = cx.b.broadcast(padded, wide, (*range(r), r + 1))
+        first = cx.b.binary("mul", cx.b.iota(wide, r, DType.I64), cx.lift(s, DType.I64, wide))
+        taken = cx.b.compare("LT", cx.b.iota(wide, r + 1, DType.I64), first)
+        before = cx.b.reduce(cx.b.select(taken, spread, cx.lift(unit, x.dtype, wide)), (r + 1,), kind)
+    else:  # the scan of the blocks' totals, shifted by one block
+        totals = _scan(cx, cx.b.reduce(blocks, (r + 1,), kind), kind)
+        before = cx.node("pad", _slice_dim(cx, totals, r, 0, m - 1, 1), low=(*zeros[:-1], 1), high=zeros,
+                         interior=zeros, value=float(unit))
+    out = cx.b.binary("add" if kind == "sum" else "mul", _triangle(cx, blocks, kind),
+                      cx.b.broadcast(before, (*rows, m, s), tuple(range(r + 1))))
+    return _slice_dim(cx, cx.reshape(out, (*rows, m * s)), r, 0, n, 1)
+
+
+def _triangle(cx: LoweringContext, x: Node, kind: str) -> Node:
+    """The scan of ``x`` along its last dim as one reduction: x broadcast over the positions, the
+    elements after each position replaced by the identity."""
+    *rows, n = x.shape
+    square = (*rows, n, n)  # [..., position, element]
+    spread = cx.b.broadcast(x, square, (*range(len(rows)), len(rows) + 1))
+    taken = cx.b.compare("LE", cx.b.iota(square, len(rows) + 1, DType.I64), cx.b.iota(square, len(rows), DType.I64))
+    unit = cx.lift(0 if kind == "sum" else 1, x.dtype, square)
+    return cx.b.reduce(cx.b.select(taken, spread, unit), (len(rows) + 1,), kind)
 
 
 def _nonzero(cx: LoweringContext, x: Node) -> Node:

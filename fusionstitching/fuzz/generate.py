@@ -536,6 +536,8 @@ class _Builder:
         rank = len(value.shape)
         extent = math.prod(self.size(value.shape[d]) for d in dims)
         empty = extent == 0
+        if len(dims) == 1 and not to_scalar and not empty and rng.random() < 0.25:
+            return self.along(value, dims[0] - rank if rng.random() < 0.3 else dims[0], extent, keepdim)
         if value.dtype == "float":
             names = ["sum", "sum", "mean", "var", "amax", "amin", "std", "norm"]
             if extent <= 32 and (len(dims) == 1 or to_scalar):
@@ -590,6 +592,40 @@ class _Builder:
         exact = value.dtype != "float" or (op in ("amax", "amin") and value.exact)
         return self.add(op, "reduce_all" if to_scalar else "reduce", code, [value], shape, dtype, bound, exact,
                         reduced=True)
+
+    def along(self, value: _Value, dim: int, extent: int, keepdim: bool) -> _Value | None:
+        """A scan along ``dim`` (cumsum, or cumprod of factors near 1), or the index of an extreme
+        (``torch.max(x, dim)``'s values or indices, argmax/argmin): indices only of exact values, whose
+        ties cannot move with rounding."""
+        rng = self.rng
+        indexable = value.exact and value.dtype != "bool"
+        op = rng.choice(["cumsum", "cumsum", "cumprod", "max", "arg"] if indexable else ["cumsum", "cumsum", "cumprod", "max"])
+        keep = ", keepdim=True" if keepdim else ""
+        if op in ("cumsum", "cumprod"):
+            if op == "cumprod" and (value.dtype != "float" or extent > 64):
+                op = "cumsum"
+            code = rng.choice([f"torch.{op}({{0}}, dim={dim})", f"{{0}}.{op}({dim})"])
+            bound = value.bound * extent
+            if op == "cumprod":
+                code, bound = code.replace("{0}", "(torch.tanh({0}) * 0.1 + 1)", 1), 1.1 ** extent
+            if bound > (self.limit() if value.dtype == "float" else INT_BOUND_LIMIT):
+                return None
+            dtype = "float" if value.dtype == "float" else "int64"
+            return self.add(op, "reduce", code, [value], value.shape, dtype, bound, value.dtype != "float",
+                            reduced=True)
+        rank = len(value.shape)
+        d = dim % rank
+        shape = tuple(ONE if k == d else s for k, s in enumerate(value.shape) if keepdim or k != d)
+        if op == "max":
+            which = rng.choice(["max", "min"])
+            part = rng.choice(["values", "[0]"] + (["indices", "[1]"] if indexable else []))
+            code = f"torch.{which}({{0}}, dim={dim}{keep}){'.' if part[0] != '[' else ''}{part}"
+            if part in ("values", "[0]"):
+                return self.add(which, "reduce", code, [value], shape, value.dtype, value.bound, value.exact,
+                                reduced=True)
+        else:
+            code = f"torch.{rng.choice(['argmax', 'argmin'])}({{0}}, dim={dim}{keep})"
+        return self.add("argmax", "reduce", code, [value], shape, "int64", extent, True, reduced=True)
 
     def _reduce_all(self) -> _Value | None:
         after_row = self.chance(0.5, "scalar_after_row")
