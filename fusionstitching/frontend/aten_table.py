@@ -531,6 +531,32 @@ def _triangle(cx: LoweringContext, x: Node, kind: str) -> Node:
     return cx.b.reduce(cx.b.select(taken, spread, unit), (len(rows) + 1,), kind)
 
 
+@lowers("aten._weight_norm_interface_backward.default")
+def _weight_norm_backward(cx: LoweringContext, grad_w: Node, v: Node, g: Node, norms: Node,
+                          dim: int) -> tuple[Node, Node]:
+    """The gradient of weight norm, ``w = g · v / ‖v‖`` with ‖v‖ over every dim but ``dim``
+    (``norms``, saved by the forward): s = Σ grad_w · v over those dims, grad_g = s / ‖v‖ and
+    grad_v = g / ‖v‖ · (grad_w − v · s / ‖v‖²), in f32 for half types as torch's kernel. torch's
+    kernel takes the first or the last dim only; another stays torch's op (and its error)."""
+    rank = len(v.shape)
+    d = dim % max(rank, 1)
+    if dim not in (d, d - rank) or (d not in (0, rank - 1) and rank):
+        raise Unsupported(f"weight norm over dim {dim} of a rank-{rank} tensor (torch's kernel takes the first or last)")
+    compute = v.dtype.compute if v.dtype.is_float else v.dtype
+    gw, vv = cx.lift(grad_w, compute, v.shape), cx.lift(v, compute, v.shape)
+    product = cx.b.binary("mul", gw, vv)
+    others = tuple(k for k in range(rank) if k != d)
+    sums = _reduce(cx, product, others, True, "sum", compute) if others else product  # the shape of g
+    kept = cx.lift(cx.reshape(norms, sums.shape), compute, sums.shape)
+    grad_g = cx.b.binary("div", sums, kept)
+    scale = cx.b.binary("div", cx.lift(cx.reshape(g, sums.shape), compute, sums.shape), kept)
+    along = cx.b.binary("div", sums, cx.b.binary("mul", kept, kept))
+    grad_v = cx.b.binary("mul", cx.broadcast_to(scale, v.shape),
+                         cx.b.binary("sub", gw, cx.b.binary("mul", vv, cx.broadcast_to(along, v.shape))))
+    return (cx.lift(grad_v, to_dtype(cx.meta_of(0).dtype), v.shape),
+            cx.lift(cx.reshape(grad_g, g.shape), to_dtype(cx.meta_of(1).dtype), g.shape))
+
+
 def _nonzero(cx: LoweringContext, x: Node) -> Node:
     if x.dtype == DType.BOOL:
         return x

@@ -280,7 +280,25 @@ def decompositions() -> dict:
             del table[key]
     for key in [key for key in table if getattr(key, "overloadpacket", None) in _INDEX_ADD]:
         table[key] = _checked_index_add(table[key])
+    for key in [key for key in table if getattr(key, "overloadpacket", None) is torch.ops.aten._weight_norm_interface]:
+        table[key] = _weight_norm_interface
     return table
+
+
+def _weight_norm_interface(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight norm's fused op, ``w = g · v / ‖v‖`` with ‖v‖ over every dim but ``dim`` (torch's
+    kernel takes the first or the last), and the norms (f32 for a bf16 ``g``, as its kernel). torch's
+    decomposition takes the norm over every dim when no other dim is left (a 1-d ``v``: its norms are
+    then the elements' magnitudes), which gave a wrong ``w``; this one keeps the kernel's rule."""
+    if dim not in (0, v.ndim - 1):  # eager's check, raised while tracing
+        raise RuntimeError("fused kernels can only be applied for first or last dim")
+    others = tuple(i for i in range(v.ndim) if i != dim)
+    norm_dtype = torch.float if g.dtype == torch.bfloat16 else None
+    if others:
+        norm = v.norm(2, others, keepdim=True, dtype=norm_dtype)
+    else:
+        norm = (v if norm_dtype is None else v.to(norm_dtype)).abs()
+    return v * (g / norm.to(g.dtype)), norm
 
 
 _INDEX_ADD = (torch.ops.aten.index_add, torch.ops.aten.index_add_)
