@@ -528,24 +528,10 @@ def test_a_symbolic_graphs_later_shapes_take_an_explored_plans_patterns(monkeypa
 def test_saved_tensors_moved_by_a_hook_still_let_the_forward_switch(monkeypatch):
     """A saved-tensor hook that copies what a step saves (offloading does) hides the forward's
     addresses from its backward: the backward is still matched to its forward's signature by the
-    saved tensors' layout, and the forward switches once both graphs compiled."""
-    model, reference = _model(), _model()
-    compiled = _dynamic(model)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
-        for rows in (32, 17):
-            _training_step(compiled, model, reference, rows)
-        assert wait_for_compiles(300)
-        eager = _eager_calls()
-        for rows in (32, 17, 32):
-            _training_step(compiled, model, reference, rows)
-    assert _eager_calls() == eager == 4 and stats()["fallbacks"] == 0
-
-
-def test_a_copying_hooks_freed_tensors_do_not_lend_a_later_step_their_path(monkeypatch):
-    """Under a saved-tensor hook that copies, a forward's own saved tensors are freed at its end
-    and a later step's copies often take their addresses: a backward finds the path recorded under
-    those addresses only while the recorded tensors' storages live, else goes by the layout.
-    Many steps of two sizes after both compiled: every one runs compiled."""
+    saved tensors' layout, and the forward switches once both graphs compiled. The forward's own
+    saved tensors are freed at its end and a later step's copies often take their addresses: the
+    path recorded under them counts only while their storages live, so that many steps of two
+    sizes after both compiled all run compiled."""
     model, reference = _model(), _model()
     compiled = _dynamic(model)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
@@ -555,4 +541,4 @@ def test_a_copying_hooks_freed_tensors_do_not_lend_a_later_step_their_path(monke
         eager = _eager_calls()
         for rows in (32, 17) * 6:
             _training_step(compiled, model, reference, rows)
-    assert _eager_calls() == eager and stats()["fallbacks"] == 0
+    assert _eager_calls() == eager == 4 and stats()["fallbacks"] == 0
