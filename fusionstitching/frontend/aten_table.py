@@ -538,9 +538,8 @@ def _weight_norm_backward(cx: LoweringContext, grad_w: Node, v: Node, g: Node, n
     (``norms``, saved by the forward): s = Σ grad_w · v over those dims, grad_g = s / ‖v‖ and
     grad_v = g / ‖v‖ · (grad_w − v · s / ‖v‖²), in f32 for half types as torch's kernel. torch's
     kernel takes the first or the last dim only; another stays torch's op (and its error)."""
-    rank = len(v.shape)
-    d = dim % max(rank, 1)
-    if dim not in (d, d - rank) or (d not in (0, rank - 1) and rank):
+    rank, d = len(v.shape), dim
+    if dim not in (0, rank - 1):  # the rule of the forward's decomposition (``torch_fx._weight_norm_interface``)
         raise Unsupported(f"weight norm over dim {dim} of a rank-{rank} tensor (torch's kernel takes the first or last)")
     compute = v.dtype.compute if v.dtype.is_float else v.dtype
     gw, vv = cx.lift(grad_w, compute, v.shape), cx.lift(v, compute, v.shape)

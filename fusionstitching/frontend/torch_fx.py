@@ -291,7 +291,8 @@ def _weight_norm_interface(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> tu
     decomposition takes the norm over every dim when no other dim is left (a 1-d ``v``: its norms are
     then the elements' magnitudes), which gave a wrong ``w``; this one keeps the kernel's rule."""
     if dim not in (0, v.ndim - 1):  # eager's check, raised while tracing
-        raise RuntimeError("fused kernels can only be applied for first or last dim")
+        raise RuntimeError(f"aten._weight_norm_interface over dim {dim} of a rank-{v.ndim} tensor: "
+                           "fused kernels can only be applied for first or last dim")
     others = tuple(i for i in range(v.ndim) if i != dim)
     norm_dtype = torch.float if g.dtype == torch.bfloat16 else None
     if others:
