@@ -187,6 +187,36 @@ def test_rounding_noise_is_large_only_where_the_result_is_ill_conditioned():
              lambda: [summed(rows.double()) + 2e-5])
 
 
+def test_the_sign_of_a_value_at_its_rows_mean_is_noise():
+    """Fuzz 735125102:138: the sign of a layer norm of integers is 0 where an element equals the
+    row's mean exactly, but eager's layer norm (f32 and f64) rounds the mean and gives ±1 there; a
+    compiled mean that is exact must pass. The layer norm's result near zero is as uncertain as a
+    typical normalized value, and one salt of each pair moves it across zero. Where no element is at
+    its row's mean, the signs are no rounding matter and a wrong one still fails."""
+    row = torch.tensor([[0.0, 1.0, 0.0, 1.0, -1.0, -1.0, 1.0, -3.0, 0.0, -2.0, 1.0, 1.0, 0.0, 1.0, 0.0, -1.0, 2.0]])
+    assert float(row.sum()) == 0.0
+    signed = lambda x: torch.sign(torch.nn.functional.layer_norm(x, (17,), eps=1e-3))
+    exact = torch.sign(row)  # the mean is 0 exactly, and so the centered row is the row
+    noisy = []
+    for salt in range(2):
+        with _Rounding(EPSILON["float32"], salt):
+            noisy.append(signed(row.double()))
+    assert relative_error(noisy[0].numpy(), noisy[1].numpy()) == 2.0  # one of the pair crossed zero
+    want = signed(row)
+    _compare("out", exact, want, "float32", lambda: signed(row.double()), lambda: noisy)
+    shifted = row.clone()
+    shifted[0, -1] = 2.5  # the mean is 1/34, no element is within 1/34 of it
+    noisy = []
+    for salt in range(2):
+        with _Rounding(EPSILON["float32"], salt):
+            noisy.append(signed(shifted.double()))
+    want = signed(shifted)
+    wrong = want.clone()
+    wrong[0, 0] = -wrong[0, 0]
+    with pytest.raises(_Failure, match="rounding noise 0"):
+        _compare("out", wrong, want, "float32", lambda: signed(shifted.double()), lambda: noisy)
+
+
 def test_the_plan_check_holds_f32_results_of_half_type_values_to_the_half_tolerance():
     """A kernel keeps f32 where the reference rounds each f16 value, so its f32 result (a layer
     norm's gradient sum) differed by f16 rounding: 1.1e-4 > 1e-4 on a GPU (fuzz 1126201:693). An

@@ -66,7 +66,8 @@ HALF_OUTLIERS = 0.01
 ARBITER_FACTOR = 3.0
 # The rounding-noise arbiter: runs of the float64 program with rounding errors of the program's dtype
 # added to every result (``_Rounding``); the largest distance of those runs from float64 is the noise
-# an implementation in that dtype may show. One salt is one draw of those errors.
+# an implementation in that dtype may show. Salts 2j and 2j + 1 are one draw of those errors and
+# its mirror image.
 NOISE_RUNS = 3
 EPSILON = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -12, "float64": 2.0 ** -53}
 ACCUMULATION_EPSILON = 2.0 ** -24
@@ -471,9 +472,13 @@ class _Rounding(torch.utils._python_dispatch.TorchDispatchMode):
     ``epsilon_f32 × sqrt(k) × max(|result|, term) + epsilon × |result|``, ``k`` the operand elements
     combined into one result element (accumulated in f32, the result rounded to the dtype), ``term``
     a typical term's size: ``sqrt(k) × mean |operand|`` for a sum or a product of matrices (and the
-    gradients of ops), that over k for a mean or a variance, none for a softmax or a norm. Ops
-    that only move data do not round. The direction is a hash of the value (and ``salt``), so equal
-    values computed alike move alike, as equal rounding errors add up in a sum of repeated terms."""
+    gradients of ops), that over k for a mean or a variance, the mean |result| for a layer, group or
+    batch norm (``x - mean`` cancels where x is near its mean: a normalized value near zero is as
+    uncertain as a typical normalized value), none for a softmax. Ops that only move data do not
+    round. The direction is a hash of the value (and ``salt``), so equal values computed alike move
+    alike, as equal rounding errors add up in a sum of repeated terms; an odd salt moves every value
+    against the even salt below it, so that a result at a discontinuity (the sign of a cancelled
+    difference) is moved across it by one of the pair."""
 
     def __init__(self, epsilon: float, salt: int) -> None:
         super().__init__()
@@ -507,6 +512,8 @@ class _Rounding(torch.utils._python_dispatch.TorchDispatchMode):
             magnitude = float(widest.detach().abs().mean()) / math.sqrt(k)
         elif name in ("add", "sub", "rsub"):
             magnitude = float(widest.detach().abs().mean())
+        elif name in _CENTERING:
+            magnitude = float(results[0].detach().abs().mean())
         # a reduction accumulates in f32 whatever the dtype, then rounds its result to the dtype
         step = min(self.epsilon, ACCUMULATION_EPSILON) * math.sqrt(k) if reduces else self.epsilon
         store = self.epsilon if reduces else 0.0
@@ -515,7 +522,10 @@ class _Rounding(torch.utils._python_dispatch.TorchDispatchMode):
             if not isinstance(r, torch.Tensor) or r.dtype != torch.float64 or r.numel() == 0:
                 return r
             with torch.no_grad():
-                direction = torch.frac(torch.sin(r * 12.9898 + 78.233 * (self.salt + 1)) * 43758.5453) * 2 - 1
+                draw = self.salt // 2 + 1
+                direction = torch.frac(torch.sin(r * 12.9898 + 78.233 * draw) * 43758.5453) * 2 - 1
+                if self.salt % 2:
+                    direction = -direction
                 shift = (step * torch.clamp(r.abs(), min=magnitude) + store * r.abs()) * direction
                 return r + torch.nan_to_num(shift, nan=0.0, posinf=0.0, neginf=0.0)
 
@@ -535,7 +545,9 @@ _SUMMING = frozenset({
     "embedding_dense_backward", "index_add", "index_put", "scatter_add", "scatter_reduce",
 })
 _AVERAGING = frozenset({"mean", "var", "std", "var_mean", "std_mean", "norm", "linalg_vector_norm", "logsumexp"})
-_NORMALIZING = frozenset({"_softmax", "_log_softmax", "native_layer_norm", "native_group_norm", "native_batch_norm"})
+_CENTERING = frozenset({"native_layer_norm", "native_group_norm", "native_batch_norm",
+                        "_native_batch_norm_legit", "_native_batch_norm_legit_no_training"})
+_NORMALIZING = frozenset({"_softmax", "_log_softmax"}) | _CENTERING
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
