@@ -531,6 +531,95 @@ def _triangle(cx: LoweringContext, x: Node, kind: str) -> Node:
     return cx.b.reduce(cx.b.select(taken, spread, unit), (len(rows) + 1,), kind)
 
 
+@lowers("aten.logcumsumexp.default")
+def _logcumsumexp(cx: LoweringContext, x: Node, dim: int) -> Node:
+    """``logcumsumexp`` along ``dim`` in the compute type (f32 for the half types), as a blocked
+    scan like ``cumsum``'s (``_log_scan``) whose sums are taken of ``exp(x - shift)``, the shift the
+    largest element they combine: no term exceeds 1, so nothing overflows, and the largest term is
+    1, so no prefix underflows where its elements are far below the row's maximum. Integer inputs
+    stay torch's op (and its error)."""
+    if not x.dtype.is_float:
+        raise Unsupported(f"logcumsumexp of {x.dtype.name} (eager takes floating types only)")
+    compute = cx.dtype.compute
+    value = cx.lift(x, compute, x.shape)
+    if x.shape:
+        d = cx.normalize_dim(dim, len(x.shape))
+        last = len(x.shape) - 1
+        if x.shape[d] > 1 and math.prod(x.shape):
+            order = [*(i for i in range(len(x.shape)) if i != d), d]
+            if d != last:
+                value = cx.b.transpose(value, order)
+            value = _log_scan(cx, value)
+            if d != last:
+                value = cx.b.transpose(value, [order.index(i) for i in range(len(order))])
+    return cx.lift(value, cx.dtype, x.shape)
+
+
+def _log_scan(cx: LoweringContext, x: Node) -> Node:
+    """The inclusive log-sum-exp scan of ``x`` along its last dim, in the blocks of ``_scan``: a
+    triangle within each block, combined with the log-sum-exp of what precedes the block by
+    ``_log_add_exp``."""
+    *rows, n = x.shape
+    r = len(rows)
+    if n <= _SCAN_BLOCK or 2 * math.prod(x.shape) * n <= _TRIANGLE_FLOPS:
+        return _log_triangle(cx, x)
+    levels = max(2, math.ceil(math.log2(n) / math.log2(_SCAN_BLOCK)))
+    s = 2 ** math.ceil(math.log2(n) / levels)
+    m = -(-n // s)
+    zeros = (0,) * len(x.shape)
+    padded = x if m * s == n else cx.node("pad", x, low=zeros, high=(*zeros[:-1], m * s - n), interior=zeros,
+                                          value=-math.inf)
+    blocks = cx.reshape(padded, (*rows, m, s))
+    if levels == 2:  # before block k: the row's elements j < k·s
+        wide = (*rows, m, m * s)
+        spread = cx.b.broadcast(padded, wide, (*range(r), r + 1))
+        first = cx.b.binary("mul", cx.b.iota(wide, r, DType.I64), cx.lift(s, DType.I64, wide))
+        before = _masked_log_sum_exp(cx, spread, cx.b.compare("LT", cx.b.iota(wide, r + 1, DType.I64), first))
+    else:  # the scan of the blocks' totals, shifted by one block
+        totals = _log_scan(cx, _masked_log_sum_exp(cx, blocks, None))
+        before = cx.node("pad", _slice_dim(cx, totals, r, 0, m - 1, 1), low=(*zeros[:-1], 1), high=zeros,
+                         interior=zeros, value=-math.inf)
+    out = _log_add_exp(cx, _log_triangle(cx, blocks), cx.b.broadcast(before, (*rows, m, s), tuple(range(r + 1))))
+    return _slice_dim(cx, cx.reshape(out, (*rows, m * s)), r, 0, n, 1)
+
+
+def _log_triangle(cx: LoweringContext, x: Node) -> Node:
+    """The log-sum-exp scan of ``x`` along its last dim as two reductions of the triangle of
+    elements at or before each position."""
+    *rows, n = x.shape
+    square = (*rows, n, n)  # [..., position, element]
+    spread = cx.b.broadcast(x, square, (*range(len(rows)), len(rows) + 1))
+    taken = cx.b.compare("LE", cx.b.iota(square, len(rows) + 1, DType.I64), cx.b.iota(square, len(rows), DType.I64))
+    return _masked_log_sum_exp(cx, spread, taken)
+
+
+def _masked_log_sum_exp(cx: LoweringContext, x: Node, taken: Node | None) -> Node:
+    """``log Σ exp(x)`` over the last dim of the elements ``taken`` (all where None): the sum is of ``exp(x - shift)``,
+    the shift the largest taken element (0 where that is infinite, as torch's logsumexp: -inf where
+    nothing is taken or every element is -inf, +inf where one is); a NaN taken is the result."""
+    shape, dtype = x.shape, x.dtype
+    last = len(shape) - 1
+
+    def masked(values: Node, unit: float) -> Node:
+        return values if taken is None else cx.b.select(taken, values, cx.lift(unit, dtype, shape))
+
+    largest = cx.b.reduce(masked(x, -math.inf), (last,), "max")
+    infinite = cx.b.compare("EQ", cx.b.unary("abs", largest), cx.lift(math.inf, dtype, largest.shape))
+    shift = cx.b.select(infinite, cx.lift(0, dtype, largest.shape), largest)
+    terms = cx.b.unary("exp", cx.b.binary("sub", x, cx.b.broadcast(shift, shape, tuple(range(last)))))
+    total = cx.b.reduce(masked(terms, 0), (last,), "sum")
+    return cx.b.binary("add", cx.b.unary("log", total), shift)
+
+
+def _log_add_exp(cx: LoweringContext, a: Node, b: Node) -> Node:
+    """``log(exp(a) + exp(b))`` as ``hi + log1p(exp(lo - hi))``; ``hi`` itself where it is infinite
+    (both -inf, or a +inf), a NaN of either the result."""
+    hi, lo = cx.b.binary("max", a, b), cx.b.binary("min", a, b)
+    infinite = cx.b.compare("EQ", cx.b.unary("abs", hi), cx.lift(math.inf, hi.dtype, hi.shape))
+    combined = cx.b.binary("add", hi, cx.b.unary("log1p", cx.b.unary("exp", cx.b.binary("sub", lo, hi))))
+    return cx.b.select(infinite, hi, combined)
+
+
 @lowers("aten._weight_norm_interface_backward.default")
 def _weight_norm_backward(cx: LoweringContext, grad_w: Node, v: Node, g: Node, norms: Node,
                           dim: int) -> tuple[Node, Node]:

@@ -544,7 +544,8 @@ _SUMMING = frozenset({
     "sum", "prod", "cumsum", "cumprod", "mm", "bmm", "addmm", "baddbmm", "dot", "mv", "matmul",
     "embedding_dense_backward", "index_add", "index_put", "scatter_add", "scatter_reduce",
 })
-_AVERAGING = frozenset({"mean", "var", "std", "var_mean", "std_mean", "norm", "linalg_vector_norm", "logsumexp"})
+_AVERAGING = frozenset({"mean", "var", "std", "var_mean", "std_mean", "norm", "linalg_vector_norm", "logsumexp",
+                        "logcumsumexp"})
 _CENTERING = frozenset({"native_layer_norm", "native_group_norm", "native_batch_norm",
                         "_native_batch_norm_legit", "_native_batch_norm_legit_no_training"})
 _NORMALIZING = frozenset({"_softmax", "_log_softmax"}) | _CENTERING

@@ -594,20 +594,23 @@ class _Builder:
                         reduced=True)
 
     def along(self, value: _Value, dim: int, extent: int, keepdim: bool) -> _Value | None:
-        """A scan along ``dim`` (cumsum, or cumprod of factors near 1), or the index of an extreme
+        """A scan along ``dim`` (cumsum, cumprod of factors near 1, logcumsumexp), or the index of an extreme
         (``torch.max(x, dim)``'s values or indices, argmax/argmin): indices only of exact values, whose
         ties cannot move with rounding."""
         rng = self.rng
         indexable = value.exact and value.dtype != "bool"
-        op = rng.choice(["cumsum", "cumsum", "cumprod", "max", "arg"] if indexable else ["cumsum", "cumsum", "cumprod", "max"])
+        scans = ["cumsum", "cumsum", "cumprod", "logcumsumexp"]
+        op = rng.choice([*scans, "max", "arg"] if indexable else [*scans, "max"])
         keep = ", keepdim=True" if keepdim else ""
-        if op in ("cumsum", "cumprod"):
-            if op == "cumprod" and (value.dtype != "float" or extent > 64):
+        if op in scans:
+            if op == "cumprod" and (value.dtype != "float" or extent > 64) or op == "logcumsumexp" and value.dtype != "float":
                 op = "cumsum"
             code = rng.choice([f"torch.{op}({{0}}, dim={dim})", f"{{0}}.{op}({dim})"])
             bound = value.bound * extent
             if op == "cumprod":
                 code, bound = code.replace("{0}", "(torch.tanh({0}) * 0.1 + 1)", 1), 1.1 ** extent
+            elif op == "logcumsumexp":  # at most the prefix's largest element plus log(extent)
+                bound = value.bound + math.log(extent) + 1
             if bound > (self.limit() if value.dtype == "float" else INT_BOUND_LIMIT):
                 return None
             dtype = "float" if value.dtype == "float" else "int64"

@@ -124,3 +124,66 @@ def test_a_scans_kernels_compile_and_simulate_as_the_reference(form):
               else rng.standard_normal(p.shape).astype(p.dtype.numpy) for p in graph.parameters]
     for got, want in zip(compiled.run_numpy(inputs), reference.evaluate(graph, inputs)):
         np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_logcumsumexp_of_every_length_matches_eager(n, form):
+    torch.manual_seed(n)
+    _check(lambda x: torch.logcumsumexp(x, -1), 3 * torch.randn(3, n), {"rtol": 1e-5, "atol": 1e-5})
+
+
+def test_logcumsumexp_keeps_prefixes_far_below_the_rows_maximum(form):
+    """Each prefix is shifted by its own largest element: a prefix 200 below the row's maximum does
+    not underflow (one shift per row would give -inf there); infinities and NaN as torch."""
+    x = torch.cat([torch.randn(2, 100) - 200, torch.randn(2, 100) + 200], 1)
+    _check(lambda x: torch.logcumsumexp(x, 1), x, {"rtol": 1e-5, "atol": 1e-4})
+    special = torch.randn(5, 90, generator=torch.Generator().manual_seed(11))
+    special[0] = -torch.inf
+    special[1, 40:] = -torch.inf
+    special[2, 50] = torch.inf
+    special[3, 10] = torch.nan
+    special[4, 60:] = torch.inf
+    _check(lambda x: torch.logcumsumexp(x, 1), special, {"rtol": 1e-5, "atol": 1e-5, "equal_nan": True})
+
+
+def test_logcumsumexp_types_dims_and_gradient(form):
+    x = torch.randn(40, 3, 37, generator=torch.Generator().manual_seed(12))
+    for dim in (0, 1, -1):
+        _check(lambda t, dim=dim: torch.logcumsumexp(t, dim) * 2, x)
+    _check(lambda t: torch.logcumsumexp(t, 1), x[0].bfloat16(), {"rtol": 2e-2, "atol": 2e-2})  # in f32
+    _check(lambda t: torch.logcumsumexp(t, 0), torch.tensor(3.0))
+    _check(lambda t: torch.logcumsumexp(t, 1), torch.randn(0, 5))
+    a = torch.randn(6, 77, generator=torch.Generator().manual_seed(13)).requires_grad_(True)
+    b = a.detach().clone().requires_grad_(True)
+    weights = torch.randn(6, 77, generator=torch.Generator().manual_seed(14))
+    (_compiled(lambda t: torch.logcumsumexp(t, 1))(a) * weights).sum().backward()
+    (torch.logcumsumexp(b, 1) * weights).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(lambda t: torch.logcumsumexp(t, 1), torch.randn(4, 100, requires_grad=True), train=True)
+    for graph in filter(None, (captured.forward, captured.backward)):
+        left = [n.attrs.get("target") for n in graph.nodes if n.op == "library"]
+        assert not left, f"{graph.name}: {left}"
+
+
+def test_a_log_scans_kernels_compile_and_simulate_as_the_reference(form):
+    """The log-sum-exp scan over one triangle or three levels of blocks, with -inf and +inf among
+    the elements (the shifts of ``_masked_log_sum_exp``, the combine of ``_log_add_exp``)."""
+    n = 2 * BLOCK * BLOCK + 3 if form == "blocks" else 300
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(lambda x: torch.logcumsumexp(x * 2, -1) - x, torch.randn(2, n))
+    graph = captured.forward
+    assert not [node for node in graph.nodes if node.op == "library"]
+    compiled = compile_plan(explore(graph))
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from fusionstitching.codegen.nvrtc import compile_cuda
+
+    for kernel in compiled.kernels:
+        compile_cuda(kernel.cuda_source, "sm_90")
+    x = np.random.default_rng(1).standard_normal((2, n)).astype(np.float32)
+    x[0, : n // 3] = -np.inf
+    x[1, n // 2] = np.inf
+    for got, want in zip(compiled.run_numpy([x]), reference.evaluate(graph, [x])):
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=1e-6, atol=1e-6)
