@@ -282,7 +282,30 @@ def decompositions() -> dict:
         table[key] = _checked_index_add(table[key])
     for key in [key for key in table if getattr(key, "overloadpacket", None) is torch.ops.aten._weight_norm_interface]:
         table[key] = _weight_norm_interface
+    for key in (torch.ops.aten.eye.default, torch.ops.aten.eye.m):
+        if key in table:
+            table[key] = _eye(table[key])
     return table
+
+
+def _eye(original: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's decomposition of ``eye`` compares two ``arange``s of the narrowest integer type that
+    holds the size (uint8 up to 255), a type the IR does not have, so the whole graph would run in
+    PyTorch; here the ranges are int64 (the same comparison, the same result). Other layouts keep
+    torch's decomposition."""
+
+    def eye(n: int, m: int | None = None, *, dtype: Any = None, layout: Any = None, device: Any = None,
+            pin_memory: bool | None = False) -> torch.Tensor:
+        if layout not in (torch.strided, None) or pin_memory:
+            return original(n, m, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory)
+        m = n if m is None else m
+        torch._check(n >= 0, lambda: f"n must be greater or equal to 0, got {n}")
+        torch._check(m >= 0, lambda: f"m must be greater or equal to 0, got {m}")
+        rows = torch.arange(n, dtype=torch.int64, device=device)
+        columns = torch.arange(m, dtype=torch.int64, device=device)
+        return (rows.unsqueeze(-1) == columns).to(dtype or torch.get_default_dtype())
+
+    return eye
 
 
 def _weight_norm_interface(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
