@@ -107,12 +107,59 @@ class _Guard:
     depth: int
     guarded: frozenset | None  # None: a branch that is not a pad's (a concatenation's piece)
     inside: set
+    # the registers and specials the guarded positions are made of: an index made of any of them
+    # may be one of those positions rewritten (a reshape's index arithmetic simplifies
+    # ``(8p + q) / 8`` to ``p``), so it reaches the guard even where no position appears in it
+    variables: frozenset = frozenset()
 
-    def reaches(self, index: Sequence[K.Expr]) -> bool:
-        """Whether an index reads a guarded position or a register defined inside the guard. Every
-        index reaches a branch that is not a pad's: its condition keeps in bounds index expressions
-        made inside it (a concatenation's piece reads ``i - offset``), which no hoist may leave."""
-        return self.guarded is None or any(_mentions(e, self.guarded, self.inside) for e in index)
+    def reaches(self, index: Sequence[K.Expr], definitions: dict[str, K.Expr], memo: dict) -> bool:
+        """Whether an index reads a guarded position, a register defined inside the guard, or a
+        register or special the positions are made of (through the definitions of the index's
+        registers). Every index reaches a branch that is not a pad's: its condition keeps in bounds
+        index expressions made inside it (a concatenation's piece reads ``i - offset``), which no
+        hoist may leave."""
+        if self.guarded is None:
+            return True
+        return any(_mentions(e, self.guarded, self.inside) or bool(_uses(e, definitions, memo) & self.variables)
+                   for e in index)
+
+
+def _uses(e: K.Expr, definitions: dict[str, K.Expr], memo: dict) -> frozenset:
+    """The registers and specials ``e`` is made of, through the definitions of its registers."""
+    kind = type(e)
+    if kind is K.Const:
+        return frozenset()
+    if kind is K.Special:
+        return frozenset((e.name,))
+    if kind is K.Var:
+        found = memo.get(e.name)
+        if found is None:
+            memo[e.name] = frozenset((e.name,))  # a register defined through itself stops here
+            definition = definitions.get(e.name)
+            found = frozenset((e.name,)) | (_uses(definition, definitions, memo) if definition is not None else frozenset())
+            memo[e.name] = found
+        return found
+    found = frozenset()
+    for child in vars(e).values():
+        for c in child if isinstance(child, tuple) else (child,):
+            if hasattr(c, "dtype") and not isinstance(c, str):
+                found |= _uses(c, definitions, memo)
+    return found
+
+
+def _names(e: K.Expr) -> frozenset:
+    """The registers and specials written in ``e`` (no definitions followed)."""
+    kind = type(e)
+    if kind is K.Var or kind is K.Special:
+        return frozenset((e.name,))
+    if kind is K.Const:
+        return frozenset()
+    found = frozenset()
+    for child in vars(e).values():
+        for c in child if isinstance(child, tuple) else (child,):
+            if hasattr(c, "dtype") and not isinstance(c, str):
+                found |= _names(c)
+    return found
 
 
 def _mentions(e: K.Expr, exprs: frozenset, names: set) -> bool:
@@ -161,6 +208,7 @@ class ValueEmitter:
     # Open guarded branches, outermost first (``_Guard``): values that depend on no padded position
     # of a pad's guard, nor on anything inside it, are computed before the guard (``_hoisted``).
     _guards: list = field(default_factory=list)
+    _uses_memo: dict = field(default_factory=dict)  # register → what it is made of (``_uses``)
 
     # -- statement plumbing -------------------------------------------------------------------
     def fresh(self, base: str, dtype: str) -> K.Var:
@@ -274,7 +322,7 @@ class ValueEmitter:
         if self._guards and not is_reduction(node) and id(node) not in self.sub_roots:
             outermost = None  # the outermost guard that neither it nor any guard inside it reaches
             for k in range(len(self._guards) - 1, -1, -1):
-                if self._guards[k].reaches(index):
+                if self._guards[k].reaches(index, self.definitions, self._uses_memo):
                     break
                 outermost = k
             if outermost is not None:
@@ -474,7 +522,9 @@ class ValueEmitter:
         padded dims); values that read none of them are computed before the branch, once for all
         the guarded reads of a thread (``_hoisted``)."""
         result = self.accumulator("p", register_type(node.dtype))
-        self._guards.append(_Guard(self.stmts, len(self._undo), frozenset(guarded) if guarded else None, set()))
+        variables = frozenset().union(*(_names(e) for e in guarded)) if guarded else frozenset()
+        self._guards.append(_Guard(self.stmts, len(self._undo), frozenset(guarded) if guarded else None, set(),
+                                   variables))
         try:
             then_stmts, then_value = self.nested(inside)
         finally:
@@ -495,12 +545,22 @@ class ValueEmitter:
     def _op_pad(self, node: Node, index):
         (x,) = node.operands
         low, high, interior = node.attrs["low"], node.attrs["high"], node.attrs["interior"]
-        cond, inner = None, []
+        pad_value = K.Const(node.attrs["value"] if node.dtype.is_float else int(node.attrs["value"]),
+                            register_type(node.dtype))
+        cond, inner, constant = None, [], []
         for i, lo, hi, it, size in zip(index, low, high, interior, x.shape):
+            step = it + 1
+            if type(i) is K.Const:  # a position known here (an unrolled copy's): decided now, no test
+                shifted = int(i.value) - lo
+                if shifted < 0 or shifted > (size - 1) * step or shifted % step:
+                    return pad_value
+                inner.append(self.idx(shifted // step))
+                constant.append(True)
+                continue
+            constant.append(False)
             # ``i`` is in [0, lo + (size - 1) * step + 1 + hi): a bound the padding cannot cross
             # (no low edge, no high edge) holds without a test
             shifted = K.Binary("sub", i, self.idx(lo), self.index_type) if lo else i
-            step = it + 1
             position = K.div(shifted, self.idx(step)) if step > 1 else shifted
             if lo > 0:
                 cond = K.land(cond, K.Binary("ge", shifted, self.idx(0), "bool"))
@@ -509,11 +569,10 @@ class ValueEmitter:
             if step > 1:
                 cond = K.land(cond, K.Binary("eq", K.rem(shifted, self.idx(step)), self.idx(0), "bool"))
             inner.append(position)
-        pad_value = K.Const(node.attrs["value"] if node.dtype.is_float else int(node.attrs["value"]),
-                            register_type(node.dtype))
         if cond is None:
             return self.value(x, tuple(inner))
-        padded = tuple(position for position, lo, hi, it in zip(inner, low, high, interior) if lo or hi or it)
+        padded = tuple(position for position, lo, hi, it, known in zip(inner, low, high, interior, constant)
+                       if (lo or hi or it) and not known)
         return self._guarded(node, cond, lambda: self.value(x, tuple(inner)), lambda: pad_value, padded)
 
     def _hoisted(self, k: int, node: Node, index: tuple[K.Expr, ...]) -> K.Expr:

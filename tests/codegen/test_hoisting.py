@@ -136,3 +136,34 @@ def test_a_value_read_through_a_concatenation_inside_a_pad_stays_in_its_piece():
     (got,) = kernel.simulate([data[n.name] for n in kernel.lowered.pattern.inputs])  # bounds-checked reads
     want = reference.evaluate(graph, [data[p.name] for p in graph.parameters])[0]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_no_read_of_a_padded_position_leaves_its_guard():
+    """A Mamba block's backward (its sequential scan's gradient: strided pads of the state slices,
+    reshaped into blocks), cut down to the pads that went wrong: two reads were computed before
+    their guards and read past the end of their buffer (the simulator's out-of-bounds error; on a
+    GPU, a read past an allocation). One guard's positions were constants (an unrolled copy's), so
+    no index could mention them; another read's index was a guarded position rewritten by a
+    reshape's index arithmetic. Now a constant position is decided when the kernel is made, and an
+    index made of the registers a guarded position is made of stays inside the guard."""
+    import gzip
+    from pathlib import Path
+
+    from fusionstitching.fusion import explore
+    from fusionstitching.graph.serialize import from_json
+    from fusionstitching.pipeline import compile_plan
+
+    text = gzip.decompress((Path(__file__).parents[1] / "data" / "mamba_backward_pads.json.gz").read_bytes()).decode()
+    graph = from_json(text)
+    compiled = compile_plan(explore(graph))
+    rng = np.random.default_rng(0)
+    inputs = [rng.integers(0, 2, p.shape).astype(p.dtype.numpy) if not p.dtype.is_float
+              else rng.standard_normal(p.shape).astype(p.dtype.numpy) for p in graph.parameters]
+    for got, want in zip(compiled.run_numpy(inputs), reference.evaluate(graph, inputs)):
+        want = np.asarray(want, np.float64)  # sums of products of normals: f32's rounding relative to the largest
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from fusionstitching.codegen.nvrtc import compile_cuda
+
+    for kernel in compiled.kernels:
+        compile_cuda(kernel.cuda_source, "sm_90")
