@@ -753,9 +753,7 @@ def _strided_run(cx: LoweringContext, size: Sequence[int], stride: Sequence[int]
                            "which differs between calls; the graph runs in PyTorch")
     start, count = offset - traced, math.prod(size)
     if not source.is_contiguous():
-        from torch._prims_common import is_non_overlapping_and_dense
-
-        if owner == "fresh" and traced == 0 and is_non_overlapping_and_dense(source):
+        if owner == "fresh" and traced == 0 and _dense(source.shape, source.stride()):
             return None  # the library call's operand is laid out in the traced strides: the same storage
         raise StorageDependent(f"{cx.fx_node.name}: {what} of a strided view reads its storage, not its values; "
                            "the graph runs in PyTorch")
@@ -769,6 +767,17 @@ def _strided_run(cx: LoweringContext, size: Sequence[int], stride: Sequence[int]
         return None
     raise StorageDependent(f"{cx.fx_node.name}: {what} reads storage beyond its operand's elements; "
                        "the graph runs in PyTorch")
+
+
+def _dense(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether strides lay ``size`` out without gaps or overlaps in some order of its dims (a
+    permutation of contiguous strides; dims of one element do not count)."""
+    expected = 1
+    for step, n in sorted((int(s), int(n)) for n, s in zip(size, stride) if n != 1):
+        if step != expected:
+            return False
+        expected *= n
+    return True
 
 
 @lowers("aten.as_strided.default")

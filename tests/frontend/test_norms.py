@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+from fusionstitching.frontend import aten_table
 from fusionstitching.frontend.torch_fx import capture
 
 
@@ -84,6 +85,21 @@ def test_as_strided_that_is_not_a_run_stays_a_library_call():
     captured = capture(fn, x)
     assert any(n.op == "library" and "as_strided" in n.attrs.get("target", "") for n in captured.forward.nodes)
 
+
+
+def test_as_strided_of_a_computed_value_in_transposed_strides_is_a_library_call():
+    """An elementwise op of a transposed input keeps its strides: the result is dense but not
+    contiguous, and an ``as_strided`` of it reads that storage (a library call). Capture checks the
+    layout itself: the torch helper it once imported is gone from some torch versions, and the
+    ImportError failed the graph (Longformer's chunked attention)."""
+    def fn(x):
+        return torch.as_strided(x.t() * 2, (3, 2), (2, 1)) + 1
+
+    torch._dynamo.reset()
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(torch.compile(fn, backend="fusionstitching", options={"strict": True})(x), fn(x))
+    assert aten_table._dense((2, 3), (1, 2)) and aten_table._dense((4, 1, 3), (1, 7, 4))
+    assert not aten_table._dense((2, 3), (1, 3)) and not aten_table._dense((2, 2), (1, 1))
 
 @pytest.mark.parametrize("window", [((2, 2), (2, 1), 3), ((2, 2), (1, 2), 3)])
 def test_as_strided_of_an_input_at_an_absolute_offset_runs_in_pytorch(window):
