@@ -780,6 +780,61 @@ def _dense(size: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
+def _storage_owner(fx_value: Any) -> Any:
+    """The FX node whose value owns the storage ``fx_value`` views: the first node up the chain of
+    ops whose result aliases their first operand that computes a value (an output of a multi-result
+    op included); None where the chain reaches a graph input."""
+    import operator
+
+    node = fx_value
+    while hasattr(node, "op"):
+        if node.op == "placeholder":
+            return None
+        if node.op != "call_function" or not node.args or node.target is operator.getitem:
+            return node
+        schema = getattr(node.target, "_schema", None)
+        returns = str(schema).split("->")[-1] if schema is not None else ""
+        if "(a" not in returns or "!" in returns:
+            return node
+        node = node.args[0]
+    return None
+
+
+def _gathered_from_storage(cx: LoweringContext, size: tuple[int, ...], stride: Sequence[int],
+                           storage_offset: Any) -> Node | None:
+    """An ``as_strided`` whose operand views the storage of a value the graph computes (Longformer's
+    overlapping chunks of its attention scores): the owner's elements in storage order (transposed
+    by its strides: dense, from offset 0, its storage its own) and one gather at ``offset + Σ i·stride``.
+    None where the owner is a graph input, its layout is not that, or the window leaves its
+    elements."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    operand = cx.fx_node.args[0]
+    owner = _storage_owner(operand)
+    value, base = operand.meta.get("val"), getattr(owner, "meta", {}).get("val")
+    ir = cx.values.get(owner) if owner is not None else None
+    if not isinstance(value, torch.Tensor) or not isinstance(base, torch.Tensor) or not isinstance(ir, Node):
+        return None
+    if (base.storage_offset() != 0 or not _dense(base.shape, base.stride()) or ir.shape != tuple(base.shape)
+            or base.untyped_storage().nbytes() != base.numel() * base.element_size()
+            or StorageWeakRef(value.untyped_storage()) != StorageWeakRef(base.untyped_storage())):
+        return None
+    offset = value.storage_offset() if storage_offset is None else int(storage_offset)
+    stride = tuple(int(s) for s in stride)
+    if not all(size) or min(stride, default=0) < 0 or offset < 0 \
+            or offset + sum((n - 1) * s for n, s in zip(size, stride)) >= base.numel():
+        return None
+    order = sorted(range(len(ir.shape)), key=lambda d: -int(base.stride()[d]))  # storage order, outermost first
+    elements = cx.reshape(cx.b.transpose(ir, order) if order != sorted(order) else ir, (base.numel(),))
+    index = cx.lift(offset, DType.I64, size)
+    for d, s in enumerate(stride):
+        if size[d] > 1 and s:
+            index = cx.b.binary("add", index, cx.b.binary("mul", cx.b.iota(size, d, DType.I64),
+                                                          cx.lift(s, DType.I64, size)))
+    return cx.node("gather", elements, index, axis=0, batch_dims=0)
+
+
 @lowers("aten.as_strided.default")
 def _as_strided(cx: LoweringContext, x: Node, size: Sequence[int], stride: Sequence[int],
                 storage_offset: int | None = None) -> Node:
@@ -788,9 +843,19 @@ def _as_strided(cx: LoweringContext, x: Node, size: Sequence[int], stride: Seque
     decomposition reshapes its statistics this way; the gradient of ``as_strided_scatter`` takes the
     scattered run). Any other of a computed value is a library call."""
     size = tuple(int(n) for n in size)
-    run = _strided_run(cx, size, stride, storage_offset, "as_strided")
+    try:
+        run = _strided_run(cx, size, stride, storage_offset, "as_strided")
+    except StorageDependent:
+        gathered = _gathered_from_storage(cx, size, stride, storage_offset)
+        if gathered is None:
+            raise
+        return gathered
     if run is None:
-        raise Unsupported("as_strided other than a contiguous run of contiguous data")
+        gathered = _gathered_from_storage(cx, size, stride, storage_offset)
+        if gathered is None:
+            raise Unsupported("as_strided other than a contiguous run of contiguous data or a window "
+                              "of a computed value's storage")
+        return gathered
     start, count = run
     if (start, count) == (0, x.size):
         return cx.reshape(x, size)

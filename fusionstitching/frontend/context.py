@@ -13,7 +13,7 @@ dtype and so never promote it, as in torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,11 +50,15 @@ def layout_of(value: torch.Tensor) -> Layout:
 class LoweringContext:
     """Per-node view of the conversion: result meta plus node-making helpers."""
 
-    def __init__(self, builder: GraphBuilder, fx_node: torch.fx.Node, rng: RngState) -> None:
+    def __init__(self, builder: GraphBuilder, fx_node: torch.fx.Node, rng: RngState,
+                 values: Mapping[torch.fx.Node, Any] | None = None) -> None:
         self.b = builder
         self.fx_node = fx_node
         self.meta = fx_node.meta.get("val")
         self.rng = rng
+        # the IR values of the FX nodes converted so far (an ``as_strided`` reads the storage of a
+        # node other than its operand)
+        self.values = values if values is not None else {}
 
     # -- the result ----------------------------------------------------------------------------
     @property

@@ -212,7 +212,7 @@ def _call(builder, rng, fx_node: fx.Node, values, mutated, warned) -> Any:
     lowering = aten_table.TABLE.get(op_name)
     if lowering is not None:
         try:
-            return lowering(LoweringContext(builder, fx_node, rng), *args, **kwargs)
+            return lowering(LoweringContext(builder, fx_node, rng, values), *args, **kwargs)
         except Unsupported as why:
             reason = str(why)
         except StorageDependent as err:
