@@ -467,19 +467,22 @@ def _cumulative(cx: LoweringContext, x: Node, dim: int, *, dtype: Any = None) ->
     the ops around it (``_scan``)."""
     kind = "sum" if cx.fx_node.target.__name__.startswith("cumsum") else "prod"
     compute = cx.dtype.compute if cx.dtype.is_float else cx.dtype
-    value = cx.lift(x, compute, x.shape)
+    value = _along_last(cx, cx.lift(x, compute, x.shape), dim, lambda v: _scan(cx, v, kind))
+    return cx.lift(value, cx.dtype, x.shape)
+
+
+def _along_last(cx: LoweringContext, x: Node, dim: int, scan: Callable[[Node], Node]) -> Node:
+    """``scan`` (of the last dim) applied along ``dim``: that dim moved last and back; a 0-d
+    ``x``, one of no elements or one whose dim has one element is its own scan."""
     if not x.shape:
-        return cx.lift(value, cx.dtype, ())
+        return x
     d = cx.normalize_dim(dim, len(x.shape))
     last = len(x.shape) - 1
-    if x.shape[d] > 1 and math.prod(x.shape):
-        order = [*(i for i in range(len(x.shape)) if i != d), d]
-        if d != last:
-            value = cx.b.transpose(value, order)
-        value = _scan(cx, value, kind)
-        if d != last:
-            value = cx.b.transpose(value, [order.index(i) for i in range(len(order))])
-    return cx.lift(value, cx.dtype, x.shape)
+    if x.shape[d] <= 1 or not math.prod(x.shape):
+        return x
+    order = [*(i for i in range(len(x.shape)) if i != d), d]
+    value = scan(cx.b.transpose(x, order) if d != last else x)
+    return cx.b.transpose(value, [order.index(i) for i in range(len(order))]) if d != last else value
 
 
 def _scan(cx: LoweringContext, x: Node, kind: str) -> Node:
@@ -540,18 +543,7 @@ def _logcumsumexp(cx: LoweringContext, x: Node, dim: int) -> Node:
     stay torch's op (and its error)."""
     if not x.dtype.is_float:
         raise Unsupported(f"logcumsumexp of {x.dtype.name} (eager takes floating types only)")
-    compute = cx.dtype.compute
-    value = cx.lift(x, compute, x.shape)
-    if x.shape:
-        d = cx.normalize_dim(dim, len(x.shape))
-        last = len(x.shape) - 1
-        if x.shape[d] > 1 and math.prod(x.shape):
-            order = [*(i for i in range(len(x.shape)) if i != d), d]
-            if d != last:
-                value = cx.b.transpose(value, order)
-            value = _log_scan(cx, value)
-            if d != last:
-                value = cx.b.transpose(value, [order.index(i) for i in range(len(order))])
+    value = _along_last(cx, cx.lift(x, cx.dtype.compute, x.shape), dim, lambda v: _log_scan(cx, v))
     return cx.lift(value, cx.dtype, x.shape)
 
 

@@ -99,6 +99,18 @@ def test_no_library_call_is_left(op):
         assert not left, f"{graph.name}: {left}"
 
 
+def _compiled_plan(graph):
+    """``graph`` (no library call left) planned and generated, each kernel compiled by NVRTC."""
+    assert not [n for n in graph.nodes if n.op == "library"]
+    compiled = compile_plan(explore(graph))
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from fusionstitching.codegen.nvrtc import compile_cuda
+
+    for kernel in compiled.kernels:
+        compile_cuda(kernel.cuda_source, "sm_90")
+    return compiled
+
+
 def test_a_scans_kernels_compile_and_simulate_as_the_reference(form):
     """One triangle, or three levels of blocks, fused with the ops around it (a mask's position ids
     feeding a gather)."""
@@ -112,13 +124,7 @@ def test_a_scans_kernels_compile_and_simulate_as_the_reference(form):
         warnings.simplefilter("ignore")
         captured = capture(positions, torch.randint(0, 2, (2, 2 * BLOCK * BLOCK + 3 if form == "blocks" else 300)))
     graph = captured.forward
-    assert not [n for n in graph.nodes if n.op == "library"]
-    compiled = compile_plan(explore(graph))
-    pytest.importorskip("cuda.bindings.nvrtc")
-    from fusionstitching.codegen.nvrtc import compile_cuda
-
-    for kernel in compiled.kernels:
-        compile_cuda(kernel.cuda_source, "sm_90")
+    compiled = _compiled_plan(graph)
     rng = np.random.default_rng(0)
     inputs = [rng.integers(0, 2, p.shape).astype(p.dtype.numpy) if not p.dtype.is_float
               else rng.standard_normal(p.shape).astype(p.dtype.numpy) for p in graph.parameters]
@@ -175,13 +181,7 @@ def test_a_log_scans_kernels_compile_and_simulate_as_the_reference(form):
         warnings.simplefilter("ignore")
         captured = capture(lambda x: torch.logcumsumexp(x * 2, -1) - x, torch.randn(2, n))
     graph = captured.forward
-    assert not [node for node in graph.nodes if node.op == "library"]
-    compiled = compile_plan(explore(graph))
-    pytest.importorskip("cuda.bindings.nvrtc")
-    from fusionstitching.codegen.nvrtc import compile_cuda
-
-    for kernel in compiled.kernels:
-        compile_cuda(kernel.cuda_source, "sm_90")
+    compiled = _compiled_plan(graph)
     x = np.random.default_rng(1).standard_normal((2, n)).astype(np.float32)
     x[0, : n // 3] = -np.inf
     x[1, n // 2] = np.inf
