@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import ChainMap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -139,12 +139,7 @@ def _uses(e: K.Expr, definitions: dict[str, K.Expr], memo: dict) -> frozenset:
             found = frozenset((e.name,)) | (_uses(definition, definitions, memo) if definition is not None else frozenset())
             memo[e.name] = found
         return found
-    found = frozenset()
-    for child in vars(e).values():
-        for c in child if isinstance(child, tuple) else (child,):
-            if hasattr(c, "dtype") and not isinstance(c, str):
-                found |= _uses(c, definitions, memo)
-    return found
+    return frozenset().union(*(_uses(c, definitions, memo) for c in _operands(e)))
 
 
 def _names(e: K.Expr) -> frozenset:
@@ -154,12 +149,15 @@ def _names(e: K.Expr) -> frozenset:
         return frozenset((e.name,))
     if kind is K.Const:
         return frozenset()
-    found = frozenset()
+    return frozenset().union(*(_names(c) for c in _operands(e)))
+
+
+def _operands(e: K.Expr) -> Iterator[K.Expr]:
+    """The expressions ``e`` is made of (its fields that are expressions, tuples of them included)."""
     for child in vars(e).values():
         for c in child if isinstance(child, tuple) else (child,):
             if hasattr(c, "dtype") and not isinstance(c, str):
-                found |= _names(c)
-    return found
+                yield c
 
 
 def _mentions(e: K.Expr, exprs: frozenset, names: set) -> bool:
@@ -170,11 +168,7 @@ def _mentions(e: K.Expr, exprs: frozenset, names: set) -> bool:
         return e.name in names
     if kind is K.Const or kind is K.Special:
         return False
-    for child in vars(e).values():
-        children = child if isinstance(child, tuple) else (child,)
-        if any(hasattr(c, "dtype") and not isinstance(c, str) and _mentions(c, exprs, names) for c in children):
-            return True
-    return False
+    return any(_mentions(c, exprs, names) for c in _operands(e))
 
 
 @dataclass

@@ -501,13 +501,8 @@ def _scan(cx: LoweringContext, x: Node, kind: str) -> Node:
     unit = 0 if kind == "sum" else 1
     if n <= _SCAN_BLOCK or 2 * math.prod(x.shape) * n <= _TRIANGLE_FLOPS:
         return _triangle(cx, x, kind)
-    levels = max(2, math.ceil(math.log2(n) / math.log2(_SCAN_BLOCK)))
-    s = 2 ** math.ceil(math.log2(n) / levels)
-    m = -(-n // s)
+    levels, s, m, padded, blocks = _blocked(cx, x, float(unit))
     zeros = (0,) * len(x.shape)
-    padded = x if m * s == n else cx.node("pad", x, low=zeros, high=(*zeros[:-1], m * s - n), interior=zeros,
-                                          value=float(unit))
-    blocks = cx.reshape(padded, (*rows, m, s))
     if levels == 2:  # before block k: the row's elements j < k·s
         wide = (*rows, m, m * s)
         spread = cx.b.broadcast(padded, wide, (*range(r), r + 1))
@@ -521,6 +516,20 @@ def _scan(cx: LoweringContext, x: Node, kind: str) -> Node:
     out = cx.b.binary("add" if kind == "sum" else "mul", _triangle(cx, blocks, kind),
                       cx.b.broadcast(before, (*rows, m, s), tuple(range(r + 1))))
     return _slice_dim(cx, cx.reshape(out, (*rows, m * s)), r, 0, n, 1)
+
+
+def _blocked(cx: LoweringContext, x: Node, identity: float) -> tuple[int, int, int, Node, Node]:
+    """A scan's blocks of its last dim, n long: the levels (one per factor of up to ``_SCAN_BLOCK``
+    in n, at least two), the block length s and count m, the row padded with ``identity`` to m·s,
+    and that reshaped to [..., m, s]."""
+    *rows, n = x.shape
+    levels = max(2, math.ceil(math.log2(n) / math.log2(_SCAN_BLOCK)))
+    s = 2 ** math.ceil(math.log2(n) / levels)
+    m = -(-n // s)
+    zeros = (0,) * len(x.shape)
+    padded = x if m * s == n else cx.node("pad", x, low=zeros, high=(*zeros[:-1], m * s - n), interior=zeros,
+                                          value=identity)
+    return levels, s, m, padded, cx.reshape(padded, (*rows, m, s))
 
 
 def _triangle(cx: LoweringContext, x: Node, kind: str) -> Node:
@@ -555,13 +564,8 @@ def _log_scan(cx: LoweringContext, x: Node) -> Node:
     r = len(rows)
     if n <= _SCAN_BLOCK or 2 * math.prod(x.shape) * n <= _TRIANGLE_FLOPS:
         return _log_triangle(cx, x)
-    levels = max(2, math.ceil(math.log2(n) / math.log2(_SCAN_BLOCK)))
-    s = 2 ** math.ceil(math.log2(n) / levels)
-    m = -(-n // s)
+    levels, s, m, padded, blocks = _blocked(cx, x, -math.inf)
     zeros = (0,) * len(x.shape)
-    padded = x if m * s == n else cx.node("pad", x, low=zeros, high=(*zeros[:-1], m * s - n), interior=zeros,
-                                          value=-math.inf)
-    blocks = cx.reshape(padded, (*rows, m, s))
     if levels == 2:  # before block k: the row's elements j < k·s
         wide = (*rows, m, m * s)
         spread = cx.b.broadcast(padded, wide, (*range(r), r + 1))
@@ -715,13 +719,18 @@ def _storage_of(fx_value: Any) -> str:
             return "input"
         if node.op != "call_function" or not node.args:
             return kind
-        if node.target is not operator.getitem:
-            schema = getattr(node.target, "_schema", None)
-            returns = str(schema).split("->")[-1] if schema is not None else ""
-            if "(a" not in returns or "!" in returns:  # no alias of the first operand, or an in-place write
-                return kind
+        if node.target is not operator.getitem and not _aliases_first_operand(node):
+            return kind
         node, kind = node.args[0], "view"
     return kind
+
+
+def _aliases_first_operand(node: Any) -> bool:
+    """Whether an FX call's result views its first operand (the schema's return aliases it, and the
+    op writes nothing in place)."""
+    schema = getattr(node.target, "_schema", None)
+    returns = str(schema).split("->")[-1] if schema is not None else ""
+    return "(a" in returns and "!" not in returns
 
 
 def _strided_run(cx: LoweringContext, size: Sequence[int], stride: Sequence[int], storage_offset: Any,
@@ -782,11 +791,8 @@ def _storage_owner(fx_value: Any) -> Any:
     while hasattr(node, "op"):
         if node.op == "placeholder":
             return None
-        if node.op != "call_function" or not node.args or node.target is operator.getitem:
-            return node
-        schema = getattr(node.target, "_schema", None)
-        returns = str(schema).split("->")[-1] if schema is not None else ""
-        if "(a" not in returns or "!" in returns:
+        if node.op != "call_function" or not node.args or node.target is operator.getitem \
+                or not _aliases_first_operand(node):
             return node
         node = node.args[0]
     return None
