@@ -4,7 +4,7 @@ The source needs no headers: f16 and bf16 are stored as ``unsigned short`` and c
 PTX ``cvt`` instructions (round to nearest even), the math is the CUDA built-ins NVRTC knows.
 Semantics follow ``graph/reference.py`` and ``simulate.py``: max/min propagate NaN, integer
 division by zero gives -1 (remainder: the dividend), float → integer truncates and saturates
-(NaN → 0, the ``cvt.rzi`` rules). Index arithmetic with a positive constant divisor prints as a
+(NaN → 0, the ``cvt.rzi`` rules), to a narrow integer through i64 and wrapped. Index arithmetic with a positive constant divisor prints as a
 plain ``/`` and ``%``, since it never meets those corner cases.
 """
 
@@ -18,7 +18,8 @@ from fusionstitching.schedule.packing import LOADS_IN_FLIGHT
 
 C_TYPES = {
     "f32": "float", "f64": "double", "f16": "unsigned short", "bf16": "unsigned short",
-    "i32": "int", "i64": "long long", "u32": "unsigned int", "u64": "unsigned long long", "bool": "bool",
+    "i32": "int", "i64": "long long", "u32": "unsigned int", "u64": "unsigned long long",
+    "u8": "unsigned char", "i8": "signed char", "i16": "short", "bool": "bool",
 }
 
 PRELUDE = r"""
@@ -85,7 +86,10 @@ _VECTOR_TYPES = {("f32", 4): "float4", ("f64", 2): "double2", ("i32", 4): "int4"
                  ("bf16", 4): "uint2", ("bool", 8): "uint2",
                  # a 32-bit word of narrow lanes
                  ("f16", 2): "uint1", ("bf16", 2): "uint1", ("bool", 4): "uint1"}
-_PACKED_BITS = {"f16": 16, "bf16": 16, "bool": 8}  # lanes narrower than a 32-bit word: bits per lane
+# the narrow integers as words of lanes, like the halves and bools
+_VECTOR_TYPES.update({(t, n * 4 // size): v for t, size in (("u8", 1), ("i8", 1), ("i16", 2))
+                      for n, v in ((4, "uint4"), (2, "uint2"), (1, "uint1"))})
+_PACKED_BITS = {"f16": 16, "bf16": 16, "bool": 8, "u8": 8, "i8": 8, "i16": 16}  # lanes narrower than a word: bits
 
 
 def render(kernel: K.Kernel) -> str:
@@ -192,8 +196,9 @@ def _vec_store(s: K.VecStore, pad: str) -> list[str]:
     bits = _PACKED_BITS.get(dtype)
     if bits is not None:
         per_word = 32 // bits
-        words = [" | ".join(f"((unsigned int)({values[per_word * k + j]}) << {bits * j})" if j else
-                            f"(unsigned int)({values[per_word * k]})" for j in range(per_word))
+        mask = f" & {hex((1 << bits) - 1)}u" if dtype in ("i8", "i16") else ""  # no sign bits in other lanes
+        words = [" | ".join(f"(((unsigned int)({values[per_word * k + j]}){mask}) << {bits * j})" if j else
+                            f"((unsigned int)({values[per_word * k]}){mask})" for j in range(per_word))
                  for k in range(len(values) // per_word)]
         init = ", ".join(f"({w})" for w in words)
     else:
@@ -208,6 +213,10 @@ def _lane_of(tmp: str, dtype: str, k: int) -> str:
         return f"(unsigned short)({word} >> 16)" if k % 2 else f"(unsigned short)({word} & 0xffffu)"
     if dtype == "bool":  # a byte per lane; any nonzero byte is true, as a bool load reads it
         return f"((({tmp}.{fields[k // 4]} >> {8 * (k % 4)}) & 0xffu) != 0u)"
+    if dtype in _NARROW:
+        per_word = 32 // _PACKED_BITS[dtype]
+        bits = _PACKED_BITS[dtype]
+        return f"(({C_TYPES[dtype]})(({tmp}.{fields[k // per_word]} >> {bits * (k % per_word)}) & {hex((1 << bits) - 1)}u))"
     return f"{tmp}.{fields[k]}"
 
 
@@ -336,6 +345,9 @@ _FLOAT_TO_INT = {("f32", "i32"): "__float2int_rz", ("f32", "i64"): "__float2ll_r
                  ("f64", "u32"): "__double2uint_rz", ("f64", "u64"): "__double2ull_rz"}
 
 
+_NARROW = ("u8", "i8", "i16")
+
+
 def _cast(e: K.Cast) -> str:
     src, dst, x = e.x.dtype, e.dtype, expr(e.x)
     if src == dst:
@@ -349,6 +361,8 @@ def _cast(e: K.Cast) -> str:
         return f"{'fs_f2h' if dst == 'f16' else 'fs_f2b'}({as_float})"
     if (src, dst) in _FLOAT_TO_INT:
         return f"{_FLOAT_TO_INT[(src, dst)]}({x})"
+    if src in ("f32", "f64") and dst in _NARROW:  # through i64, then wrapped (``graph/reference.py``)
+        return _cast(K.Cast(K.Cast(e.x, "i64"), dst))
     if dst == "bool":
         return f"({x} != 0)"
     return f"(({C_TYPES[dst]})({x}))"

@@ -6,7 +6,9 @@ schemes: global and shared buffers, barriers and warp shuffles are part of it fr
 
 Types are strings (``KTYPES``): the graph dtypes plus ``u32``/``u64`` for the random-number code.
 ``f16``/``bf16`` exist only as storage: a ``Load`` of a half buffer yields the storage type and
-lowering wraps it in a ``Cast`` to ``f32``; arithmetic on half types never appears.
+lowering wraps it in a ``Cast`` to ``f32``; arithmetic on half types never appears. The narrow
+integers ``u8``/``i8``/``i16`` are storage too: computed in ``i32``, each value wrapped to its width
+by a ``Cast`` there and back.
 
 Expressions are pure. Special values (``Special``) are the thread's coordinates: ``tid``
 (threadIdx.x), ``bid`` (blockIdx.x), ``ntid`` (blockDim.x), ``nbid`` (gridDim.x), ``lane`` and
@@ -22,9 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KTYPES = ("f32", "f64", "f16", "bf16", "i32", "i64", "u32", "u64", "bool")
+KTYPES = ("f32", "f64", "f16", "bf16", "i32", "i64", "u32", "u64", "u8", "i8", "i16", "bool")
 FLOAT_TYPES = ("f32", "f64", "f16", "bf16")
-INT_TYPES = ("i32", "i64", "u32", "u64")
+INT_TYPES = ("i32", "i64", "u32", "u64", "u8", "i8", "i16")
 
 UNARY_OPS = (
     "neg", "abs", "not", "sign", "floor", "ceil", "exp", "log", "log1p", "expm1", "tanh", "erf",

@@ -28,6 +28,7 @@ from fusionstitching.codegen.values import (
     reduction_kind,
     register_type,
     reshape_index,
+    rounded,
 )
 from fusionstitching.codegen.vectorize import pack_lanes
 from fusionstitching.graph.graph import Node
@@ -296,7 +297,7 @@ def _reduce_roots(em: ValueEmitter, roots: list[Node], indices, factors, space, 
 
     stmts, _ = em.nested(lambda: _serial_into(em, red_factors, body))
     em.stmts.extend(stmts)
-    return [[em.let("v", K.Cast(K.Cast(acc, root.dtype.value), "f32")) if root.dtype.is_half else acc
+    return [[em.let("v", rounded(acc, root.dtype)) if root.dtype.widened else acc
              for root, acc in zip(roots, lane_accs)] for lane_accs in accs]
 
 

@@ -24,6 +24,7 @@ from fusionstitching.codegen.values import (
     reduce_identity,
     reduction_kind,
     register_type,
+    rounded,
 )
 from fusionstitching.schedule.template import WARP_SIZE as WARP
 from fusionstitching.schedule.template import Level
@@ -81,8 +82,8 @@ class Reductions:
             em.stmts.extend([K.If(guard, update)] if guard is not None else update)
 
         em.stmts.extend(self.nest.serial(reduced, body))
-        if root.dtype.is_half:
-            return em.let("v", K.Cast(K.Cast(acc, root.dtype.value), "f32"))
+        if root.dtype.widened:
+            return em.let("v", rounded(acc, root.dtype))
         return acc
 
     def cross_warp(self, group: Group, tile: tuple[K.Buffer, Sequence[int]] | None = None) -> list[K.Stmt]:
@@ -186,7 +187,7 @@ class Reductions:
             if math.prod(f.extent for f in group.factors if f.dim == d) > group.space[d]:
                 guard = K.land(guard, K.lt(i, em.idx(group.space[d])))
         value: K.Expr = acc
-        if root.dtype.is_half:
+        if root.dtype.widened:
             value = K.Cast(acc, root.dtype.value)
         name, layout = group.output
         store = K.Store(name, em.linear(index, layout.strides), value)
@@ -247,14 +248,14 @@ class Reductions:
         if across:
             stmts += self._across_warps(acc, kind, root)
         result = acc
-        if root.dtype.is_half:
-            result = em.fresh("r", "f32")
-            stmts.append(K.Let(result, K.Cast(K.Cast(acc, root.dtype.value), "f32")))
+        if root.dtype.widened:
+            result = em.fresh("r", register_type(root.dtype))
+            stmts.append(K.Let(result, rounded(acc, root.dtype)))
         kept = [d for d in range(len(group.space)) if d not in group.reduced]
         kept_index = [self._kept_index(group, d) for d in kept]
         if group.output is not None:
             name, layout = group.output
-            value = K.Cast(acc, root.dtype.value) if root.dtype.is_half else result  # rounded once
+            value = K.Cast(acc, root.dtype.value) if root.dtype.widened else result  # rounded once
             storer = "lane" if self.warp_mode and not across else "tid"
             first: K.Expr = K.Binary("eq", self.nest.special(storer), em.idx(0), "bool")
             for d, i in zip(kept, kept_index):

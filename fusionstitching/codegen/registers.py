@@ -23,6 +23,7 @@ from fusionstitching.codegen.values import (
     reduce_identity,
     reduction_kind,
     register_type,
+    rounded,
     shared_value,
 )
 from fusionstitching.codegen.vectorize import affine, pack_lanes
@@ -304,8 +305,8 @@ class RegisterComposition:
                 f.var = value
             index, _ = self.nest.index(group)
             value = em.term(root, index)
-            if root.dtype.is_half:  # rounded as a fold of one element is
-                value = em.let("v", K.Cast(K.Cast(value, root.dtype.value), "f32"))
+            if root.dtype.widened:  # rounded as a fold of one element is
+                value = em.let("v", rounded(value, root.dtype))
             values.append((self.reductions.slot(group, index), value))
         return values
 
@@ -356,7 +357,7 @@ class RegisterComposition:
                     f.var = value
                 index, _ = self.nest.index(group)
                 em.stmts.append(K.Store(name, em.linear([index[d] for d in kept], layout.strides),
-                                        K.Cast(acc, root.dtype.value) if root.dtype.is_half else acc))
+                                        K.Cast(acc, root.dtype.value) if root.dtype.widened else acc))
 
         epilogue, _ = em.nested(stores)
         lanes = thread_factors[-1].extent if thread_factors and thread_factors[-1].dim == len(group.space) - 1 else 1

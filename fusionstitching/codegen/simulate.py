@@ -43,7 +43,8 @@ from fusionstitching.graph.reference import _ELEMENTWISE, _f64_to_bf16, philox4x
 
 NUMPY_TYPES: dict[str, np.dtype] = {name: np.dtype(t) for name, t in (
     ("f32", np.float32), ("f64", np.float64), ("f16", np.float16), ("bf16", ml_dtypes.bfloat16),
-    ("i32", np.int32), ("i64", np.int64), ("u32", np.uint32), ("u64", np.uint64), ("bool", np.bool_),
+    ("i32", np.int32), ("i64", np.int64), ("u32", np.uint32), ("u64", np.uint64), ("u8", np.uint8), ("i8", np.int8),
+    ("i16", np.int16), ("bool", np.bool_),
 )}
 _HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 _COMPUTE = {"f16": "f32", "bf16": "f32"}  # half types are storage only: math on them runs in f32
@@ -123,6 +124,8 @@ def _convert(x: np.ndarray, dtype: str) -> np.ndarray:
         if dtype == "bf16" and x.dtype not in (np.float32, np.float16):
             return _f64_to_bf16(x.astype(np.float64))
         return x.astype(target)
+    if target.itemsize < 4:  # a narrow integer: through i64, then wrapped (``graph/reference.py``)
+        return _float_to_int(x.astype(np.float64), np.dtype(np.int64)).astype(target)
     return _float_to_int(x.astype(np.float64), target)
 
 

@@ -52,7 +52,13 @@ class DataDependentRead(FootprintError):
 
 
 def register_type(dtype: DType) -> str:
-    return "f32" if dtype.is_half else dtype.value
+    """The kernel type values of ``dtype`` are computed in: f32 for half types, i32 for narrow integers."""
+    return dtype.compute.value
+
+
+def rounded(value: K.Expr, dtype: DType) -> K.Expr:
+    """``value`` (of ``register_type(dtype)``) rounded or wrapped to ``dtype`` and widened back."""
+    return K.Cast(K.Cast(value, dtype.value), register_type(dtype))
 
 
 def shared_value(value: K.Expr) -> K.Expr:
@@ -355,9 +361,10 @@ class ValueEmitter:
         return handler(node, index)
 
     def _round(self, node: Node, value: K.Expr) -> K.Expr:
-        """Bind ``value``; for half types, round it to the node's dtype first (one rounding per node)."""
-        if node.dtype.is_half:
-            value = K.Cast(K.Cast(value, node.dtype.value), "f32")
+        """Bind ``value``; for half types, round it to the node's dtype first (one rounding per node),
+        and wrap a narrow integer to its width."""
+        if node.dtype.widened:
+            value = rounded(value, node.dtype)
         return self.let("v", value)
 
     def stored(self, value: K.Expr, dtype: DType) -> K.Expr:
@@ -366,7 +373,7 @@ class ValueEmitter:
         f32 (rounding twice to one type is rounding once), which spares two conversions per
         element of a half output; only when that expression is pure (``_pure``: an accumulator
         may have changed since the value was bound)."""
-        if not dtype.is_half:
+        if not dtype.widened:
             return value
         definition = self.definitions.get(value.name) if type(value) is K.Var else None
         if type(definition) is K.Cast and type(definition.x) is K.Cast and definition.x.dtype == dtype.value \
@@ -395,8 +402,8 @@ class ValueEmitter:
     def _load_input(self, buf: InputBuffer, index: tuple[K.Expr, ...]) -> K.Expr:
         node = buf.node
         loaded = K.Load(buf.name, self.linear(index, buf.strides), node.dtype.value)
-        if node.dtype.is_half:
-            return self.let("ld", K.Cast(loaded, "f32"))
+        if node.dtype.widened:
+            return self.let("ld", K.Cast(loaded, register_type(node.dtype)))
         return self.let("ld", loaded)
 
     # -- per-op rules ---------------------------------------------------------------------------
@@ -407,6 +414,8 @@ class ValueEmitter:
         scalar = value.item()
         if node.dtype.is_half:
             scalar = float(scalar)
+        elif node.dtype.is_narrow:
+            scalar = int(scalar)
         return K.Const(scalar, register_type(node.dtype))
 
     def _op_convert(self, node: Node, index):
@@ -415,6 +424,8 @@ class ValueEmitter:
         if dst == DType.BOOL and src != DType.BOOL:
             zero = K.Const(0.0 if src.is_float else 0, register_type(src))
             return self.let("v", K.Binary("ne", x, zero, "bool"))
+        if dst.is_narrow:  # straight to the narrow type: from a float through i64 (``graph/reference.py``)
+            return self.let("v", rounded(x, dst))
         return self._round(node, K.Cast(x, register_type(dst)))
 
     def _op_copy(self, node: Node, index):
@@ -771,8 +782,8 @@ def reduce_identity(kind: str, dtype: DType) -> K.Const:
         return K.Const(kind == "min", "bool")
     if dtype.is_float:
         return K.Const(-math.inf if kind == "max" else math.inf, rtype)
-    info = (2**31 if dtype == DType.I32 else 2**63)
-    return K.Const(-info if kind == "max" else info - 1, rtype)
+    info = np.iinfo(dtype.numpy)  # the type's own bounds (a narrow integer's, not its i32 register's)
+    return K.Const(int(info.min) if kind == "max" else int(info.max), rtype)
 
 
 def combine(kind: str, acc: K.Expr, value: K.Expr, rtype: str) -> K.Expr:

@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 
 from fusionstitching.codegen import kernel_ir as K
 
-ITEM_BYTES = {"f32": 4, "f64": 8, "f16": 2, "bf16": 2, "i32": 4, "i64": 8, "u32": 4, "u64": 8, "bool": 1}
+ITEM_BYTES = {"f32": 4, "f64": 8, "f16": 2, "bf16": 2, "i32": 4, "i64": 8, "u32": 4, "u64": 8, "u8": 1, "i8": 1, "i16": 2,
+              "bool": 1}
 VECTOR_BYTES = 16
 
 

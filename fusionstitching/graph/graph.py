@@ -151,7 +151,7 @@ def _same_dtypes(op: str, operands: Sequence[Node]) -> None:
 
 def _unary(op, operands, attrs, declared):
     (x,) = operands
-    if op == "not" and x.dtype not in (DType.BOOL, DType.I32, DType.I64):
+    if op == "not" and x.dtype.is_float:
         raise VerifyError(f"not needs a bool or integer operand, found {x.dtype.value}")
     return x.shape, x.dtype
 

@@ -29,6 +29,9 @@ class DType(str, enum.Enum):
     F64 = "f64"
     I32 = "i32"
     I64 = "i64"
+    U8 = "u8"
+    I8 = "i8"
+    I16 = "i16"
     BOOL = "bool"
 
     @property
@@ -45,9 +48,23 @@ class DType(str, enum.Enum):
         return self in (DType.F16, DType.BF16)
 
     @property
+    def is_narrow(self) -> bool:
+        """u8, i8 and i16: integers computed in i32 inside a kernel and wrapped to their width after
+        every op (two's complement, as PyTorch's arithmetic on them wraps)."""
+        return self in (DType.U8, DType.I8, DType.I16)
+
+    @property
     def compute(self) -> DType:
         """The type arithmetic on this type is carried out in."""
-        return DType.F32 if self.is_half else self
+        if self.is_half:
+            return DType.F32
+        return DType.I32 if self.is_narrow else self
+
+    @property
+    def widened(self) -> bool:
+        """Stored narrower than computed (half types and narrow integers): a value is rounded or
+        wrapped to this type where an op produces it."""
+        return self.compute != self
 
     @property
     def itemsize(self) -> int:
@@ -68,6 +85,9 @@ _NUMPY_DTYPES = {
     DType.F64: np.dtype(np.float64),
     DType.I32: np.dtype(np.int32),
     DType.I64: np.dtype(np.int64),
+    DType.U8: np.dtype(np.uint8),
+    DType.I8: np.dtype(np.int8),
+    DType.I16: np.dtype(np.int16),
     DType.BOOL: np.dtype(np.bool_),
 }
 

@@ -17,7 +17,8 @@ of the dividend (C semantics), computed exactly without floats. Like XLA's eleme
 with a negative exponent gives 0, except for bases 1 (1) and -1 (+-1).
 
 convert: float -> int truncates toward zero and saturates at the type's bounds, NaN -> 0 (CUDA's
-``cvt.rzi``); number -> bool is ``x != 0``; bool -> number is 0/1. max/min propagate NaN
+``cvt.rzi``), except to the narrow integers (u8, i8, i16, computed in i32 and wrapped after every
+op), which go through i64 and wrap as PyTorch's conversion to uint8 does; number -> bool is ``x != 0``; bool -> number is 0/1. max/min propagate NaN
 (``np.maximum``; note CUDA's ``fmaxf`` does not). Float-only ops (exp, log, ..., sqrt) on integers
 and arithmetic that has no meaning on bool (neg, sign, sub, div, rem, pow) are errors.
 
@@ -137,6 +138,8 @@ def _store(value: Any, dtype: DType) -> np.ndarray:
         return value.astype(dtype.numpy)
     if np.issubdtype(value.dtype, np.integer):
         return value.astype(dtype.numpy)
+    if dtype.is_narrow:  # through i64 and wrapped, as PyTorch converts to uint8 (and x86 to int8/int16)
+        return _float_to_int(value.astype(np.float64), np.dtype(np.int64)).astype(dtype.numpy)
     return _float_to_int(value.astype(np.float64), dtype.numpy)
 
 
@@ -320,8 +323,8 @@ def _reduce(node: Node, args: list[np.ndarray]) -> np.ndarray:
         return _store(np.prod(x, axis=dims, dtype=x.dtype), node.dtype)
     if dtype.is_float:
         lowest, highest = x.dtype.type(-np.inf), x.dtype.type(np.inf)
-    else:
-        lowest, highest = np.iinfo(x.dtype).min, np.iinfo(x.dtype).max
+    else:  # the bounds of the operand's own type (a narrow integer is computed in i32)
+        lowest, highest = np.iinfo(dtype.numpy).min, np.iinfo(dtype.numpy).max
     if kind == "max":
         return _store(np.max(x, axis=dims, initial=lowest), node.dtype)
     return _store(np.min(x, axis=dims, initial=highest), node.dtype)

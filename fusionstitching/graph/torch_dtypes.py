@@ -14,6 +14,9 @@ TORCH_TO_DTYPE = {
     torch.float64: DType.F64,
     torch.int32: DType.I32,
     torch.int64: DType.I64,
+    torch.uint8: DType.U8,
+    torch.int8: DType.I8,
+    torch.int16: DType.I16,
     torch.bool: DType.BOOL,
 }
 DTYPE_TO_TORCH = {v: k for k, v in TORCH_TO_DTYPE.items()}

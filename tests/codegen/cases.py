@@ -22,7 +22,8 @@ from fusionstitching.graph.graph import Graph, GraphBuilder, Layout
 from fusionstitching.graph.ops import DType
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-TOLERANCE = {"f32": 1e-5, "bf16": 1e-2, "f16": 1e-2, "f64": 1e-12, "i32": 0, "i64": 0, "bool": 0}
+TOLERANCE = {"f32": 1e-5, "bf16": 1e-2, "f16": 1e-2, "f64": 1e-12, "i32": 0, "i64": 0, "u8": 0, "i8": 0, "i16": 0,
+             "bool": 0}
 
 
 @dataclass
@@ -142,6 +143,44 @@ def silu_wide(dtype: str) -> Case:
     x = torch.linspace(-100, 100, 3 * 257).reshape(3, 257)
     x[0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0])
     return _captured(f"silu_wide_{dtype}", fn, [x.to(TORCH_DTYPES[dtype])], [])
+
+
+NARROW = {"u8": torch.uint8, "i8": torch.int8, "i16": torch.int16}
+
+
+@cache
+def narrow_ints(dtype: str, rows: int = 6, cols: int = 96) -> Case:
+    """Narrow integers (computed in i32, wrapped after every op): wrapping arithmetic, a row
+    maximum (whose identity is the type's own lowest value), a dequantized f32 row sum, and a
+    requantization through i64 that wraps; rows wide enough for vector loads and stores."""
+    kind = NARROW[dtype]
+
+    def fn(x, scale):
+        wrapped = (x * 3 + x) - (~x) * 5
+        dequantized = x.float() * scale
+        return wrapped, x.amax(dim=1), dequantized.sum(dim=1), (dequantized * 41.5).to(kind)
+
+    info = torch.iinfo(kind)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(int(info.min), int(info.max) + 1, (rows, cols), generator=g, dtype=torch.int64).to(kind)
+    x[0] = int(info.min) if info.min < 0 else 3  # an all-negative row: its maximum is below 0
+    x[0, :3] = torch.tensor([int(info.min), int(info.min) + 1, int(info.min)], dtype=torch.int64).to(kind)
+    scale = torch.rand(cols, generator=g) * 0.25 - 0.125
+    return _captured(f"narrow_{dtype}", fn, [x, scale], [])
+
+
+@cache
+def narrow_wide(dtype: str) -> Case:
+    """Wide rows of a narrow integer, elementwise only: loaded and stored as vectors of lanes."""
+    kind = NARROW[dtype]
+
+    def fn(x):
+        return x * 3 - ~x, (x.float() * 0.5).to(kind)
+
+    info = torch.iinfo(kind)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randint(int(info.min), int(info.max) + 1, (4, 2048), generator=g, dtype=torch.int64).to(kind)
+    return _captured(f"narrow_wide_{dtype}", fn, [x], [])
 
 
 @cache

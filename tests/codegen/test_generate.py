@@ -35,6 +35,8 @@ MATRIX = (
     + [(f"{name}_{d}", lambda d=d, name=name: C.hand_built(DType(d), name))
        for name in ("rng", "pad_interior", "column_sum", "packed_shapes") for d in FLOATS]
     + [("int_ops", lambda: C.hand_built(DType.I32, "int_ops"))]
+    + [(f"narrow_{d}", lambda d=d: C.narrow_ints(d)) for d in ("u8", "i8", "i16")]
+    + [(f"narrow_wide_{d}", lambda d=d: C.narrow_wide(d)) for d in ("u8", "i8", "i16")]
 )
 
 
@@ -296,7 +298,7 @@ def _poisoned(shape, dtype):
     elif dtype == torch.bool:
         t.fill_(True)
     else:
-        t.fill_(-7777)
+        t.fill_(-7777 if torch.iinfo(dtype).bits >= 32 else 85)
     return t
 
 
