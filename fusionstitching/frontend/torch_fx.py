@@ -290,9 +290,9 @@ def decompositions() -> dict:
 
 def _eye(original: Callable[..., Any]) -> Callable[..., Any]:
     """torch's decomposition of ``eye`` compares two ``arange``s of the narrowest integer type that
-    holds the size (uint8 up to 255), a type the IR does not have, so the whole graph would run in
-    PyTorch; here the ranges are int64 (the same comparison, the same result). Other layouts keep
-    torch's decomposition."""
+    holds the size: uint16 from 256 on, a type the IR does not have (nor torch's CPU ``arange``), so
+    the whole graph would run in PyTorch; here the ranges are int64 (the same comparison, the same
+    result). Other layouts keep torch's decomposition."""
 
     def eye(n: int, m: int | None = None, *, dtype: Any = None, layout: Any = None, device: Any = None,
             pin_memory: bool | None = False) -> torch.Tensor:

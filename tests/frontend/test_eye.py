@@ -1,5 +1,5 @@
 """``torch.eye`` compiles: torch's decomposition compares ``arange``s of the narrowest integer type
-holding the size (uint8 up to 255), which the IR lacks, so a graph with an identity matrix (XLNet's
+holding the size (uint8 up to 255), which the IR lacked, so a graph with an identity matrix (XLNet's
 attention mask) ran in PyTorch whole; capture's own decomposition compares int64 ranges."""
 
 from __future__ import annotations

@@ -1,0 +1,127 @@
+"""Narrow integers (uint8, int8, int16) compile: values of these types are computed in i32 inside a
+kernel and wrapped to their width after every op, as PyTorch's arithmetic on them wraps; a float
+converts to them through int64 and wraps (PyTorch's rule for uint8, and its CPU kernels' for int8
+and int16). Before, any such value (a uint8 image normalized in the model) sent its whole graph to
+PyTorch. Every case runs strict against eager: equal integers, close floats, no fallback."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+import fusionstitching
+from fusionstitching.frontend.torch_fx import capture
+
+NARROW = (torch.uint8, torch.int8, torch.int16)
+
+
+def _full_range(shape, dtype, seed):
+    info = torch.iinfo(dtype)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(int(info.min), int(info.max) + 1, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def _check(fn, *args):
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="fusionstitching", options={"strict": True})
+    fallbacks = fusionstitching.stats()["fallbacks"]
+    want, got = fn(*args), compiled(*args)
+    want = want if isinstance(want, tuple) else (want,)
+    got = got if isinstance(got, tuple) else (got,)
+    for w, g in zip(want, got, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        if w.dtype.is_floating_point:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(g, w), (w.flatten()[:8], g.flatten()[:8])
+    assert fusionstitching.stats()["fallbacks"] == fallbacks
+
+
+MEAN, STD = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+CASES = {
+    "normalized image": (lambda x: (x.float() / 255 - MEAN) / STD, torch.uint8),
+    "wrapping add, mul, sub": (lambda x: (x * 3 + x) - (~x) * 5, None),
+    "negation and abs": (lambda x: (-x, x.abs()), None),
+    "floor division and remainder by a scalar": (lambda x: (x // 7, x % 5, x // -3), None),
+    "bitwise ops": (lambda x: (x & 0x5A) | (x ^ ~x), None),
+    "row max and min": (lambda x: (x.amax(dim=-1), x.amin(dim=(1, 2))), None),
+    "sums promote to int64": (lambda x: x.sum(dim=-1), None),
+    "a sum kept in its type wraps": (lambda x: x.sum(dim=-1, dtype=x.dtype), None),
+    "to float and back": (lambda x: (x.float() * 1.7).to(x.dtype), None),
+    "to half types": (lambda x: (x.to(torch.float16) / 3, x.to(torch.bfloat16).to(x.dtype)), None),
+    "clamp and where": (lambda x: torch.where(x > 10, x.clamp(-5, 100), x // 2), None),
+    "transposed copy": (lambda x: x.transpose(1, 3).contiguous() + 1, None),
+    "argmax and max over a dim": (lambda x: (x.argmax(1), x.max(dim=2).values), None),
+    "dequantized softmax": (lambda x: (x.float() * 0.05).softmax(-1), None),
+    "cumulative sum": (lambda x: x.cumsum(-1), None),
+    "padding and concatenation": (lambda x: torch.cat([torch.nn.functional.pad(x, (1, 2)), x[..., :3]], -1), None),
+}
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=["u8", "i8", "i16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_narrow_integer_programs_compile_to_eagers_values(case, dtype):
+    fn, only = CASES[case]
+    if only is not None and only != dtype:
+        pytest.skip("a case of one dtype")
+    _check(fn, _full_range((2, 3, 8, 37), dtype, 1))
+
+
+def test_mixed_types_promote_as_eager():
+    u8, i8, i16 = (_full_range((4, 37), dtype, k) for k, dtype in enumerate(NARROW))
+    _check(lambda a, b, c: (a + b, b * c, torch.minimum(b, c), a - 300, 255 - a, a * 2.5, a > -1), u8, i8, i16)
+    _check(lambda a, b: (a & (b > 0), a + (b > 0), a.to(torch.int16) + b), u8, i8)
+
+
+def test_no_graph_with_a_narrow_integer_runs_in_pytorch():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a library call or a fallback is announced by a warning
+        captured = capture(lambda x: (x.float() / 255 - 0.5) * 2, torch.randint(0, 256, (2, 3, 4), dtype=torch.uint8))
+    assert not [n for n in captured.forward.nodes if n.op == "library"]
+
+
+_UNARY = ["{} * 3", "{} + 77", "{} - 100", "-{}", "~{}", "{}.abs()", "{} // 3", "{} % 6", "{} & 0x3C", "{} | 0x41",
+          "{} ^ 0x7E", "{}.clamp(-20, 90)"]
+_BINARY = ["{} + {}", "{} - {}", "{} * {}", "torch.maximum({}, {})", "torch.minimum({}, {})", "{} ^ {}",
+           "torch.where({0} > {1}, {0}, {1})"]
+
+
+def _random_program(rng: random.Random) -> tuple[str, list[torch.dtype]]:
+    """A straight line of wrapping ops over two narrow inputs of one type, a conversion to another
+    narrow type or through float, and reductions of the result."""
+    dtype = rng.choice(NARROW)
+    values = ["a", "b"]
+    lines = []
+    for k in range(rng.randint(3, 8)):
+        if rng.random() < 0.5:
+            expr = rng.choice(_UNARY).format(rng.choice(values))
+        else:
+            expr = rng.choice(_BINARY).format(rng.choice(values), rng.choice(values))
+        if rng.random() < 0.15:
+            expr = f"({expr}).to(torch.{str(rng.choice(NARROW)).split('.')[1]})"
+        elif rng.random() < 0.1:
+            expr = f"(({expr}).float() * {rng.choice([0.37, 2.5, -11.0])}).to({values[0]}.dtype)"
+        lines.append(f"    v{k} = {expr}")
+        values.append(f"v{k}")
+    last = values[-1]
+    lines.append(f"    return {last}, {last}.amax(-1), {last}.sum(-1), ({last}.float() * 0.5).mean(0)")
+    return "def fn(a, b):\n" + "\n".join(lines), [dtype, dtype]
+
+
+def test_random_narrow_integer_programs_match_eager():
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"narrow-integer programs: seed {seed}")
+    rng = random.Random(seed)
+    for k in range(12):
+        source, dtypes = _random_program(rng)
+        scope: dict = {"torch": torch}
+        exec(source, scope)  # noqa: S102 -- the program is built above from fixed pieces
+        shape = (rng.randint(1, 5), rng.choice([1, 3, 16, 37, 64, 130]))
+        inputs = [_full_range(shape, d, seed + k * 2 + i) for i, d in enumerate(dtypes)]
+        try:
+            _check(scope["fn"], *inputs)
+        except AssertionError as err:
+            raise AssertionError(f"seed {seed}, program {k}:\n{source}\n{err}") from err
