@@ -196,9 +196,10 @@ def _vec_store(s: K.VecStore, pad: str) -> list[str]:
     bits = _PACKED_BITS.get(dtype)
     if bits is not None:
         per_word = 32 // bits
-        mask = f" & {hex((1 << bits) - 1)}u" if dtype in ("i8", "i16") else ""  # no sign bits in other lanes
-        words = [" | ".join(f"(((unsigned int)({values[per_word * k + j]}){mask}) << {bits * j})" if j else
-                            f"((unsigned int)({values[per_word * k]}){mask})" for j in range(per_word))
+        if dtype in ("i8", "i16"):  # a negative lane's sign bits stay out of the other lanes
+            values = [f"((unsigned int)({v}) & {hex((1 << bits) - 1)}u)" for v in values]
+        words = [" | ".join(f"((unsigned int)({values[per_word * k + j]}) << {bits * j})" if j else
+                            f"(unsigned int)({values[per_word * k]})" for j in range(per_word))
                  for k in range(len(values) // per_word)]
         init = ", ".join(f"({w})" for w in words)
     else:

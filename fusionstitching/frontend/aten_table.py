@@ -189,6 +189,35 @@ def _floor_divide_float(cx: LoweringContext, a: Any, b: Any, q: Node) -> Node:
     return cx.b.select(cx.b.compare("EQ", bb, zero), q, result)
 
 
+@lowers("aten.__lshift__.Tensor", "aten.__lshift__.Scalar", "aten.bitwise_left_shift.Tensor",
+        "aten.bitwise_left_shift.Tensor_Scalar", "aten.bitwise_left_shift.Scalar_Tensor",
+        "aten.__rshift__.Tensor", "aten.__rshift__.Scalar", "aten.bitwise_right_shift.Tensor",
+        "aten.bitwise_right_shift.Tensor_Scalar", "aten.bitwise_right_shift.Scalar_Tensor")
+def _shift(cx: LoweringContext, x: Any, s: Any) -> Node:
+    """Integer shifts by eager's rule, without a shift instruction (whose result past the register's
+    width is undefined on a GPU): ``x << s`` is the wrapping product ``x · 2^s`` for ``0 <= s <
+    width`` and 0 for any other ``s``; ``x >> s`` is the floor quotient ``x / 2^s`` while ``2^s`` is
+    positive in the type (``s`` below the width, less the sign bit of a signed type) and the sign
+    fill (-1 for a negative ``x``, else 0) for any other ``s``, which is also ``x >> (width - 1)``."""
+    dtype = cx.dtype
+    if dtype.is_float or dtype == DType.BOOL:
+        raise Unsupported(f"a shift of {dtype.value}")  # eager's error, from the library call
+    left = "left" in cx.fx_node.target.__name__ or "lshift" in cx.fx_node.target.__name__
+    width = 8 * dtype.itemsize
+    xs, ss, zero = cx.lift(x, dtype), cx.lift(s, dtype), cx.lift(0, dtype)
+    power = cx.b.binary("pow", cx.lift(2, dtype), ss)  # integer pow: wraps as the product does
+    limit = width if left or dtype == DType.U8 else width - 1
+    inside = cx.b.binary("and", cx.b.compare("GE", ss, zero), cx.b.compare("LT", ss, cx.lift(limit, dtype)))
+    if left:
+        return cx.b.select(inside, cx.b.binary("mul", xs, power), zero)
+    negative = cx.b.compare("LT", xs, zero)
+    truncated = cx.b.binary("div", xs, power)  # the divisor is 2^s > 0 where it is used
+    inexact = cx.b.compare("NE", cx.b.binary("rem", xs, power), zero)
+    floored = cx.b.select(cx.b.binary("and", inexact, negative), cx.b.binary("sub", truncated, cx.lift(1, dtype)),
+                          truncated)
+    return cx.b.select(inside, floored, cx.b.select(negative, cx.lift(-1, dtype), zero))
+
+
 @lowers("aten.remainder.Tensor", "aten.remainder.Scalar")
 def _remainder(cx: LoweringContext, a: Any, b: Any) -> Node:
     """Python-style modulo: fmod, plus the divisor where the signs of remainder and divisor differ."""

@@ -68,6 +68,11 @@ FEATURES = FAMILIES + SPECIAL
 # Magnitude past which a value is squashed before an op that grows it; half types overflow sooner.
 BOUND_LIMIT = {"float32": 1e5, "bfloat16": 1e3, "float16": 1e3}
 INT_BOUND_LIMIT = 1e6
+# Narrow integer dtypes wrap: a value whose bound exceeds its type's range is anywhere in it (a
+# uint8 anywhere in [0, 255], since a negative result wraps to a large one); their inputs span the
+# range (int16 a part of it) so that arithmetic on them wraps.
+NARROW_RANGE = {"uint8": 255.0, "int8": 128.0, "int16": 32768.0}
+NARROW_INPUT_BOUND = {"uint8": 255.0, "int8": 128.0, "int16": 300.0}
 
 
 @dataclass(frozen=True)
@@ -205,7 +210,7 @@ class _Builder:
             expanded_dim = 0
         self.inputs.append(Input(name, tuple(shape), dtype, index_bound, out_of_range, layout, expanded_dim))
         if bound is None:
-            bound = 4.5 if dtype == "float" else 8.0
+            bound = 4.5 if dtype == "float" else NARROW_INPUT_BOUND.get(dtype, 8.0)
         value = _Value(name, tuple(shape), dtype, bound, exact=True)
         self.values.append(value)
         return value
@@ -218,6 +223,8 @@ class _Builder:
         if not self.fits(shape) or any(self.size(d) < 0 for d in shape):
             return None
         name = f"v{len(self.steps)}"
+        if dtype in NARROW_RANGE and (dtype == "uint8" or bound >= NARROW_RANGE[dtype]):
+            bound = NARROW_RANGE[dtype]  # it may have wrapped
         self.steps.append(Step(name, op, category, code, tuple(o.name for o in operands), shape, dtype,
                                tuple(dims)))
         reduced = reduced or any(o.reduced for o in operands)
@@ -267,7 +274,8 @@ class _Builder:
     # -- the program -----------------------------------------------------------------------------
     def start(self) -> None:
         rng = self.rng
-        kind = rng.choices(["float32", "bfloat16", "float16", "int32", "int64", "bool"], [45, 18, 12, 9, 8, 8])[0]
+        kind = rng.choices(["float32", "bfloat16", "float16", "int32", "int64", "bool", "int16", "int8", "uint8"],
+                           [45, 18, 12, 9, 8, 8, 2, 2, 3])[0]
         self.dtype = kind if kind in FLOAT_DTYPES else rng.choice(FLOAT_DTYPES)
         self.backward = self.chance(0.65, "backward")
         dtype = "float" if kind in FLOAT_DTYPES else kind
@@ -362,6 +370,7 @@ class _Builder:
             op, code, bound = rng.choice([
                 ("neg", "-{0}", value.bound), ("abs", "{0}.abs()", value.bound), ("mul", "{0} * 3", value.bound * 3),
                 ("add", "{0} + 2", value.bound + 2), ("bitwise_not", "~{0}", value.bound + 1),
+                ("shift_left", "{0} << 2", value.bound * 4), ("shift_right", "{0} >> 1", value.bound),
             ])
             if bound > limit:
                 return None
@@ -383,11 +392,16 @@ class _Builder:
             return self._binary(op, code, [value], value, None, value.shape)
         shape = broadcast_shapes(value.shape, other.shape)
         operands = [value, other] if rng.random() < 0.7 else [other, value]
-        return self._binary(op, codes[op], operands, value, other, shape)
+        code = codes[op]
+        if value.dtype in NARROW_RANGE:  # a uint8's |x| + 1 wraps to 0 at 255: a divisor in [1, 64]
+            code = code.replace("{1}.abs() + 1", "(({1} & 63) + 1)")
+        return self._binary(op, code, operands, value, other, shape)
 
     def _binary(self, op: str, code: str, operands: list[_Value], a: _Value, b: _Value | None,
                 shape: Shape) -> _Value | None:
         bb = b.bound if b is not None else 8.0
+        if a.dtype in NARROW_RANGE:
+            bb = max(bb, 64.0)  # a divisor of a narrow type is ``(b & 63) + 1``
         bound = {"add": a.bound + bb, "sub": a.bound + bb, "mul": a.bound * bb, "maximum": max(a.bound, bb),
                  "minimum": max(a.bound, bb), "floor_divide": a.bound + 1, "remainder": bb + 1, "fmod": bb + 1,
                  "bitwise_and": max(a.bound, bb) * 2, "bitwise_or": max(a.bound, bb) * 2,
@@ -482,10 +496,11 @@ class _Builder:
         if value is None:
             return None
         if value.dtype == "float":
-            target = rng.choice(["int32", "int64"])
+            target = rng.choice(["int32", "int64"] + (["int16", "int8", "uint8"] if rng.random() < 0.3 else []))
             return self.add("convert", "convert", f"{{0}}.to(torch.{target})", [value], value.shape, target,
                             value.bound, True)
-        target = rng.choice([t for t in ("float", "int32", "int64") if t != value.dtype])
+        targets = ("float", "int32", "int64") + (("int16", "int8", "uint8") if rng.random() < 0.3 else ())
+        target = rng.choice([t for t in targets if t != value.dtype])
         code = "{0}.to(DT)" if target == "float" else f"{{0}}.to(torch.{target})"
         if target == "float" and rng.random() < 0.3:
             code = "{0}.float().to(DT)" if self.dtype != "float32" else "{0}.float()"
@@ -584,8 +599,8 @@ class _Builder:
             bound = 1.5 ** max(extent, 1)
         if bound > limit:
             return None
-        dtype = {"bool": "int64" if op == "sum" else "bool", "int32": "int64" if op == "sum" else "int32",
-                 "int64": "int64", "float": "float"}[value.dtype]
+        dtype = {"bool": "int64" if op == "sum" else "bool", "float": "float"}.get(
+            value.dtype, "int64" if op == "sum" else value.dtype)  # integer sums promote to int64
         shape = tuple(ONE if d in dims else s for d, s in enumerate(value.shape) if keepdim or d not in dims)
         if to_scalar:
             shape = ()

@@ -9,7 +9,7 @@ and what a reproducer file contains, so the two cannot disagree.
 
 Dtypes of values: ``"float"`` is the program's float dtype, written ``DT`` in the source (a float
 program runs once more with ``DT = torch.float64`` as the arbiter of rounding differences);
-``"int32"``, ``"int64"`` and ``"bool"`` are themselves.
+``"int32"``, ``"int64"``, ``"int16"``, ``"int8"``, ``"uint8"`` and ``"bool"`` are themselves.
 
 Input data is drawn per input from its own ``torch.Generator``, seeded from the program's data
 seed and the input's name, so removing an input while shrinking leaves the others' data alone.
@@ -175,7 +175,8 @@ def _input_expression(program: Program, item: Input) -> str:
     elif item.dtype == "bool":
         text = f"torch.randint(0, 2, {storage}, generator={gen}).bool()"
     else:
-        text = f"torch.randint(-8, 9, {storage}, generator={gen}, dtype=torch.{item.dtype})"
+        low, high = {"uint8": (0, 256), "int8": (-128, 128), "int16": (-300, 301)}.get(item.dtype, (-8, 9))
+        text = f"torch.randint({low}, {high}, {storage}, generator={gen}, dtype=torch.{item.dtype})"
     return f"{text}.to(device){view}"
 
 

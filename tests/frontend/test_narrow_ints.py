@@ -76,6 +76,41 @@ def test_mixed_types_promote_as_eager():
     _check(lambda a, b: (a & (b > 0), a + (b > 0), a.to(torch.int16) + b), u8, i8)
 
 
+INTEGERS = (*NARROW, torch.int32, torch.int64)
+
+
+@pytest.mark.parametrize("dtype", INTEGERS, ids=["u8", "i8", "i16", "i32", "i64"])
+def test_shifts_by_every_amount_are_eagers(dtype):
+    """``<<`` and ``>>`` by amounts below 0, inside and past the type's width (0, and the sign fill)."""
+    info = torch.iinfo(dtype)
+    x = _full_range((80,), dtype, 3) if info.bits < 64 else torch.randint(-2**62, 2**62, (80,), generator=torch.Generator().manual_seed(3))
+    x[:4] = torch.tensor([int(info.min), int(info.max), 0, -1 if info.min < 0 else 1], dtype=torch.int64).to(dtype)
+    amounts = (torch.arange(0, 80) if dtype == torch.uint8 else torch.arange(-6, 74)).to(dtype)
+    _check(lambda a, s: (a << s, a >> s, a << 3, a >> (info.bits - 1), torch.bitwise_right_shift(a, 70)), x, amounts)
+
+
+def test_a_shift_of_floats_is_eagers_error():
+    compiled = torch.compile(lambda x: x << 1, backend="fusionstitching", options={"strict": True})
+    with pytest.raises(Exception, match="integral dtype|not implemented for 'Float'"):
+        compiled(torch.randn(4))
+
+
+def test_unpacking_four_bit_weights_needs_no_library_call():
+    """Two 4-bit values per uint8 (``(packed >> [0, 4]) & 0xF``), dequantized: one kernel."""
+    packed = _full_range((16, 32), torch.uint8, 4)
+    scales = torch.rand(16, 1, 1)
+
+    def unpack(p, scale):
+        nibbles = (p.unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)) & 0xF
+        return (nibbles.to(torch.float32) - 8) * scale
+
+    _check(unpack, packed, scales)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        captured = capture(unpack, packed, scales)
+    assert not [n for n in captured.forward.nodes if n.op == "library"]
+
+
 def test_no_graph_with_a_narrow_integer_runs_in_pytorch():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a library call or a fallback is announced by a warning
@@ -84,7 +119,7 @@ def test_no_graph_with_a_narrow_integer_runs_in_pytorch():
 
 
 _UNARY = ["{} * 3", "{} + 77", "{} - 100", "-{}", "~{}", "{}.abs()", "{} // 3", "{} % 6", "{} & 0x3C", "{} | 0x41",
-          "{} ^ 0x7E", "{}.clamp(-20, 90)"]
+          "{} ^ 0x7E", "{}.clamp(-20, 90)", "{} << 3", "{} >> 2"]
 _BINARY = ["{} + {}", "{} - {}", "{} * {}", "torch.maximum({}, {})", "torch.minimum({}, {})", "{} ^ {}",
            "torch.where({0} > {1}, {0}, {1})"]
 
