@@ -48,7 +48,8 @@ template <typename T> __device__ __forceinline__ T fs_idiv(T a, T b) { return b 
 template <typename T> __device__ __forceinline__ T fs_irem(T a, T b) { return b == 0 ? a : (b == (T)-1 ? (T)0 : a % b); }
 template <typename T> __device__ __forceinline__ T fs_ipow(T a, T b) {
   if (b < 0) return a == 1 ? (T)1 : (a == -1 ? ((b & 1) ? (T)-1 : (T)1) : (T)0);
-  T r = 1; while (b > 0) { if (b & 1) r *= a; a *= a; b >>= 1; } return r;
+  unsigned long long r = 1, x = (unsigned long long)a;  // wraps without signed overflow
+  while (b > 0) { if (b & 1) r *= x; x *= x; b >>= 1; } return (T)r;
 }
 struct fs_u4 { unsigned int x, y, z, w; };
 __device__ __forceinline__ fs_u4 fs_philox(unsigned int c0, unsigned int c1, unsigned int c2, unsigned int c3,

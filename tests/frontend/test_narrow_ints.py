@@ -24,8 +24,14 @@ def _full_range(shape, dtype, seed):
     return torch.randint(int(info.min), int(info.max) + 1, shape, generator=g, dtype=torch.int64).to(dtype)
 
 
-def _check(fn, *args):
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
+
+
+def _check(fn, *args, device="cpu"):
+    """``fn`` compiled against eager on ``device`` (on the CPU the simulator runs the kernels)."""
     torch._dynamo.reset()
+    args = tuple(a.to(device) for a in args)
     compiled = torch.compile(fn, backend="fusionstitching", options={"strict": True})
     fallbacks = fusionstitching.stats()["fallbacks"]
     want, got = fn(*args), compiled(*args)
@@ -40,9 +46,16 @@ def _check(fn, *args):
     assert fusionstitching.stats()["fallbacks"] == fallbacks
 
 
-MEAN, STD = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def _normalized(x):
+    mean, std = (torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in (MEAN, STD))
+    return (x.float() / 255 - mean) / std
+
+
 CASES = {
-    "normalized image": (lambda x: (x.float() / 255 - MEAN) / STD, torch.uint8),
+    "normalized image": (_normalized, torch.uint8),
     "wrapping add, mul, sub": (lambda x: (x * 3 + x) - (~x) * 5, None),
     "negation and abs": (lambda x: (-x, x.abs()), None),
     "floor division and remainder by a scalar": (lambda x: (x // 7, x % 5, x // -3), None),
@@ -61,11 +74,12 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("case", "dtype"), [pytest.param(case, dtype, id=f"{case}-{str(dtype)[6:]}")
                                              for case, (_, only) in CASES.items() for dtype in NARROW
                                              if only in (None, dtype)])
-def test_narrow_integer_programs_compile_to_eagers_values(case, dtype):
-    _check(CASES[case][0], _full_range((2, 3, 8, 37), dtype, 1))
+def test_narrow_integer_programs_compile_to_eagers_values(case, dtype, device):
+    _check(CASES[case][0], _full_range((2, 3, 8, 37), dtype, 1), device=device)
 
 
 def test_mixed_types_promote_as_eager():
@@ -77,29 +91,32 @@ def test_mixed_types_promote_as_eager():
 INTEGERS = (*NARROW, torch.int32, torch.int64)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", INTEGERS, ids=["u8", "i8", "i16", "i32", "i64"])
-def test_shifts_by_every_amount_are_eagers(dtype):
+def test_shifts_by_every_amount_are_eagers(dtype, device):
     """``<<`` and ``>>`` by amounts below 0, inside and past the type's width (0, and the sign fill)."""
     info = torch.iinfo(dtype)
     x = _full_range((80,), dtype, 3) if info.bits < 64 else torch.randint(-2**62, 2**62, (80,), generator=torch.Generator().manual_seed(3))
     x[:4] = torch.tensor([int(info.min), int(info.max), 0, -1 if info.min < 0 else 1], dtype=torch.int64).to(dtype)
     amounts = (torch.arange(0, 80) if dtype == torch.uint8 else torch.arange(-6, 74)).to(dtype)
-    _check(lambda a, s: (a << s, a >> s, a << 3, a >> (info.bits - 1), torch.bitwise_right_shift(a, 70)), x, amounts)
+    _check(lambda a, s: (a << s, a >> s, a << 3, a >> (info.bits - 1), torch.bitwise_right_shift(a, 70)), x, amounts,
+           device=device)
 
 
-def test_unpacking_four_bit_weights_needs_no_library_call():
+def _unpack(p, scale):
+    nibbles = (p.unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8, device=p.device)) & 0xF
+    return (nibbles.to(torch.float32) - 8) * scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unpacking_four_bit_weights_needs_no_library_call(device):
     """Two 4-bit values per uint8 (``(packed >> [0, 4]) & 0xF``), dequantized: one kernel."""
     packed = _full_range((16, 32), torch.uint8, 4)
     scales = torch.rand(16, 1, 1)
-
-    def unpack(p, scale):
-        nibbles = (p.unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)) & 0xF
-        return (nibbles.to(torch.float32) - 8) * scale
-
-    _check(unpack, packed, scales)
+    _check(_unpack, packed, scales, device=device)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        captured = capture(unpack, packed, scales)
+        captured = capture(_unpack, packed, scales)
     assert not [n for n in captured.forward.nodes if n.op == "library"]
 
 
@@ -138,7 +155,8 @@ def _random_program(rng: random.Random) -> tuple[str, list[torch.dtype]]:
     return "def fn(a, b):\n" + "\n".join(lines), [dtype, dtype]
 
 
-def test_random_narrow_integer_programs_match_eager():
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_narrow_integer_programs_match_eager(device):
     seed = random.SystemRandom().randrange(2**31)
     print(f"narrow-integer programs: seed {seed}")
     rng = random.Random(seed)
@@ -149,6 +167,6 @@ def test_random_narrow_integer_programs_match_eager():
         shape = (rng.randint(1, 5), rng.choice([1, 3, 16, 37, 64, 130]))
         inputs = [_full_range(shape, d, seed + k * 2 + i) for i, d in enumerate(dtypes)]
         try:
-            _check(scope["fn"], *inputs)
+            _check(scope["fn"], *inputs, device=device)
         except AssertionError as err:
             raise AssertionError(f"seed {seed}, program {k}:\n{source}\n{err}") from err
