@@ -29,11 +29,22 @@ the plan is valid, possibly not optimal). The bound counts rounds, not seconds, 
 not depend on the speed or the load of the machine (with a bound in seconds, one fuzzer graph got
 three different plans in three runs). The project's workloads take one to three rounds; random
 graphs of many small independent chains can take dozens.
+
+[Note: one HiGHS thread]
+HiGHS's default worker count is half the CPUs the host has online (``std::thread::hardware_concurrency``),
+not the CPUs this process may use: in a container of 16 cores on a host of hundreds, its spinning
+workers exhaust the container's CPU quota and the whole process stalls while the solver runs. The
+selection ILPs are solved at their root node in milliseconds, where workers bring nothing, so
+``_milp`` asks for one thread (the same solver path on every machine). HiGHS fixes its worker count
+at its first solve in a process: where another user of HiGHS in the process started it with
+another count first, a solve that names a count fails, and ``_milp`` solves again without one, as it
+does from then on.
 """
 
 from __future__ import annotations
 
 import bisect
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +54,10 @@ from scipy.sparse import csr_matrix
 
 from fusionstitching.graph.analysis import CycleChecker
 from fusionstitching.graph.graph import Graph, Node
+
+# milp passes options it does not know to HiGHS with this warning; ``threads`` is one (see the note)
+warnings.filterwarnings("ignore", message=r"Unrecognized options detected: \{'threads'\}", category=RuntimeWarning)
+_THREADS: dict[str, int] = {"threads": 1}  # emptied once HiGHS refuses the count (see the note)
 
 MAX_CYCLE_ROUNDS = 32
 CYCLES_PER_ROUND = 16
@@ -109,8 +124,7 @@ def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequenc
         if upper:
             matrix = csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(upper), len(usable)))
             constraints.append(LinearConstraint(matrix, -np.inf, np.asarray(upper)))
-        result = milp(objective, integrality=np.ones(len(usable)), bounds=Bounds(0, 1),
-                      constraints=constraints, options={"time_limit": time_limit})
+        result = _milp(objective, constraints, time_limit)
         if result.x is None:
             raise SelectionError(f"HiGHS found no plan: {result.message}")
         chosen = [k for k in range(len(usable)) if result.x[k] > 0.5]
@@ -131,6 +145,22 @@ def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequenc
         for cycle in found:
             constrain(tuple(sorted(chosen[j] for j in cycle)))
     raise AssertionError("unreachable: the last round breaks the cycles left")
+
+
+def _milp(objective: np.ndarray, constraints: list, time_limit: float):
+    """The binary program ``objective`` under ``constraints``, solved by HiGHS on one thread where
+    HiGHS's workers are not started yet with another count (see the note on one HiGHS thread)."""
+    def solve(threads: dict[str, int]):
+        return milp(objective, integrality=np.ones(len(objective)), bounds=Bounds(0, 1), constraints=constraints,
+                    options={"time_limit": time_limit, **threads})
+
+    result = solve(_THREADS)
+    if result.x is None and _THREADS:
+        retry = solve({})
+        if retry.x is not None:  # HiGHS's workers run at another count: take it from now on
+            _THREADS.clear()
+        result = retry
+    return result
 
 
 def closing_pairs(graph: Graph, patterns: Sequence[Sequence[Node]], checker: CycleChecker | None = None

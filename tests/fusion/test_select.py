@@ -351,3 +351,51 @@ def test_once_a_solve_closes_a_cycle_every_closing_pair_is_a_constraint():
     assert sorted(selection.cycle_constraints) == [(2 * k, 2 * k + 1) for k in range(count)]
     assert selection.chosen == [2 * k for k in range(count)]
     assert contracted_cycle(graph, [patterns[i] for i in selection.chosen]) is None
+
+
+_HIGHS_SCRIPT = """
+import numpy as np, warnings
+from scipy.optimize import Bounds, LinearConstraint, milp
+from fusionstitching.fusion import select
+from fusionstitching.graph.graph import GraphBuilder
+from fusionstitching.graph.ops import DType
+
+def probe(threads):  # a solve naming a thread count: None where HiGHS's workers run at another
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return milp(-np.ones(2), integrality=np.ones(2), bounds=Bounds(0, 1), options={"threads": threads}).x
+
+if {first} is not None:
+    assert probe({first}) is not None  # another user of HiGHS starts its workers first
+b = GraphBuilder("chain")
+x = b.parameter([8], DType.F32, "x")
+u = b.node("exp", [x])
+v = b.node("neg", [u])
+w = b.node("abs", [v])
+g = b.build([w])
+chosen = select.select_ilp(g, [(u, v), (v, w)], [1.0, 2.0]).chosen
+assert chosen == [1], chosen
+print("threads left", select._THREADS, "one thread", probe(1) is not None)
+"""
+
+
+@pytest.mark.parametrize("first", [None, 3])
+def test_the_ilp_runs_on_one_highs_thread_or_on_the_count_another_user_started(first):
+    """Selection asks HiGHS for one thread (its default is half the host's CPUs, not this process's);
+    where another user of HiGHS in the process started its workers at another count, a solve naming
+    a count fails, and selection solves with the running count instead."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", _HIGHS_SCRIPT.replace("{first}", str(first))],
+                          check=False, capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    if first is None:
+        assert "threads left {'threads': 1} one thread True" in done.stdout
+    else:
+        assert "threads left {} one thread False" in done.stdout
