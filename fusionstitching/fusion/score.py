@@ -21,6 +21,11 @@ Delta evaluator [C §5.4]: ``f = T_reduced_mem + T_reduced_calls − T_penalty``
 Model-based score [B §4.3]: ``f = M(V) + (N − 1) φ`` with V the off-chip bytes saved.
 
 Patterns with a score ≤ 0 are dropped by the selector.
+
+A score is a function of the pattern's structure (``graph.analysis.pattern_structure``: ops,
+shapes, dtypes, layouts, attributes, which inputs it shares and which nodes are read outside) and
+of its schedule with roots named by position: the repeated layers of a model propose the same
+patterns once per layer, and ``Scorer.score`` computes each structure's score once.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 from fusionstitching.cost.bandwidth import BandwidthModel, bandwidth_model
 from fusionstitching.cost.gpu_spec import GpuSpec, gpu_spec
 from fusionstitching.cost.latency import instructions_per_thread, kernel_latency_us, waves
+from fusionstitching.graph.analysis import in_place_outputs, pattern_structure
 from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.ops import OPS, Category
 from fusionstitching.graph.pattern import is_reduction, iteration_space
@@ -205,8 +211,27 @@ class Scorer:
         # T(P) of the patterns of plans of this graph, by (node names, schedule): ``explore`` estimates
         # several plans that share most of their patterns (``estimate.plan_time_us``)
         self.kernel_times: dict[tuple, float] = {}
+        self._scores: dict[tuple, Score] = {}  # by structure and schedule (module note)
+        self._aliased = in_place_outputs(graph)
 
     def score(self, nodes: Sequence[Node], schedule: KernelSchedule | None) -> Score:
+        key = self._structure(nodes, schedule)
+        found = self._scores.get(key)
+        if found is None:
+            found = self._scores[key] = self._score(nodes, schedule)
+        return found
+
+    def _structure(self, nodes: Sequence[Node], schedule: KernelSchedule | None) -> tuple:
+        """What a score depends on: the pattern's structure, which of its outside operands are
+        one-element constants (read for free), and its schedule with roots named by position."""
+        position = {node.name: k for k, node in enumerate(nodes)}
+        inside = set(position)
+        free = tuple(o.name not in inside and _is_scalar_constant(o) for n in nodes for o in n.operands)
+        template = None if schedule is None else (
+            tuple((position.get(s.root, s.root), s.dims, s.shared) for s in schedule.schedules), schedule.launch)
+        return pattern_structure(self.graph, nodes, self._aliased), free, template
+
+    def _score(self, nodes: Sequence[Node], schedule: KernelSchedule | None) -> Score:
         kernels = sum(1 for n in nodes if counts_as_kernel(n))
         fused = round(pattern_bytes(self.graph, nodes) * access_factor(self.graph, schedule))
         unfused = sum(unfused_bytes(n) for n in nodes)
