@@ -55,8 +55,6 @@ from scipy.sparse import csr_matrix
 from fusionstitching.graph.analysis import CycleChecker
 from fusionstitching.graph.graph import Graph, Node
 
-# milp passes options it does not know to HiGHS with this warning; ``threads`` is one (see the note)
-warnings.filterwarnings("ignore", message=r"Unrecognized options detected: \{'threads'\}", category=RuntimeWarning)
 _THREADS: dict[str, int] = {"threads": 1}  # emptied once HiGHS refuses the count (see the note)
 
 MAX_CYCLE_ROUNDS = 32
@@ -151,8 +149,12 @@ def _milp(objective: np.ndarray, constraints: list, time_limit: float):
     """The binary program ``objective`` under ``constraints``, solved by HiGHS on one thread where
     HiGHS's workers are not started yet with another count (see the note on one HiGHS thread)."""
     def solve(threads: dict[str, int]):
-        return milp(objective, integrality=np.ones(len(objective)), bounds=Bounds(0, 1), constraints=constraints,
-                    options={"time_limit": time_limit, **threads})
+        with warnings.catch_warnings():
+            # milp hands options it does not know (``threads``) to HiGHS with a RuntimeWarning; a
+            # filter of the caller's that turns warnings into errors must not fail the solve
+            warnings.filterwarnings("ignore", message="Unrecognized options detected", category=RuntimeWarning)
+            return milp(objective, integrality=np.ones(len(objective)), bounds=Bounds(0, 1),
+                        constraints=constraints, options={"time_limit": time_limit, **threads})
 
     result = solve(_THREADS)
     if result.x is None and _THREADS:

@@ -399,3 +399,14 @@ def test_the_ilp_runs_on_one_highs_thread_or_on_the_count_another_user_started(f
         assert "threads left {'threads': 1} one thread True" in done.stdout
     else:
         assert "threads left {} one thread False" in done.stdout
+
+
+def test_a_callers_filter_that_makes_warnings_errors_does_not_fail_the_ilp():
+    """milp warns about the ``threads`` option it hands to HiGHS; under a caller's error filter
+    (``-W error``, pytest's ``filterwarnings = error``) selection still solves."""
+    import warnings
+
+    graph, (a, b, c) = _chain(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert select_ilp(graph, [[a, b], [b, c]], [3.0, 5.0]).chosen == [1]
