@@ -401,6 +401,7 @@ def _explore(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Opti
     candidates += context.split_seeded(part_kernels(graph, splits) if splits else [])
     scores = [scorer.score(c.nodes, c.verdict.schedule).value for c in candidates]
     selections = _select(solver, graph, candidates, scores)
+    solver_seconds = sum(s.solver_seconds for s in selections)
     plans = [_finalize(graph, roles, legality, scorer, candidates, scores, s, solver, options) for s in selections]
     plan_seeded = [context.plan_seeded(name) for name in PLAN_SEEDED if name in generators]
     for _ in range(MERGE_ROUNDS if plan_seeded else 0):
@@ -413,6 +414,7 @@ def _explore(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Opti
         scores += found_scores
         # candidates are only appended: the cycles found so far stay constraints (select.py)
         selections = _select(solver, graph, candidates, scores, selections[0].cycle_constraints)
+        solver_seconds += sum(s.solver_seconds for s in selections)
         plans += [_finalize(graph, roles, legality, scorer, candidates, scores, s, solver, options) for s in selections]
     positive = sum(1 for s in scores if s > 0)
     best = selections[0]
@@ -422,12 +424,13 @@ def _explore(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Opti
     recomputing = [scorer.recomputation_us(c.nodes, c.verdict.schedule) for c in candidates]
     if any(recomputing):
         charged = [s - r for s, r in zip(scores, recomputing)]
-        plans += [_finalize(graph, roles, legality, scorer, candidates, charged, s, solver, options)
-                  for s in _select(solver, graph, candidates, charged, best.cycle_constraints)]
+        recharged = _select(solver, graph, candidates, charged, best.cycle_constraints)
+        solver_seconds += sum(s.solver_seconds for s in recharged)
+        plans += [_finalize(graph, roles, legality, scorer, candidates, charged, s, solver, options) for s in recharged]
     notes.append(f"generators {', '.join(g for g in GENERATORS if g in generators)}: {len(candidates)} legal "
                  f"candidates ({positive} with a positive {options.score} score, {context.rejected} proposals "
                  f"rejected); {solver} objective {best.objective:.1f} us in {best.rounds} round(s), "
-                 f"{len(best.cycle_constraints)} cycle constraint(s)")
+                 f"{len(best.cycle_constraints)} cycle constraint(s); {solver_seconds:.2f} s in the solver")
     plan = min(plans, key=lambda p: (p.estimated_us, p.kernel_count))  # of equals, the earliest
     plan.notes[:0] = notes
     if len(plans) > 1:

@@ -44,6 +44,7 @@ does from then on.
 from __future__ import annotations
 
 import bisect
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ class Selection:
     rounds: int
     cycle_constraints: list[tuple[int, ...]] = field(default_factory=list)
     repaired: int = 0  # patterns left out to break cycles once the rounds were spent
+    solver_seconds: float = field(default=0.0, compare=False)  # in HiGHS, over the rounds
 
 
 def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequence[float],
@@ -117,23 +119,26 @@ def select_ilp(graph: Graph, patterns: Sequence[Sequence[Node]], scores: Sequenc
     scanned = False  # whether every pair of candidates that closes a cycle is a constraint
     objective = -np.asarray([scores[i] for i in usable], dtype=float)
     pairs = _PairCycles(graph)
+    solving = 0.0
     for rounds in range(1, MAX_CYCLE_ROUNDS + 1):
         constraints = []
         if upper:
             matrix = csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(upper), len(usable)))
             constraints.append(LinearConstraint(matrix, -np.inf, np.asarray(upper)))
+        began = time.perf_counter()
         result = _milp(objective, constraints, time_limit)
+        solving += time.perf_counter() - began
         if result.x is None:
             raise SelectionError(f"HiGHS found no plan: {result.message}")
         chosen = [k for k in range(len(usable)) if result.x[k] > 0.5]
         found = _cycles(graph, [patterns[usable[k]] for k in chosen], pairs)
         if not found:
             return Selection(sorted(usable[k] for k in chosen), -float(result.fun), rounds,
-                             [tuple(usable[k] for k in c) for c in cycles])
+                             [tuple(usable[k] for k in c) for c in cycles], solver_seconds=solving)
         if rounds == MAX_CYCLE_ROUNDS:
             kept, _ = break_cycles(graph, patterns, scores, [usable[k] for k in chosen])
             return Selection(sorted(kept), sum(scores[i] for i in kept), rounds,
-                             [tuple(usable[k] for k in c) for c in cycles], len(chosen) - len(kept))
+                             [tuple(usable[k] for k in c) for c in cycles], len(chosen) - len(kept), solving)
         if not scanned:
             # Cycles through two patterns are the usual kind, and each round of solving finds only
             # the few the last solution holds: once there is one, every pair is constrained.

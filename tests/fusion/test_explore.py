@@ -230,6 +230,7 @@ def test_column_reduction_is_split_unless_options_say_no():
     (got,) = compile_plan(plan).run_numpy(arrays)
     assert_close(got, reference.evaluate(plan.graph, arrays)[0], "split bf16 bias gradient")
     assert any(note.startswith("split reduce") for note in plan.notes)
+    assert any(note.endswith("s in the solver") for note in plan.notes)  # the selection's HiGHS time
     assert len(plan.graph.nodes) > len(graph.nodes)
     unsplit = explore(graph, options=Options(split_reductions=False))
     assert unsplit.graph is graph and unsplit.kernel_count == 1

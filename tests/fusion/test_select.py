@@ -72,6 +72,7 @@ def test_overlapping_patterns_the_higher_score_wins():
     assert selection.chosen == [1]
     assert selection.objective == pytest.approx(5.0)
     assert selection.rounds == 1 and selection.cycle_constraints == []
+    assert selection.solver_seconds > 0  # reported in the plan's notes (explore.py)
 
 
 def test_ilp_is_exact_where_greedy_is_not():
