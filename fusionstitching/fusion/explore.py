@@ -392,7 +392,7 @@ def _explore(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Opti
     graph, notes, split, splits = _rewritten(prepared, options, split)
     roles = Roles.of(graph, options)
     legality = Legality(graph, options, checked)
-    scorer = Scorer(graph, options)
+    scorer = Scorer(graph, options, legality.structure)
     context = _Context(graph, roles, legality, scorer)
     candidates: list[Candidate] = []
     for name in GRAPH_SEEDED:

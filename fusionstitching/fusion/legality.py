@@ -295,6 +295,7 @@ class Legality:
         self.index = graph.index
         self._cache = cache if cache is not None else {}
         self._aliases = in_place_outputs(graph)
+        self._structures: dict[tuple[str, ...], tuple] = {}  # by node names, in their order
         self.feasible_calls = 0
         self.cache_hits = 0
 
@@ -308,8 +309,8 @@ class Legality:
 
     def buildable(self, members: Sequence[Node]) -> Verdict:
         """``schedule.feasible`` for ``members`` (sorted in graph order), through the cache."""
-        key = self._signature(members)
         names = tuple(n.name for n in members)
+        key = self.structure(members, names)
         cached = self._cache.get(key)
         if cached is None:
             self.feasible_calls += 1
@@ -322,8 +323,14 @@ class Legality:
             return Verdict(False, str(result))
         return Verdict(True, schedule=result)
 
-    def _signature(self, members: Sequence[Node]) -> tuple:
-        return pattern_structure(self.graph, members, self._aliases)
+    def structure(self, members: Sequence[Node], names: tuple[str, ...] | None = None) -> tuple:
+        """``pattern_structure`` of ``members`` in their order, computed once per node list: the
+        scorer asks it of the patterns checked here (``Scorer(structures=...)``)."""
+        names = names if names is not None else tuple(n.name for n in members)
+        found = self._structures.get(names)
+        if found is None:
+            found = self._structures[names] = pattern_structure(self.graph, members, self._aliases)
+        return found
 
 
 def _rename(result: KernelSchedule | Reason, names: dict[str, str]) -> KernelSchedule | Reason:

@@ -31,7 +31,7 @@ patterns once per layer, and ``Scorer.score`` computes each structure's score on
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fusionstitching.cost.bandwidth import BandwidthModel, bandwidth_model
@@ -202,7 +202,10 @@ class Score:
 class Scorer:
     """Scores patterns of one graph for one device (``Options.device``) with ``Options.score``."""
 
-    def __init__(self, graph: Graph, options: Options) -> None:
+    def __init__(self, graph: Graph, options: Options,
+                 structures: Callable[[Sequence[Node]], tuple] | None = None) -> None:
+        """``structures``: ``pattern_structure`` of a node list, from a cache shared with the
+        legality checker (``Legality.structure``), which has asked it of every candidate."""
         self.graph = graph
         self.options = options
         self.spec: GpuSpec = gpu_spec(options.device)
@@ -212,7 +215,8 @@ class Scorer:
         # several plans that share most of their patterns (``estimate.plan_time_us``)
         self.kernel_times: dict[tuple, float] = {}
         self._scores: dict[tuple, Score] = {}  # by structure and schedule (module note)
-        self._aliased = in_place_outputs(graph)
+        aliased = in_place_outputs(graph)
+        self._structures = structures or (lambda nodes: pattern_structure(graph, nodes, aliased))
 
     def score(self, nodes: Sequence[Node], schedule: KernelSchedule | None) -> Score:
         key = self._structure(nodes, schedule)
@@ -229,7 +233,7 @@ class Scorer:
         free = tuple(o.name not in inside and _is_scalar_constant(o) for n in nodes for o in n.operands)
         template = None if schedule is None else (
             tuple((position.get(s.root, s.root), s.dims, s.shared) for s in schedule.schedules), schedule.launch)
-        return pattern_structure(self.graph, nodes, self._aliased), free, template
+        return self._structures(nodes), free, template
 
     def _score(self, nodes: Sequence[Node], schedule: KernelSchedule | None) -> Score:
         kernels = sum(1 for n in nodes if counts_as_kernel(n))
