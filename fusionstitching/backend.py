@@ -278,11 +278,13 @@ def fusionstitching_backend(gm: fx.GraphModule, example_inputs: list[Any], mode:
     opts = _options(options)
     start, inside = time.perf_counter(), sum(COMPILE_SECONDS.values())
     _PARTITIONED.__dict__.pop("backward", None)  # one an earlier graph's failed compile left
-    if opts.explore_ahead and torch.is_grad_enabled() and \
-            any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+    if opts.explore_ahead:
         from fusionstitching.fusion import background
 
-        background.start()  # a backward will be explored ahead (``_Runner._explore_ahead``)
+        # started now, it has its imports done by the time AOTAutograd has traced: a backward is
+        # explored there ahead (``_Runner._explore_ahead``), or a graph's unsplit plan alongside
+        # its split one (``explore``)
+        background.start()
     try:
         return aot_autograd(
             fw_compiler=_compiler("forward", opts, mode), bw_compiler=_compiler("backward", opts, mode),

@@ -69,7 +69,8 @@ class Options:
     # graph with the same options and code, which then skips exploration (``fusion/plan_cache.py``).
     cache_plans: bool = True
     # A training graph's backward is explored in a worker process while the forward compiles and
-    # runs, and its compile takes that plan (``fusion/background.py``).
+    # runs, and its compile takes that plan; a graph planned both with and without split reshaped
+    # dims has its unsplit plan explored there meanwhile (``fusion/background.py``).
     explore_ahead: bool = True
     # Shape classes (sizes bucketed by power of two and alignment, ``backend.size_class``) a graph
     # is compiled for: any number of shapes of each; shapes of further classes run in PyTorch (one

@@ -57,10 +57,11 @@ def planned_afresh(monkeypatch, request):
 @pytest.fixture(autouse=True)
 def explored_here(monkeypatch, request):
     """The project's tests explore every graph in their own process, where their patches of the
-    planner apply: no backward is sent to the worker process that explores ahead
+    planner apply: no graph is sent to the worker process that explores ahead or alongside
     (``fusion/background.py``), except in tests marked ``explore_ahead``."""
     if request.node.get_closest_marker("explore_ahead") is None:
         from fusionstitching.fusion import background
 
         monkeypatch.setattr(background, "submit", lambda *args, **kwargs: False)
+        monkeypatch.setattr(background, "submit_unsplit", lambda *args, **kwargs: None)
         monkeypatch.setattr(background, "start", lambda: None)

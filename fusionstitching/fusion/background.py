@@ -24,11 +24,21 @@ started now, would; the graph is then explored here and the worker's late answer
 A worker that fails (an exception in exploration, a crash, an unpicklable option) costs nothing
 but its time: the graph is explored here, where an error surfaces through the compiler's failure
 policy as it always did. ``Options(explore_ahead=False)`` turns this off.
+
+The worker also explores alongside: where splitting reshaped dims changes a graph, ``explore``
+plans it both ways and keeps the plan the latency evaluator estimates faster. The backend starts
+the worker for every graph, and ``explore`` hands the unsplit exploration of its prepared graph to
+a worker that is ready and has nothing else to do (``submit_unsplit``), explores the split graph
+itself, then takes the worker's answer (``take_unsplit``): its estimate, and the plan decoded only
+where it is kept. A worker busy (with a backward sent ahead) or not ready, or an answer not begun
+by the time the split plan is done, leaves the unsplit exploration to this process as before. The
+plan is the one exploring both here finds (the exploration is the same code on the same graph).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pickle
 import queue
@@ -44,7 +54,8 @@ from typing import IO, Any
 from fusionstitching.graph.graph import Graph
 from fusionstitching.options import Options
 
-COUNTS = {"submitted": 0, "taken": 0}  # graphs sent to the worker; plans used from it
+# graphs sent to the worker and plans used from it; unsplit explorations alike (``submit_unsplit``)
+COUNTS = {"submitted": 0, "taken": 0, "unsplit submitted": 0, "unsplit taken": 0}
 # The worker's main module: the pipeline's, whose entry point calls ``serve`` with the step that
 # generates and compiles a plan's kernels (stages above this one). Running it imports the package
 # first, which registers the code generator's lowering check that exploration asks.
@@ -93,6 +104,7 @@ class _Worker:
         self.ready = False  # the worker's imports are done and it reads requests
         self.started: set[int] = set()  # jobs the worker has begun exploring
         self.dropped: set[int] = set()  # jobs explored here instead: their answers are not kept
+        self.open: set[int] = set()  # jobs sent and not yet answered
         self.jobs = 0
         # Requests are written by a thread of their own: a pipe holds 64 KiB, a model's graph is
         # megabytes, and the worker reads nothing until its imports are done (seconds).
@@ -136,6 +148,7 @@ class _Worker:
                 else:
                     job, ok, payload, seconds = rest
                     self.started.discard(job)
+                    self.open.discard(job)
                     if job in self.dropped:
                         self.dropped.discard(job)
                     else:
@@ -149,10 +162,18 @@ class _Worker:
             self.jobs += 1
             job = self.jobs
         try:
-            self.outbox.put(_message((job, *request)))
+            message = _message((job, *request))
         except Exception:  # noqa: BLE001 -- an unpicklable option: explored here
             return None
+        with self.lock:
+            self.open.add(job)
+        self.outbox.put(message)
         return job
+
+    def idle(self) -> bool:
+        """Ready, alive, and with no job sent that it has not answered."""
+        with self.lock:
+            return self.alive and self.ready and not self.open
 
     def claim(self, job: int) -> tuple[bool, Any, float] | None:
         """The answer to ``job``, waiting for it if the worker has begun it; None where it failed,
@@ -172,6 +193,7 @@ class _Worker:
 
 
 _WORKER: _Worker | None = None
+_SERVING = False  # this process is a worker: its explorations send nothing on
 _PENDING: dict[str, int] = {}  # plan key -> job number
 _GUARD = threading.Lock()
 
@@ -208,7 +230,7 @@ def submit(graph: Graph, options: Options, generators: Sequence[str], arch: str 
         with _GUARD:
             if key in _PENDING:
                 return True
-            job = _worker().submit((graph.to_json(), dict(graph.origins), graph.checks, options.solver,
+            job = _worker().submit(("plan", graph.to_json(), dict(graph.origins), graph.checks, options.solver,
                                     tuple(generators), options, key, arch))
             if job is None:
                 return False
@@ -250,6 +272,74 @@ def take(graph: Graph, options: Options, generators: Sequence[str]):
     return plan, seconds
 
 
+def submit_unsplit(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Options,
+                   generators: Sequence[str]) -> tuple[int, str] | None:
+    """Have the worker explore a graph ``explore`` has prepared (the graph and its notes) with
+    reshapes left unsplit (``explore.unsplit_plan``) while this process explores it split; a ticket
+    for ``take_unsplit``. Only a worker that is ready and
+    has nothing else to do is asked (it then begins at once, and a backward sent ahead is never
+    queued behind it); None otherwise, in a worker itself, or with ``Options(explore_ahead=False)``.
+    Never raises."""
+    from fusionstitching.fusion.plan_cache import plan_key
+
+    if _SERVING or not options.explore_ahead:
+        return None
+    try:
+        with _GUARD:
+            worker = _WORKER
+            if worker is None or not worker.idle():
+                return None
+            graph, notes = prepared
+            key = plan_key(graph, solver, generators, options) + ":unsplit"
+            job = worker.submit(("unsplit", graph.to_json(), dict(graph.origins), graph.checks, solver,
+                                 tuple(generators), options, key, tuple(notes)))
+        if job is None:
+            return None
+        COUNTS["unsplit submitted"] += 1
+        return job, key
+    except Exception:  # noqa: BLE001 -- explored here instead
+        return None
+
+
+@dataclasses.dataclass
+class Unsplit:
+    """A worker's unsplit plan, as sent: its estimate, and the plan decoded only when kept."""
+
+    estimated_us: float
+    entry: dict
+    key: str
+    seconds: float
+
+    def plan(self, options: Options):
+        """The plan (``plan_cache.decode``), or None where it does not decode."""
+        from fusionstitching.fusion.plan_cache import decode
+
+        try:
+            plan = decode(self.entry, self.key, options,
+                          note=f"unsplit plan explored by a worker process in {self.seconds:.2f} s (fusion/background.py)")
+        except Exception:  # noqa: BLE001 -- explored here instead
+            return None
+        COUNTS["unsplit taken"] += 1
+        return plan
+
+
+def take_unsplit(ticket: tuple[int, str], options: Options) -> Unsplit | None:
+    """The answer to a ``submit_unsplit`` ticket, waiting for it if the worker has begun it; None
+    where it failed, died or has not begun (the plan is then explored here)."""
+    job, key = ticket
+    worker = _WORKER
+    if worker is None:
+        return None
+    answer = worker.claim(job)
+    if answer is None or not answer[0]:
+        return None
+    _, entry, seconds = answer
+    try:
+        return Unsplit(float(entry["estimated_us"]), entry, key, seconds)
+    except Exception:  # noqa: BLE001 -- explored here instead
+        return None
+
+
 def pending() -> int:
     """Graphs submitted and not yet taken."""
     return len(_PENDING)
@@ -282,6 +372,8 @@ def serve(after: Callable[[Any, Options, str], None] | None = None) -> None:
     begun, explore it and send back its plan, or the error's text; then, where the request names
     an arch, ``after(plan, options, arch)`` (the pipeline compiles the plan's kernels). Messages go
     out on the original standard output only; anything printed goes to standard error."""
+    global _SERVING
+    _SERVING = True
     channel = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     _serve(sys.stdin.buffer, channel, after)
@@ -298,7 +390,7 @@ def _serve(source: IO[bytes], sink: IO[bytes], after: Callable[[Any, Options, st
 
 
 def _answer(source: IO[bytes], sink: IO[bytes], after: Callable[[Any, Options, str], None] | None) -> None:
-    from fusionstitching.fusion.explore import explore
+    from fusionstitching.fusion.explore import explore, unsplit_plan
     from fusionstitching.fusion.plan_cache import encode
     from fusionstitching.graph.serialize import from_json
 
@@ -307,19 +399,24 @@ def _answer(source: IO[bytes], sink: IO[bytes], after: Callable[[Any, Options, s
         request = _receive(source)
         if request is None:
             return
-        job, text, origins, checks, solver, generators, options, key, arch = request
+        # ``detail``: for a "plan", the GPU arch to compile its kernels for (or None); for an
+        # "unsplit" exploration, the notes of the prepared graph (``explore.unsplit_plan``)
+        job, task, text, origins, checks, solver, generators, options, key, detail = request
         _send(sink, ("started", job))
         start = time.perf_counter()
         try:
             graph = from_json(text)
             graph.origins = dict(origins)
             graph.checks = checks
-            plan = explore(graph, solver=solver, options=options, generators=generators)
+            if task == "unsplit":
+                plan = unsplit_plan((graph, tuple(detail)), solver, options, generators)
+            else:
+                plan = explore(graph, solver=solver, options=options, generators=generators)
             answer = ("done", job, True, encode(plan, key), time.perf_counter() - start)
         except Exception as err:  # noqa: BLE001 -- reported; the graph is explored where it is compiled
             answer = ("done", job, False, f"{type(err).__name__}: {err}", time.perf_counter() - start)
             plan = None
         _send(sink, answer)
-        if plan is not None and arch is not None and after is not None:
+        if task == "plan" and plan is not None and detail is not None and after is not None:
             with contextlib.suppress(Exception):  # the graph's first call compiles what is missing
-                after(plan, options, arch)
+                after(plan, options, detail)

@@ -56,6 +56,7 @@ from collections.abc import Callable, Mapping, Sequence
 from fusionstitching._host import collector_paused
 from fusionstitching.cost.bandwidth import bandwidth_model
 from fusionstitching.cost.gpu_spec import gpu_spec
+from fusionstitching.fusion import background
 from fusionstitching.fusion.beam import select_beam
 from fusionstitching.fusion.deep import DeepFusion
 from fusionstitching.fusion.dp import PatternReduction
@@ -163,20 +164,39 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
     _check_arguments(solver, generators)
     checked: dict = {}  # schedule checks by pattern structure, shared by the two explorations
     prepared = _prepared(graph, options)  # the rewrites before reshapes are split, shared too
-    plan, refined = _explore(prepared, solver, options, generators, split=options.split_reshaped_dims,
-                             checked=checked)
-    if refined:
-        # Split shapes fuse more, but a reshape they move next to a gather or a dot may fuse less:
-        # the latency evaluator chooses between the two plans.
-        plain, _ = _explore(prepared, solver, options, generators, split=False, checked=checked)
-        keep = plan.estimated_us < plain.estimated_us
+    refined = refine_reshaped_regions(prepared[0]) if options.split_reshaped_dims else prepared[0]
+    split = refined is not prepared[0]
+    # Split shapes fuse more, but a reshape they move next to a gather or a dot may fuse less: both
+    # plans are explored and the latency evaluator chooses. An idle worker process explores the
+    # unsplit one meanwhile, where there is one (``background.submit_unsplit``).
+    ticket = background.submit_unsplit(prepared, solver, options, generators) if split else None
+    plan = _explore(prepared, refined, solver, options, generators, checked)
+    if split:
+        unsplit = background.take_unsplit(ticket, options) if ticket is not None else None
+        plain = None
+        if unsplit is None or unsplit.estimated_us <= plan.estimated_us:  # not decoded unless kept
+            plain = unsplit.plan(options) if unsplit is not None else None
+            if plain is None:
+                plain = _explore(prepared, prepared[0], solver, options, generators, checked)
+        plain_us = plain.estimated_us if plain is not None else unsplit.estimated_us
+        keep = plan.estimated_us < plain_us
         note = (f"reshapes resolved by splitting dims (graph/refine.py): estimated {plan.estimated_us:.1f} us "
-                f"against {plain.estimated_us:.1f} us unsplit; kept {'split' if keep else 'unsplit'}")
+                f"against {plain_us:.1f} us unsplit; kept {'split' if keep else 'unsplit'}")
         plan = plan if keep else plain
         plan.notes.append(note)
     plan = _model_templates(plan, options)
     plan.seconds = time.perf_counter() - start
     return plan
+
+
+@collector_paused()
+def unsplit_plan(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Options,
+                 generators: Sequence[str]) -> FusionPlan:
+    """The plan ``explore`` compares with the split one where splitting reshaped dims changes the
+    graph: a ``_prepared`` graph (with its notes) explored with reshapes as they are, before the
+    model's templates (the worker's half of ``explore``, ``background.submit_unsplit``)."""
+    _check_arguments(solver, generators)
+    return _explore(prepared, prepared[0], solver, options, generators)
 
 
 @collector_paused()
@@ -199,8 +219,9 @@ def transfer(plan: FusionPlan, graph: Graph, options: Options | None = None,
     start = time.perf_counter()
     prepared = _prepared(graph, options)
     names = {n.name for n in plan.graph.nodes}
-    for split in ((True, False) if options.split_reshaped_dims else (False,)):
-        rewritten, notes, _, _ = _rewritten(prepared, options, split)
+    for refined in ((refine_reshaped_regions(prepared[0]), prepared[0]) if options.split_reshaped_dims
+                    else (prepared[0],)):
+        rewritten, notes, _ = _rewritten(prepared, refined, options)
         if {n.name for n in rewritten.nodes} == names:
             break
     else:
@@ -354,14 +375,14 @@ def _prepared(graph: Graph, options: Options) -> tuple[Graph, tuple[str, ...]]:
     return graph, tuple(notes)
 
 
-def _rewritten(prepared: tuple[Graph, tuple[str, ...]], options: Options, split: bool
-               ) -> tuple[Graph, list[str], bool, list]:
-    """The rewrites of a ``_prepared`` graph before its candidates are generated, with reshapes
-    resolved by splitting dims or not: the graph, the notes, whether splitting changed the graph,
-    and the reductions split (``split.part_kernels``'s argument)."""
-    graph, notes, splits = prepared[0], list(prepared[1]), []
-    refined = refine_reshaped_regions(graph) if split else graph
-    split, graph = refined is not graph, refined
+def _rewritten(prepared: tuple[Graph, tuple[str, ...]], refined: Graph, options: Options
+               ) -> tuple[Graph, list[str], list]:
+    """The rewrites of a ``_prepared`` graph before its candidates are generated, from ``refined``:
+    the prepared graph itself or with reshapes resolved by splitting dims
+    (``refine_reshaped_regions``). The graph, the notes, and the reductions split
+    (``split.part_kernels``'s argument)."""
+    notes, splits = list(prepared[1]), []
+    split, graph = refined is not prepared[0], refined
     if options.collapse_dims:
         graph = collapse_reduced_runs(graph, rows=split)
     if options.widen_dots:
@@ -382,14 +403,14 @@ def _rewritten(prepared: tuple[Graph, tuple[str, ...]], options: Options, split:
         graph, splits = split_underfilled_reductions(graph, spec, bandwidth_model(options.device),
                                                      options.smem_limit)
         notes += [f"split {d}" for d in splits]
-    return graph, notes, split, splits
+    return graph, notes, splits
 
 
-def _explore(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Options, generators: Sequence[str],
-             split: bool, checked: dict | None = None) -> tuple[FusionPlan, bool]:
-    """``explore`` of a ``_prepared`` graph with reshapes resolved by splitting dims or not; whether
-    splitting changed the graph."""
-    graph, notes, split, splits = _rewritten(prepared, options, split)
+def _explore(prepared: tuple[Graph, tuple[str, ...]], refined: Graph, solver: str, options: Options,
+             generators: Sequence[str], checked: dict | None = None) -> FusionPlan:
+    """``explore`` of a ``_prepared`` graph from ``refined`` (``_rewritten``), before the model's
+    templates; ``checked``: schedule checks by pattern structure, shared with another exploration."""
+    graph, notes, splits = _rewritten(prepared, refined, options)
     roles = Roles.of(graph, options)
     legality = Legality(graph, options, checked)
     scorer = Scorer(graph, options, legality.structure)
@@ -439,7 +460,7 @@ def _explore(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Opti
                           f"evaluator; kept number {plans.index(plan) + 1}")
     plan.notes.append(f"schedule checks: {legality.feasible_calls} lowered, {legality.cache_hits} answered by "
                       "structure from the cache")
-    return plan, split
+    return plan
 
 
 def _finalize(graph: Graph, roles: Roles, legality: Legality, scorer: Scorer, candidates: Sequence[Candidate],

@@ -32,13 +32,12 @@ graphs of many small independent chains can take dozens.
 
 [Note: one HiGHS thread]
 HiGHS's default worker count is half the CPUs the host has online
-(``std::thread::hardware_concurrency``), not the CPUs this process may use, so in a container with a
-CPU quota on a large host its spinning workers can take the quota the rest of the process needs. The
-selection ILPs are solved at their root node in milliseconds, where workers bring nothing, so
-``_milp`` asks for one thread (the same solver path on every machine). HiGHS fixes its worker count
-at its first solve in a process: where another user of HiGHS in the process started it with another
-count first, a solve that names a count fails, and ``_milp`` solves again without one, as it does
-from then on.
+(``std::thread::hardware_concurrency``), so the same solve runs with another number of workers on
+every machine. The selection ILPs are solved at their root node in milliseconds, where workers
+bring nothing, so ``_milp`` asks for one thread: the same solver path everywhere. HiGHS fixes its
+worker count at its first solve in a process: where another user of HiGHS in the process started
+it with another count first, a solve that names a count fails, and ``_milp`` solves again without
+one, as it does from then on.
 """
 
 from __future__ import annotations

@@ -208,3 +208,102 @@ def test_a_worker_whose_parent_has_gone_stops_quietly():
             raise BrokenPipeError(32, "Broken pipe")
 
     assert background._serve(io.BytesIO(), Gone(), None) is None
+
+
+@pytest.fixture(scope="module")
+def split_graph():
+    """A BERT layer's forward: splitting its reshaped dims changes it, so it is explored both ways."""
+    from fusionstitching.cli import capture_workload
+
+    _, captured = capture_workload("bert_layer")
+    return captured.forward
+
+
+def _idle_worker() -> None:
+    background.start()
+    deadline = time.monotonic() + 120
+    while not background._WORKER.idle():
+        assert time.monotonic() < deadline, "the worker never became idle"
+        time.sleep(0.01)
+
+
+def _unsplit_begun(ticket) -> None:
+    """Wait until the worker has begun an unsplit job (``take_unsplit`` waits only for one begun)."""
+    worker, deadline = background._WORKER, time.monotonic() + 120
+    while True:
+        with worker.lock:
+            if ticket[0] in worker.started or ticket[0] in worker.results:
+                return
+        assert time.monotonic() < deadline, "the worker never began the job"
+        time.sleep(0.01)
+
+
+def test_an_idle_worker_explores_the_unsplit_plan_this_process_would(split_graph):
+    import sys
+
+    explore_module = sys.modules["fusionstitching.fusion.explore"]
+    options = Options(strict=True, cache_plans=False)
+    prepared = explore_module._prepared(split_graph, options)
+    _idle_worker()
+    ticket = background.submit_unsplit(prepared, "ilp", options, DEFAULT_GENERATORS)
+    assert ticket is not None
+    here = explore_module.unsplit_plan(prepared, "ilp", options, DEFAULT_GENERATORS)
+    _unsplit_begun(ticket)
+    taken = background.take_unsplit(ticket, options)
+    assert taken is not None and taken.estimated_us == here.estimated_us
+    there = taken.plan(options)
+    assert there is not None and any("unsplit plan explored by a worker process" in n for n in there.notes)
+    _same_plans(there, here)
+
+
+@pytest.mark.parametrize("kept", ["split", "unsplit"])
+def test_explore_takes_the_workers_unsplit_plan_and_plans_as_alone(split_graph, kept, monkeypatch):
+    """The worker's answer decides as the unsplit plan explored here would, and is decoded only
+    where it is kept (the BERT layer keeps one plan; for the other, the split plan's estimate is skewed)."""
+    import sys
+
+    explore_module = sys.modules["fusionstitching.fusion.explore"]
+    options = Options(strict=True, cache_plans=False)
+    alone = explore(split_graph, options=Options(strict=True, cache_plans=False, explore_ahead=False))
+    note = next(n for n in alone.notes if "reshapes resolved by splitting dims" in n)
+    if not note.endswith(f"kept {kept}"):  # the split plan (explored here) estimated far off
+        original = explore_module._explore
+
+        def skewed(prepared, refined, *args, **kwargs):
+            plan = original(prepared, refined, *args, **kwargs)
+            if refined is not prepared[0]:
+                plan.estimated_us *= 0.1 if kept == "split" else 10
+            return plan
+
+        monkeypatch.setattr(explore_module, "_explore", skewed)
+        alone = explore(split_graph, options=Options(strict=True, cache_plans=False, explore_ahead=False))
+        assert next(n for n in alone.notes if "reshapes resolved" in n).endswith(f"kept {kept}")
+    _idle_worker()
+    submitted, taken = background.COUNTS["unsplit submitted"], background.COUNTS["unsplit taken"]
+    alongside = explore(split_graph, options=options)
+    assert background.COUNTS["unsplit submitted"] == submitted + 1
+    assert background.COUNTS["unsplit taken"] == taken + (kept == "unsplit")  # decoded only when kept
+    assert any(f"kept {kept}" in n for n in alongside.notes)
+    _same_plans(alongside, alone)
+
+
+def test_a_busy_worker_or_explore_ahead_off_is_not_asked(split_graph, graph):
+    options = Options(strict=True, cache_plans=False)
+    _idle_worker()
+    assert background.submit_unsplit((split_graph, ()), "ilp", Options(explore_ahead=False), DEFAULT_GENERATORS) is None
+    assert background.submit(graph, options, DEFAULT_GENERATORS)  # a backward sent ahead: the worker is busy
+    assert background.submit_unsplit((split_graph, ()), "ilp", options, DEFAULT_GENERATORS) is None
+    _begun(graph, options)
+    assert background.take(graph, options, DEFAULT_GENERATORS) is not None
+    _idle_worker()
+    ticket = background.submit_unsplit((split_graph, ()), "ilp", options, DEFAULT_GENERATORS)
+    assert ticket is not None
+    _unsplit_begun(ticket)
+    assert background.take_unsplit(ticket, options).plan(options) is not None
+
+
+def test_a_worker_sends_nothing_on(split_graph, monkeypatch):
+    """Explorations in the worker process itself explore both ways there."""
+    _idle_worker()
+    monkeypatch.setattr(background, "_SERVING", True)
+    assert background.submit_unsplit((split_graph, ()), "ilp", Options(), DEFAULT_GENERATORS) is None

@@ -377,9 +377,9 @@ def test_the_split_and_unsplit_explorations_share_their_schedule_checks(monkeypa
     with_cache = sum(legality.feasible_calls for legality in lowered)
     lowered.clear()
     options = Options()
-    alone = [explore_module._explore(explore_module._prepared(graph, options), "ilp", options,
-                                     explore_module.DEFAULT_GENERATORS, split=split)[0]
-             for split in (True, False)]
+    prepared = explore_module._prepared(graph, options)
+    alone = [explore_module._explore(prepared, refined, "ilp", options, explore_module.DEFAULT_GENERATORS)
+             for refined in (explore_module.refine_reshaped_regions(prepared[0]), prepared[0])]
     without_cache = sum(legality.feasible_calls for legality in lowered)
     assert with_cache < without_cache
     split, unsplit = alone
