@@ -6,19 +6,25 @@ Public API: ``torch.compile(model, backend="fusionstitching")`` (or ``compile``)
 ``Options``; ``fusionstitching.fusion.explore`` plans. See README.md and docs/architecture.md.
 """
 
-from fusionstitching.backend import (
-    CompileFailure,
-    FallbackWarning,
-    compile,
-    register,
-    stats,
-    wait_for_compiles,
-)
-from fusionstitching.frontend.torch_fx import Captured, capture
+import os as _os
+
 from fusionstitching.graph.graph import Graph, GraphBuilder, Layout, Node
 from fusionstitching.graph.ops import Category, DType
 from fusionstitching.options import Options
 from fusionstitching.schedule.grouping import register_lowering_check
+
+# A planning worker process (``fusionstitching/worker.py``, started with ``background.PLANNER_ONLY``
+# set) imports the planner and code generator only: not the backend, the frontend or PyTorch.
+if _os.environ.get("FUSIONSTITCHING_PLANNER_ONLY") != "1":
+    from fusionstitching.backend import (
+        CompileFailure,
+        FallbackWarning,
+        compile,
+        register,
+        stats,
+        wait_for_compiles,
+    )
+    from fusionstitching.frontend.torch_fx import Captured, capture
 
 __all__ = ["Captured", "Category", "CompileFailure", "DType", "FallbackWarning", "Graph", "GraphBuilder", "Layout",
            "Node", "Options", "capture", "compile", "explain", "stats", "wait_for_compiles"]
@@ -45,4 +51,5 @@ def _lowering_refusal(*args: object) -> object:
 
 
 register_lowering_check(_lowering_refusal)
-register()  # torch.compile(..., backend="fusionstitching") works once the package is imported
+if _os.environ.get("FUSIONSTITCHING_PLANNER_ONLY") != "1":
+    register()  # torch.compile(..., backend="fusionstitching") works once the package is imported

@@ -296,6 +296,3 @@ def _compile_kernels(plan: FusionPlan, options: Options, arch: str) -> None:
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1, max(1, len(kernels)))) as pool:
         list(pool.map(build, kernels))
 
-
-if __name__ == "__main__":  # the explore-ahead worker (``fusion/background.py``)
-    background.serve(after=_compile_kernels)

@@ -6,8 +6,9 @@ graph before either is compiled, so the backward is known while the forward expl
 converts it then (``backend._Runner``) and ``submit``s it here, a worker process explores it while
 this process explores, generates and runs the forward, and the backward's ``compile_graph`` takes
 the plan (``take``) instead of exploring. The interpreter lock keeps a thread from doing this work
-alongside, so it is a process: started when a training graph arrives (``start``), running the
-pipeline's entry point with ``sys.executable -m`` (no re-import of the user's script), talking
+alongside, so it is a process: started when a graph arrives (``start``), running
+``fusionstitching/worker.py`` with ``sys.executable -m`` (no re-import of the user's script, and
+no import of PyTorch: it is ready within about a second on a 2-core machine), talking
 pickled messages over its standard input and output, and ending when this process closes its
 input (at exit, or when it dies). Given the GPU's arch, the worker then generates the plan's
 kernels and compiles them with NVRTC into the disk cache, where the backward's first call finds
@@ -56,10 +57,12 @@ from fusionstitching.options import Options
 
 # graphs sent to the worker and plans used from it; unsplit explorations alike (``submit_unsplit``)
 COUNTS = {"submitted": 0, "taken": 0, "unsplit submitted": 0, "unsplit taken": 0}
-# The worker's main module: the pipeline's, whose entry point calls ``serve`` with the step that
+# The worker's main module (``fusionstitching/worker.py``), which calls ``serve`` with the step that
 # generates and compiles a plan's kernels (stages above this one). Running it imports the package
-# first, which registers the code generator's lowering check that exploration asks.
-WORKER_MODULE = "fusionstitching.pipeline"
+# first, which registers the code generator's lowering check that exploration asks; with
+# ``PLANNER_ONLY`` set in its environment, without PyTorch.
+WORKER_MODULE = "fusionstitching.worker"
+PLANNER_ONLY = "FUSIONSTITCHING_PLANNER_ONLY"
 
 
 def _command() -> list[str]:
@@ -96,6 +99,7 @@ class _Worker:
         package_parent = str(Path(__file__).resolve().parent.parent.parent)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([package_parent, *filter(None, [env.get("PYTHONPATH")])])
+        env[PLANNER_ONLY] = "1"
         self.process = subprocess.Popen(_command(),
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.lock = threading.Condition()

@@ -307,3 +307,23 @@ def test_a_worker_sends_nothing_on(split_graph, monkeypatch):
     _idle_worker()
     monkeypatch.setattr(background, "_SERVING", True)
     assert background.submit_unsplit((split_graph, ()), "ilp", Options(), DEFAULT_GENERATORS) is None
+
+
+def test_the_worker_imports_the_planner_without_pytorch():
+    """The worker is ready before the graph it is wanted for has been traced: it imports neither
+    PyTorch nor TorchDynamo, and the package still registers the code generator's lowering check."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, fusionstitching.worker\n"
+            "from fusionstitching.fusion import explore\n"
+            "from fusionstitching.schedule import grouping\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "print('ok', bool(grouping._LOWERING))\n")
+    env = {**os.environ, background.PLANNER_ONLY: "1",
+           "PYTHONPATH": str(Path(background.__file__).resolve().parents[2])}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ok", "True"]
