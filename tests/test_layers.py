@@ -1,8 +1,9 @@
 """The packages import one way (DESIGN.md, the architecture issue): a module imports only from its
 own package or from packages before it in the order
 
-    graph, options -> cost -> schedule -> fusion -> codegen -> runtime -> pipeline
-    -> the backend entry point (backend.py) -> the package's __init__ -> bench, cli, fuzz
+    graph, options -> cost -> schedule -> fusion -> codegen -> runtime -> pipeline, the planning
+    worker's main (worker.py) -> the backend entry point (backend.py) -> the package's __init__
+    -> bench, cli, fuzz
 
 ``frontend`` imports only ``graph`` and ``options``, and only ``pipeline`` and what stands above
 it import ``frontend``. Every import counts, at the top of a
@@ -19,7 +20,7 @@ import networkx as nx
 
 ROOT = Path(__file__).resolve().parent.parent / "fusionstitching"
 RANK = {"graph": 0, "options": 0, "_host": 0, "cost": 1, "schedule": 2, "fusion": 3, "codegen": 4, "runtime": 5,
-        "pipeline": 6, "backend": 7, "__init__": 8, "bench": 9, "cli": 9, "fuzz": 9}
+        "pipeline": 6, "worker": 6, "backend": 7, "__init__": 8, "bench": 9, "cli": 9, "fuzz": 9}
 
 def _module(path: Path) -> str:
     parts = path.relative_to(ROOT.parent).with_suffix("").parts

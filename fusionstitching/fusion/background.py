@@ -47,8 +47,7 @@ import struct
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -57,7 +56,7 @@ from fusionstitching.options import Options
 
 # graphs sent to the worker and plans used from it; unsplit explorations alike (``submit_unsplit``)
 COUNTS = {"submitted": 0, "taken": 0, "unsplit submitted": 0, "unsplit taken": 0}
-# The worker's main module (``fusionstitching/worker.py``), which calls ``serve`` with the step that
+# The worker's main module (``fusionstitching/worker.py``), whose ``serve`` answers with the step that
 # generates and compiles a plan's kernels (stages above this one). Running it imports the package
 # first, which registers the code generator's lowering check that exploration asks; with
 # ``PLANNER_ONLY`` set in its environment, without PyTorch.
@@ -75,12 +74,12 @@ def _message(message: Any) -> bytes:
     return _HEADER.pack(len(data)) + data
 
 
-def _send(stream: IO[bytes], message: Any) -> None:
+def send(stream: IO[bytes], message: Any) -> None:
     stream.write(_message(message))
     stream.flush()
 
 
-def _receive(stream: IO[bytes]) -> Any:
+def receive(stream: IO[bytes]) -> Any:
     """The next message, or None at the end of the stream."""
     header = stream.read(_HEADER.size)
     if len(header) < _HEADER.size:
@@ -133,7 +132,7 @@ class _Worker:
         assert self.process.stdout is not None
         while True:
             try:
-                message = _receive(self.process.stdout)
+                message = receive(self.process.stdout)
             except Exception:  # noqa: BLE001 -- a damaged stream ends the worker's use
                 message = None
             if message is None:
@@ -197,7 +196,6 @@ class _Worker:
 
 
 _WORKER: _Worker | None = None
-_SERVING = False  # this process is a worker: its explorations send nothing on
 _PENDING: dict[str, int] = {}  # plan key -> job number
 _GUARD = threading.Lock()
 
@@ -282,11 +280,11 @@ def submit_unsplit(prepared: tuple[Graph, tuple[str, ...]], solver: str, options
     reshapes left unsplit (``explore.unsplit_plan``) while this process explores it split; a ticket
     for ``take_unsplit``. Only a worker that is ready and
     has nothing else to do is asked (it then begins at once, and a backward sent ahead is never
-    queued behind it); None otherwise, in a worker itself, or with ``Options(explore_ahead=False)``.
+    queued behind it); None otherwise, in the worker itself, or with ``Options(explore_ahead=False)``.
     Never raises."""
     from fusionstitching.fusion.plan_cache import plan_key
 
-    if _SERVING or not options.explore_ahead:
+    if os.environ.get(PLANNER_ONLY) == "1" or not options.explore_ahead:  # a worker sends nothing on
         return None
     try:
         with _GUARD:
@@ -369,58 +367,3 @@ def started(graph: Graph, options: Options, generators: Sequence[str]) -> bool:
         return False
     with worker.lock:
         return job in worker.started or job in worker.results
-
-
-def serve(after: Callable[[Any, Options, str], None] | None = None) -> None:
-    """The worker's loop (its process's main): say it is ready, then for each request say it has
-    begun, explore it and send back its plan, or the error's text; then, where the request names
-    an arch, ``after(plan, options, arch)`` (the pipeline compiles the plan's kernels). Messages go
-    out on the original standard output only; anything printed goes to standard error."""
-    global _SERVING
-    _SERVING = True
-    channel = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    _serve(sys.stdin.buffer, channel, after)
-    with contextlib.suppress(OSError):  # a parent gone: the buffered rest has nowhere to go
-        channel.close()
-
-
-def _serve(source: IO[bytes], sink: IO[bytes], after: Callable[[Any, Options, str], None] | None) -> None:
-    """``_answer`` until the input ends, or quietly once the parent has gone (a closed pipe)."""
-    try:
-        _answer(source, sink, after)
-    except BrokenPipeError:  # the parent exited (or closed the worker) first: nothing is waiting
-        return
-
-
-def _answer(source: IO[bytes], sink: IO[bytes], after: Callable[[Any, Options, str], None] | None) -> None:
-    from fusionstitching.fusion.explore import explore, unsplit_plan
-    from fusionstitching.fusion.plan_cache import encode
-    from fusionstitching.graph.serialize import from_json
-
-    _send(sink, ("ready",))
-    while True:
-        request = _receive(source)
-        if request is None:
-            return
-        # ``detail``: for a "plan", the GPU arch to compile its kernels for (or None); for an
-        # "unsplit" exploration, the notes of the prepared graph (``explore.unsplit_plan``)
-        job, task, text, origins, checks, solver, generators, options, key, detail = request
-        _send(sink, ("started", job))
-        start = time.perf_counter()
-        try:
-            graph = from_json(text)
-            graph.origins = dict(origins)
-            graph.checks = checks
-            if task == "unsplit":
-                plan = unsplit_plan((graph, tuple(detail)), solver, options, generators)
-            else:
-                plan = explore(graph, solver=solver, options=options, generators=generators)
-            answer = ("done", job, True, encode(plan, key), time.perf_counter() - start)
-        except Exception as err:  # noqa: BLE001 -- reported; the graph is explored where it is compiled
-            answer = ("done", job, False, f"{type(err).__name__}: {err}", time.perf_counter() - start)
-            plan = None
-        _send(sink, answer)
-        if task == "plan" and plan is not None and detail is not None and after is not None:
-            with contextlib.suppress(Exception):  # the graph's first call compiles what is missing
-                after(plan, options, detail)
