@@ -278,10 +278,9 @@ def submit_unsplit(prepared: tuple[Graph, tuple[str, ...]], solver: str, options
                    generators: Sequence[str]) -> tuple[int, str] | None:
     """Have the worker explore a graph ``explore`` has prepared (the graph and its notes) with
     reshapes left unsplit (``explore.unsplit_plan``) while this process explores it split; a ticket
-    for ``take_unsplit``. Only a worker that is ready and
-    has nothing else to do is asked (it then begins at once, and a backward sent ahead is never
-    queued behind it); None otherwise, in the worker itself, or with ``Options(explore_ahead=False)``.
-    Never raises."""
+    for ``take_unsplit``. Only a worker that is ready and has nothing else to do is asked (it then
+    begins at once, and a backward sent ahead is never queued behind it); None otherwise, in the
+    worker itself, or with ``Options(explore_ahead=False)``. Never raises."""
     from fusionstitching.fusion.plan_cache import plan_key
 
     if os.environ.get(PLANNER_ONLY) == "1" or not options.explore_ahead:  # a worker sends nothing on
