@@ -173,6 +173,12 @@ class _Worker:
         self.outbox.put(message)
         return job
 
+    def forget(self, job: int) -> None:
+        """Drop ``job``'s answer, now or when it comes, without waiting for it."""
+        with self.lock:
+            if self.results.pop(job, None) is None and job in self.open:
+                self.dropped.add(job)
+
     def idle(self) -> bool:
         """Ready, alive, and with no job sent that it has not answered."""
         with self.lock:
@@ -274,8 +280,17 @@ def take(graph: Graph, options: Options, generators: Sequence[str]):
     return plan, seconds
 
 
+@dataclasses.dataclass(frozen=True)
+class Ticket:
+    """An unsplit exploration sent: the worker it went to, its job number and its key."""
+
+    worker: _Worker
+    job: int
+    key: str
+
+
 def submit_unsplit(prepared: tuple[Graph, tuple[str, ...]], solver: str, options: Options,
-                   generators: Sequence[str]) -> tuple[int, str] | None:
+                   generators: Sequence[str]) -> Ticket | None:
     """Have the worker explore a graph ``explore`` has prepared (the graph and its notes) with
     reshapes left unsplit (``explore.unsplit_plan``) while this process explores it split; a ticket
     for ``take_unsplit``. Only a worker that is ready and has nothing else to do is asked (it then
@@ -297,7 +312,7 @@ def submit_unsplit(prepared: tuple[Graph, tuple[str, ...]], solver: str, options
         if job is None:
             return None
         COUNTS["unsplit submitted"] += 1
-        return job, key
+        return Ticket(worker, job, key)
     except Exception:  # noqa: BLE001 -- explored here instead
         return None
 
@@ -324,21 +339,24 @@ class Unsplit:
         return plan
 
 
-def take_unsplit(ticket: tuple[int, str], options: Options) -> Unsplit | None:
+def take_unsplit(ticket: Ticket, options: Options) -> Unsplit | None:
     """The answer to a ``submit_unsplit`` ticket, waiting for it if the worker has begun it; None
     where it failed, died or has not begun (the plan is then explored here)."""
-    job, key = ticket
-    worker = _WORKER
-    if worker is None:
-        return None
-    answer = worker.claim(job)
+    answer = ticket.worker.claim(ticket.job)
     if answer is None or not answer[0]:
         return None
     _, entry, seconds = answer
     try:
-        return Unsplit(float(entry["estimated_us"]), entry, key, seconds)
+        if entry["key"] != ticket.key:  # not this exploration's answer: never trusted
+            return None
+        return Unsplit(float(entry["estimated_us"]), entry, ticket.key, seconds)
     except Exception:  # noqa: BLE001 -- explored here instead
         return None
+
+
+def forget_unsplit(ticket: Ticket) -> None:
+    """Drop a ticket's answer without waiting for it (the exploration that sent it failed)."""
+    ticket.worker.forget(ticket.job)
 
 
 def pending() -> int:

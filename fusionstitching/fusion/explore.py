@@ -170,7 +170,12 @@ def explore(graph: Graph, solver: str = "ilp", options: Options | None = None,
     # plans are explored and the latency evaluator chooses. An idle worker process explores the
     # unsplit one meanwhile, where there is one (``background.submit_unsplit``).
     ticket = background.submit_unsplit(prepared, solver, options, generators) if split else None
-    plan = _explore(prepared, refined, solver, options, generators, checked)
+    try:
+        plan = _explore(prepared, refined, solver, options, generators, checked)
+    except BaseException:
+        if ticket is not None:
+            background.forget_unsplit(ticket)
+        raise
     if split:
         unsplit = background.take_unsplit(ticket, options) if ticket is not None else None
         plain = None

@@ -231,10 +231,10 @@ def _idle_worker() -> None:
 
 def _unsplit_begun(ticket) -> None:
     """Wait until the worker has begun an unsplit job (``take_unsplit`` waits only for one begun)."""
-    worker, deadline = background._WORKER, time.monotonic() + 120
+    worker, deadline = ticket.worker, time.monotonic() + 120
     while True:
         with worker.lock:
-            if ticket[0] in worker.started or ticket[0] in worker.results:
+            if ticket.job in worker.started or ticket.job in worker.results:
                 return
         assert time.monotonic() < deadline, "the worker never began the job"
         time.sleep(0.01)
@@ -302,6 +302,40 @@ def test_a_busy_worker_or_explore_ahead_off_is_not_asked(split_graph, graph):
     assert ticket is not None
     _unsplit_begun(ticket)
     assert background.take_unsplit(ticket, options).plan(options) is not None
+
+
+def test_an_answer_not_for_the_ticket_is_not_trusted(split_graph):
+    """A ticket's answer is its own exploration's: a worker that died and was replaced numbers its
+    jobs from 1 again, and another job's plan under the ticket's number must not decide."""
+    options = Options(strict=True, cache_plans=False)
+    _idle_worker()
+    ticket = background.submit_unsplit((split_graph, ()), "ilp", options, DEFAULT_GENERATORS)
+    assert ticket is not None
+    _unsplit_begun(ticket)
+    forged = background.Ticket(ticket.worker, ticket.job, ticket.key + "-another")
+    assert background.take_unsplit(forged, options) is None
+
+
+def test_a_failed_exploration_drops_its_tickets_answer(split_graph, monkeypatch):
+    import sys
+
+    explore_module = sys.modules["fusionstitching.fusion.explore"]
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("split exploration failed")
+
+    _idle_worker()
+    sent = background.COUNTS["unsplit submitted"]
+    monkeypatch.setattr(explore_module, "_explore", failing)
+    with pytest.raises(RuntimeError, match="split exploration failed"):
+        explore(split_graph, options=Options(strict=True, cache_plans=False))
+    assert background.COUNTS["unsplit submitted"] == sent + 1
+    worker = background._WORKER
+    deadline = time.monotonic() + 120
+    while not worker.idle():  # the answer comes and is dropped, not kept
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not worker.results and not worker.dropped
 
 
 def test_a_worker_sends_nothing_on(split_graph, monkeypatch):
