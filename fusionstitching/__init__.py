@@ -8,6 +8,7 @@ Public API: ``torch.compile(model, backend="fusionstitching")`` (or ``compile``)
 
 import os as _os
 
+from fusionstitching.fusion.background import PLANNER_ONLY as _PLANNER_ONLY
 from fusionstitching.graph.graph import Graph, GraphBuilder, Layout, Node
 from fusionstitching.graph.ops import Category, DType
 from fusionstitching.options import Options
@@ -15,7 +16,8 @@ from fusionstitching.schedule.grouping import register_lowering_check
 
 # A planning worker process (``fusionstitching/worker.py``, started with ``background.PLANNER_ONLY``
 # set) imports the planner and code generator only: not the backend, the frontend or PyTorch.
-if _os.environ.get("FUSIONSTITCHING_PLANNER_ONLY") != "1":
+_PLANNING_WORKER = _os.environ.get(_PLANNER_ONLY) == "1"
+if not _PLANNING_WORKER:
     from fusionstitching.backend import (
         CompileFailure,
         FallbackWarning,
@@ -39,6 +41,9 @@ def __getattr__(name: str) -> object:
         from fusionstitching.pipeline import explain
 
         return explain
+    if _PLANNING_WORKER and name in __all__:
+        raise AttributeError(f"fusionstitching.{name} is not loaded: {_PLANNER_ONLY}=1 is set, under which the "
+                             "package loads only the planner and code generator (the planning worker's mode)")
     raise AttributeError(f"module 'fusionstitching' has no attribute {name!r}")
 
 
@@ -51,5 +56,5 @@ def _lowering_refusal(*args: object) -> object:
 
 
 register_lowering_check(_lowering_refusal)
-if _os.environ.get("FUSIONSTITCHING_PLANNER_ONLY") != "1":
+if not _PLANNING_WORKER:
     register()  # torch.compile(..., backend="fusionstitching") works once the package is imported

@@ -357,6 +357,13 @@ def test_the_worker_imports_the_planner_without_pytorch():
             "from fusionstitching.fusion import explore\n"
             "from fusionstitching.schedule import grouping\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "import fusionstitching\n"
+            "try:\n"
+            "    fusionstitching.compile\n"
+            "except AttributeError as err:\n"
+            "    assert 'FUSIONSTITCHING_PLANNER_ONLY=1 is set' in str(err), err\n"
+            "else:\n"
+            "    raise AssertionError('compile loaded')\n"
             "print('ok', bool(grouping._LOWERING))\n")
     env = {**os.environ, background.PLANNER_ONLY: "1",
            "PYTHONPATH": str(Path(background.__file__).resolve().parents[2])}
