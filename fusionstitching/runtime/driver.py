@@ -43,6 +43,11 @@ class Driver:
             function.argtypes = argtypes
             function.restype = _CUresult
         self.launch = library.cuLaunchKernel  # called as is on the hot path: returns the CUresult
+        # The same entry point without declared argument types, for callers that pass arguments
+        # already converted (``ctypes.c_void_p`` handles, ints that fit a C int, None): ctypes then
+        # converts nothing per call (``runtime/unrolled.py``).
+        self.launch_raw = library._FuncPtr(("cuLaunchKernel", library))
+        self.launch_raw.restype = _CUresult
 
     def cuInit(self, flags: int) -> tuple:
         return (self.lib.cuInit(flags),)

@@ -202,6 +202,14 @@ class LoadedKernel:
                 rewritten += 1
         return rewritten
 
+    def repack(self, pointers: list[int], alignment: int = 0) -> bool:
+        """Write ``pointers`` into the prepacked arguments, unless ``alignment`` is given and one of
+        them is not a multiple of it (the kernel's scalar variant runs then). Whether written."""
+        if alignment and any(p & (alignment - 1) for p in pointers):
+            return False
+        self._pack(pointers)
+        return True
+
     def load(self) -> None:
         """Load the CUBIN into the current device's primary context (done by the first launch)."""
         if self._function is not None:

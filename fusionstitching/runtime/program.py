@@ -22,6 +22,7 @@ vector accesses falls back to its scalar variant when a pointer is misaligned, a
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -32,6 +33,7 @@ from fusionstitching.graph.graph import Graph, Node
 from fusionstitching.graph.node import contiguous_strides
 from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 from fusionstitching.options import Options
+from fusionstitching.runtime import unrolled
 from fusionstitching.runtime.kernel_call import call_generated, loaded
 from fusionstitching.runtime.launch import _current_stream as current_stream
 
@@ -111,11 +113,16 @@ class KernelOp:
             pointers = [t.data_ptr() for t in outputs] + [t.data_ptr() for t in inputs]
             # Pointers equal to the last launch's were aligned then (the usual case: kept buffers).
             if self.has_scalar_variant and pointers != launcher._last and any(p & _ALIGNMENT_MASK for p in pointers):
-                outputs = call_generated(self.kernel, self._viewed(inputs), outputs, **self.cache)
+                self.misaligned(inputs, outputs)
             else:
                 launcher.launch(pointers, stream)
         for slot, tensor in zip(self.out_slots, outputs):
             slots[slot] = tensor
+
+    def misaligned(self, inputs: list[Any], outputs: list[Any]) -> None:
+        """Run on ``inputs`` into ``outputs`` where a pointer is not 16-byte aligned: the kernel's
+        scalar variant (``call_generated`` chooses it)."""
+        call_generated(self.kernel, self._viewed(inputs), outputs, **self.cache)
 
     def retune(self, tuner: Any, slots: list[Any]) -> None:
         """Let ``tuner`` (``runtime.tuner.Tuner``) choose this op's kernel with this call's inputs."""
@@ -164,8 +171,10 @@ class CallOp:
     reused while the buffer is the same object."""
 
     def __init__(self, fn: Callable[..., Any], in_slots: list[int], out_slot: int | list[int],
-                 views: list[Callable[[Any], Any] | None] | None = None, stable: list[bool] | None = None) -> None:
+                 views: list[Callable[[Any], Any] | None] | None = None, stable: list[bool] | None = None,
+                 label: str = "call") -> None:
         self.fn = fn
+        self.label = label  # what the step runs, for the unrolled program's source (``runtime/unrolled.py``)
         self.in_slots = in_slots
         self.out_slot = out_slot
         self.views = views if views and any(v is not None for v in views) else None
@@ -255,7 +264,8 @@ class GpuProgram:
                     sources.append(x)
                     views.append(_chained(chain[::-1]) if chain else None)
                 out = slot[node] if len(step.nodes) == 1 else [slot[n] for n in step.nodes]
-                self.ops.append(CallOp(fn, [slot[x] for x in sources], out, views, [x in kept for x in sources]))
+                label = f"{step.kind} {node.name} ({node.attrs.get('target', node.op)})"
+                self.ops.append(CallOp(fn, [slot[x] for x in sources], out, views, [x in kept for x in sources], label))
                 produced_by_call.update(step.nodes)
         from fusionstitching.runtime.kernel_call import device_arch, precompile
 
@@ -267,28 +277,45 @@ class GpuProgram:
         self.capturable = not any(getattr(getattr(op, "fn", None), "on_host", False) for op in self.ops)
         self.output_slots = [None if out is None else slot[out] for out in graph.outputs]
         self.kinds = [step.kind for step in steps]
+        # the run written out as one function once every kernel is loaded and every kept buffer
+        # allocated (``runtime/unrolled.py``), and its source
+        self.unrolled: Callable[..., list[Any]] | None = None
+        self.source = ""
+        self._stream_argument = ctypes.c_void_p(None)
 
     def run(self, tensors: Sequence[Any], tuner: Any = None) -> list[Any]:
         """The graph's outputs for ``tensors``. With ``tuner`` (``runtime.tuner.Tuner``, at the first
         call) each kernel is chosen by it, with the call's inputs, just before it runs."""
-        slots: list[Any] = [None] * self.size
-        slots[: len(tensors)] = tensors
-        for k, value in self.constants:
-            slots[k] = value
         stream = current_stream(self.device_index) if self.device.type == "cuda" else 0
         if stream != self.stream:
             self._follow(stream)
         here = _empty_strided_cuda is not None and _current_device is not None \
             and _current_device() == self.device_index
+        if tuner is None and self.unrolled is not None:
+            return self.unrolled(tensors, self._stream_argument, _empty_strided_cuda if here else self._allocate)
+        slots: list[Any] = [None] * self.size
+        slots[: len(tensors)] = tensors
+        for k, value in self.constants:
+            slots[k] = value
         if tuner is None:
             for op in self.ops:
                 op(slots, stream, here)
         else:
+            self.unrolled = None  # the kernels may change
             for op in self.ops:
                 if isinstance(op, KernelOp):
                     op.retune(tuner, slots)
                 op(slots, stream, here)
-        return [None if k is None else slots[k] for k in self.output_slots]
+        outputs = [None if k is None else slots[k] for k in self.output_slots]
+        if tuner is None and self.device.type == "cuda" and unrolled.ready(self):
+            from fusionstitching.runtime.driver import driver
+
+            self.unrolled, self.source = unrolled.unroll(self, driver().launch_raw)
+        return outputs
+
+    def _allocate(self, shape: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor on the program's device when it is not the current one."""
+        return torch.empty_strided(shape, strides, dtype=dtype, device=self.device)
 
     @property
     def kernels(self) -> list[Any]:
@@ -305,6 +332,7 @@ class GpuProgram:
             torch.cuda.ExternalStream(stream, device=self.device).wait_stream(
                 torch.cuda.ExternalStream(self.stream, device=self.device))
         self.stream = stream
+        self._stream_argument = ctypes.c_void_p(stream or None)
 
 
 def _escaping(graph: Graph, steps: Sequence[Any]) -> set[Node]:

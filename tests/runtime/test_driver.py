@@ -76,6 +76,10 @@ def test_the_launcher_binds_libcuda_by_name(monkeypatch):
 
             return function
 
+        def _FuncPtr(self, entry):  # ctypes' function of an entry point, without argument types
+            name, _ = entry
+            return getattr(self, name)
+
     monkeypatch.setattr(driver.ctypes, "CDLL", _Library)
     driver.driver.cache_clear()
     try:

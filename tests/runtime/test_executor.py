@@ -240,12 +240,17 @@ def test_whole_plans_match_the_reference_on_gpu(name):
         inputs = _inputs(graph)
         want = reference.evaluate(graph, inputs)
         tensors = [torch.from_numpy(np.asarray(a)).cuda() for a in inputs]
-        for _ in range(3):  # the first call loads the kernels, later calls take the lean path
-            got = compiled(*tensors)
+        # the first call loads the kernels, the second takes the lean loop (and allocates the kept
+        # buffers), later calls run the unrolled program (``runtime/unrolled.py``): on the same
+        # inputs and on copies of them at other addresses
+        for call in range(5):
+            got = compiled(*(tensors if call % 2 == 0 else [t.clone() for t in tensors]))
             for g, w in zip(got, want):
                 if w is not None:
-                    assert _relative(g.cpu().numpy(), w) < 1e-5, graph.name
-        assert compiled.counts["kernel"] == 3 * compiled.plan.kernel_count
+                    assert _relative(g.cpu().numpy(), w) < 1e-5, (graph.name, call)
+        assert compiled.counts["kernel"] == 5 * compiled.plan.kernel_count
+        (program,) = compiled._programs.values()
+        assert program.unrolled is not None and program.source.count("_launch(") == compiled.plan.kernel_count
 
 
 @pytest.mark.gpu
