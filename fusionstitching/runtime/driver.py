@@ -46,7 +46,7 @@ class Driver:
         # The same entry point without declared argument types, for callers that pass arguments
         # already converted (``ctypes.c_void_p`` handles, ints that fit a C int, None): ctypes then
         # converts nothing per call (``runtime/unrolled.py``).
-        self.launch_raw = library._FuncPtr(("cuLaunchKernel", library))
+        self.launch_raw = library["cuLaunchKernel"]  # indexing makes a new function object
         self.launch_raw.restype = _CUresult
 
     def cuInit(self, flags: int) -> tuple:

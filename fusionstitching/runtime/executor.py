@@ -580,14 +580,20 @@ def _library_function(node: Node, siblings: Sequence[int] = ()) -> Callable[...,
         fill_args = _filler(list(call.get("args", [])), raw)
         fill_kwargs = _filler(dict(call.get("kwargs", {})), raw)
 
+        grad_enabled = torch.is_grad_enabled
+
         def library_op(*args: Any) -> Any:
             positional = fill_args(args)
             keywords = fill_kwargs(args)
             if fill is not None:  # a new filled tensor, put into in place: no copy of a broadcast
                 dest = positional[0]
                 positional[0] = torch.full(dest.shape, fill, dtype=dest.dtype, device=dest.device)
-            with torch.no_grad():
-                result = reference.library_result(call, target(*positional, **keywords))
+            if grad_enabled():  # a graph's own values need no autograd history
+                with torch.no_grad():
+                    result = target(*positional, **keywords)
+            else:  # as under AOTAutograd's compiled functions: no context to enter
+                result = target(*positional, **keywords)
+            result = reference.library_result(call, result)
             if index < 0:
                 return result
             return result[index] if len(siblings) == 1 else [result[k] for k in siblings]

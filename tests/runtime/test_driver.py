@@ -76,8 +76,7 @@ def test_the_launcher_binds_libcuda_by_name(monkeypatch):
 
             return function
 
-        def _FuncPtr(self, entry):  # ctypes' function of an entry point, without argument types
-            name, _ = entry
+        def __getitem__(self, name):  # ctypes: a new function object, without argument types
             return getattr(self, name)
 
     monkeypatch.setattr(driver.ctypes, "CDLL", _Library)
@@ -89,3 +88,25 @@ def test_the_launcher_binds_libcuda_by_name(monkeypatch):
         assert bound.cuModuleUnload(5) == (0,)
     finally:
         driver.driver.cache_clear()
+
+
+def test_a_launch_with_converted_arguments_reaches_the_driver_as_declared():
+    """``Driver.launch_raw`` has no declared argument types: the unrolled program passes handles as
+    ``c_void_p``, grid and block sizes as ints and a null ``extra`` as None. A C function with
+    cuLaunchKernel's signature (a ctypes callback) receives each value as declared, 64-bit
+    handles whole."""
+    import ctypes
+
+    received = []
+    signature = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p)
+    callback = signature(lambda *args: received.append(args) or 0)
+    untyped = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.cast(callback, ctypes.c_void_p).value)
+    function, stream, params = 0x7F12_3456_7890, 0x5555_0000_1234, 0x7FFF_FFFF_FF00
+    blocks = 2**31 - 1
+    assert untyped(ctypes.c_void_p(function), blocks, 1, 1, 1024, 1, 1, 49152, ctypes.c_void_p(stream),
+                   ctypes.c_void_p(params), None) == 0
+    assert received == [(function, blocks, 1, 1, 1024, 1, 1, 49152, stream, params, None)]
+    received.clear()
+    untyped(ctypes.c_void_p(function), 7, 1, 1, 32, 1, 1, 0, ctypes.c_void_p(None), ctypes.c_void_p(params), None)
+    assert received == [(function, 7, 1, 1, 32, 1, 1, 0, None, params, None)]
