@@ -45,6 +45,7 @@ from fusionstitching.graph.node import contiguous_strides
 from fusionstitching.graph.ops import Category
 from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
 from fusionstitching.options import Options
+from fusionstitching.runtime.library_call import library_function
 from fusionstitching.runtime.program import GpuProgram, GraphedProgram, dot_function, view_function
 
 
@@ -576,29 +577,7 @@ def _library_function(node: Node, siblings: Sequence[int] = ()) -> Callable[...,
         if fill is not None:
             target = torch.ops.aten.index_put_.default
 
-        raw = (0,) if fill is not None else ()  # replaced below: not laid out as traced first
-        fill_args = _filler(list(call.get("args", [])), raw)
-        fill_kwargs = _filler(dict(call.get("kwargs", {})), raw)
-
-        grad_enabled = torch.is_grad_enabled
-
-        def library_op(*args: Any) -> Any:
-            positional = fill_args(args)
-            keywords = fill_kwargs(args)
-            if fill is not None:  # a new filled tensor, put into in place: no copy of a broadcast
-                dest = positional[0]
-                positional[0] = torch.full(dest.shape, fill, dtype=dest.dtype, device=dest.device)
-            if grad_enabled():  # a graph's own values need no autograd history
-                with torch.no_grad():
-                    result = target(*positional, **keywords)
-            else:  # as under AOTAutograd's compiled functions: no context to enter
-                result = target(*positional, **keywords)
-            result = reference.library_result(call, result)
-            if index < 0:
-                return result
-            return result[index] if len(siblings) == 1 else [result[k] for k in siblings]
-
-        return library_op
+        return library_function(call, target, len(node.operands), index, siblings, fill)
 
     if node.op == "reduce" and node.operands[0].dtype.is_float:
         return _torch_reduce(node)
@@ -664,48 +643,6 @@ def _filled_destination(node: Node) -> float | int | bool | None:
         return None
     value = np.asarray(dest.attrs["value"])
     return value.item() if value.size == 1 else None
-
-
-def _filler(template: Any, raw: Sequence[int] = ()) -> Callable[[Sequence[Any]], Any]:
-    """A function of a call's operands that fills ``template`` in (operands laid out as traced,
-    except the operands ``raw``). The template is walked once, here: its constant parts (sizes,
-    strides, flags, dtypes) are built once and shared by every call, and a call only places its
-    tensors, where walking the template at every call was most of a library call's host time."""
-    value, constant = _filled(template, raw)
-    if constant:
-        return lambda args: value
-    return value
-
-
-def _filled(template: Any, raw: Sequence[int]) -> tuple[Any, bool]:
-    """(the filled value, True) for a constant part of a template; (a function of the operands
-    making it, False) for a part holding operands."""
-    from collections.abc import Mapping
-
-    from fusionstitching.graph.ops import DType
-    from fusionstitching.graph.torch_dtypes import DTYPE_TO_TORCH
-
-    if isinstance(template, Mapping):
-        if "operand" in template:
-            k = template["operand"]
-            if k in raw:
-                return (lambda args: args[k]), False
-            return reference.operand_function(template), False
-        if set(template) == {"dtype"}:
-            return DTYPE_TO_TORCH[DType(template["dtype"])], True
-        parts = {key: _filled(value, raw) for key, value in template.items()}
-        if all(constant for _, constant in parts.values()):
-            return {key: value for key, (value, _) in parts.items()}, True
-        makers = [(key, value if not constant else (lambda args, v=value: v)) for key, (value, constant) in parts.items()]
-        return (lambda args: {key: make(args) for key, make in makers}), False
-    if isinstance(template, (list, tuple)):
-        kind = type(template)
-        parts = [_filled(value, raw) for value in template]
-        if all(constant for _, constant in parts):
-            return kind(value for value, _ in parts), True
-        makers = [value if not constant else (lambda args, v=value: v) for value, constant in parts]
-        return (lambda args: kind([make(args) for make in makers])), False
-    return template, True
 
 
 def _to_numpy(tensor: Any, node: Node) -> np.ndarray:
