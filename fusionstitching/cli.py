@@ -300,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help="also the whole models (BERT, GPT-2, Llama-style, UNet block, ResNet-50)")
     bench.add_argument("--systems", default="eager,inductor,fusionstitching",
                        help=("comma-separated: eager, inductor, fusionstitching, fusionstitching-untuned, "
-                             "fusionstitching-async, aot_eager, xla (JAX, micro workloads)"))
+                             "fusionstitching-async, fusionstitching-loop, aot_eager, xla (JAX, micro workloads)"))
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     bench.add_argument("--top", type=int, default=0, metavar="N",
                        help="also print each system's N kernels with the most GPU time per call (with the "

@@ -96,6 +96,10 @@ class Options:
     # "exhaustive" (and ``fusionstitching tune``) has no limit.
     tune_budget: float = 0.5
     tune_min_seconds: float = 2.0
+    # A GPU program whose kernels are loaded and whose kept buffers exist (from its third call) runs
+    # as one straight-line function written out for it (``runtime/unrolled.py``); False keeps the
+    # loop over its steps (the reference path, to compare host times against).
+    unroll: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -45,9 +45,11 @@ TOP_KERNELS = 20  # kernels kept per result, by GPU time
 # "fusionstitching-untuned": the plan's templates, no schedule measured (``Options(tune="off")``);
 # "fusionstitching-async": compiled in the background while the first calls run in PyTorch
 # (``Options(async_compile=True)``), its first call against "aot_eager"'s (TorchDynamo and
-# AOTAutograd, the graphs run by PyTorch); its rounds are timed once its compiles are done.
-SYSTEMS = ("eager", "inductor", "fusionstitching", "fusionstitching-untuned", "fusionstitching-async", "aot_eager",
-           "xla")
+# AOTAutograd, the graphs run by PyTorch); its rounds are timed once its compiles are done;
+# "fusionstitching-loop": each GPU program run by the loop over its steps, not written out as one
+# function (``Options(unroll=False)``): the host time the unrolled program saves.
+SYSTEMS = ("eager", "inductor", "fusionstitching", "fusionstitching-untuned", "fusionstitching-async",
+           "fusionstitching-loop", "aot_eager", "xla")
 DEFAULT_SYSTEMS = ("eager", "inductor", "fusionstitching")
 
 # Kernels that are not memory-intensive work, by name: GEMMs of cuBLAS (gemm, gemv, nvjet, xmma,
@@ -382,7 +384,7 @@ def _compiled(case: Case, system: str, cache_dir: str | None = None, options: di
         return torch.compile(case.fn, backend="inductor")
     if system == "aot_eager":
         return torch.compile(case.fn, backend="aot_eager")
-    if system in ("fusionstitching", "fusionstitching-untuned", "fusionstitching-async"):
+    if system in ("fusionstitching", "fusionstitching-untuned", "fusionstitching-async", "fusionstitching-loop"):
         import fusionstitching  # noqa: F401  (registers the backend)
 
         chosen = dict(options or {})
@@ -390,6 +392,8 @@ def _compiled(case: Case, system: str, cache_dir: str | None = None, options: di
             chosen["tune"] = "off"
         if system == "fusionstitching-async":
             chosen["async_compile"] = True
+        if system == "fusionstitching-loop":
+            chosen["unroll"] = False
         if cache_dir is not None:
             chosen["cache_dir"] = cache_dir
         return torch.compile(case.fn, backend="fusionstitching", options=chosen or None)

@@ -73,6 +73,8 @@ class OutputSpec(NamedTuple):
 class KernelOp:
     """One generated kernel of the program."""
 
+    kind = "kernel"
+
     def __init__(self, kernel, in_slots: list[int], out_slots: list[int], contiguous: list[int],
                  device: torch.device, kept: set[int] = frozenset(),
                  reshaped: dict[int, tuple[int, ...]] | None = None, options: Options | None = None) -> None:
@@ -169,6 +171,8 @@ class CallOp:
     the chain): no step of its own per view. When that input is a kept buffer (``stable[k]``: the
     same tensor on every lean call, never resized or given new storage) its view is made once and
     reused while the buffer is the same object."""
+
+    kind = "call"
 
     def __init__(self, fn: Callable[..., Any], in_slots: list[int], out_slot: int | list[int],
                  views: list[Callable[[Any], Any] | None] | None = None, stable: list[bool] | None = None,
@@ -280,6 +284,7 @@ class GpuProgram:
         # the run written out as one function once every kernel is loaded and every kept buffer
         # allocated (``runtime/unrolled.py``), and its source
         self.unrolled: Callable[..., list[Any]] | None = None
+        self.unroll = options.unroll
         self.source = ""
         self._stream_argument = ctypes.c_void_p(None)
 
@@ -307,7 +312,7 @@ class GpuProgram:
                     op.retune(tuner, slots)
                 op(slots, stream, here)
         outputs = [None if k is None else slots[k] for k in self.output_slots]
-        if tuner is None and self.device.type == "cuda" and unrolled.ready(self):
+        if tuner is None and self.unroll and self.device.type == "cuda" and unrolled.ready(self):
             from fusionstitching.runtime.driver import driver
 
             self.unrolled, self.source = unrolled.unroll(self, driver().launch_raw)

@@ -35,10 +35,8 @@ _ALIGNMENT = 16
 
 def ready(program: Any) -> bool:
     """Whether every kernel of ``program`` has a loaded launcher and every kept buffer exists."""
-    from fusionstitching.runtime.program import KernelOp
-
     for op in program.ops:
-        if isinstance(op, KernelOp):
+        if op.kind == "kernel":
             launcher = op.launcher
             if launcher is None or launcher._function is None:
                 return False
@@ -56,12 +54,10 @@ def unroll(program: Any, launch: Callable[..., int]) -> tuple[Callable[..., list
     ``ready(program)``."""
     import ctypes
 
-    from fusionstitching.runtime.program import KernelOp
-
     constants: dict[str, Any] = {"_launch": launch, "_fail": _fail}
     slot_constants = dict(program.constants)
     for op in program.ops:
-        if isinstance(op, KernelOp):
+        if op.kind == "kernel":
             for slot, keep, buffer in zip(op.out_slots, op.kept, op.buffers):
                 if keep:
                     slot_constants[slot] = buffer
@@ -79,7 +75,7 @@ def unroll(program: Any, launch: Callable[..., int]) -> tuple[Callable[..., list
         names = ", ".join(f"v{k}" for k in range(parameters))
         lines.append(f"    {names}{',' if parameters == 1 else ''} = tensors")
     for index, op in enumerate(program.ops):
-        if isinstance(op, KernelOp):
+        if op.kind == "kernel":
             lines += _kernel_lines(op, index, slot_constants, constant, ctypes)
         else:
             lines += _call_lines(op, index, slot_constants, constant)

@@ -199,3 +199,28 @@ def test_the_unrolled_program_on_a_gpu_takes_misaligned_and_moved_inputs():
         torch.testing.assert_close(total, want.sum(), rtol=1e-4, atol=1e-3, msg=f"call {call}")
     (program,) = compiled._programs.values()
     assert program.unrolled is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_program_under_unroll_false_keeps_its_loop():
+    from fusionstitching.options import Options
+
+    b = GraphBuilder("looped_gpu")
+    x = b.parameter((4096,), DType.F32, "x")
+    graph = b.build([b.binary("mul", b.unary("exp", x), x)])
+    compiled = compile_plan(explore(graph), options=Options(unroll=False))
+    t = torch.rand(4096, device="cuda")
+    for _ in range(4):
+        torch.testing.assert_close(compiled.run([t], trusted=True)[0], torch.exp(t) * t)
+    (program,) = compiled._programs.values()
+    assert program.unrolled is None and not program.unroll
+
+
+def test_the_bench_system_without_unrolling_compiles_with_unroll_false(monkeypatch):
+    from fusionstitching.bench import suite
+
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda fn, backend=None, options=None: seen.update(options or {}) or fn)
+    suite._compiled(suite.make_case("layernorm", small=True), "fusionstitching-loop")
+    assert seen == {"unroll": False}
