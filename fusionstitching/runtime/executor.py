@@ -30,7 +30,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -560,10 +560,14 @@ class HostFallbackWarning(UserWarning):
     """A node of a GPU program runs on the host (NumPy), outside any kernel or library call."""
 
 
-def _library_function(node: Node, siblings: Sequence[int] = ()) -> Callable[..., Any]:
+def _library_function(node: Node, siblings: Sequence[int] = (),
+                      transposed: Mapping[int, tuple[int, ...]] | None = None) -> Callable[..., Any]:
     """How a library step runs on a GPU: a GEMM through ``torch.matmul``, a library op through its
     ``torch.ops`` callable, a node no kernel could be built for through the reference (NumPy).
-    ``siblings``: the output indices of a multi-output op the step returns (a list of tensors)."""
+    ``siblings``: the output indices of a multi-output op the step returns (a list of tensors).
+    ``transposed``: operands the program would pass through a transpose of this permutation
+    (``library_call.library_function``; the returned function's ``undone`` names those it takes
+    untransposed)."""
     import torch
 
     siblings = list(siblings) or [node.attrs.get("out_index", -1)]
@@ -577,7 +581,7 @@ def _library_function(node: Node, siblings: Sequence[int] = ()) -> Callable[...,
         if fill is not None:
             target = torch.ops.aten.index_put_.default
 
-        return library_function(call, target, len(node.operands), index, siblings, fill)
+        return library_function(call, target, len(node.operands), index, siblings, fill, transposed)
 
     if node.op == "reduce" and node.operands[0].dtype.is_float:
         return _torch_reduce(node)

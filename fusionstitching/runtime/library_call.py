@@ -33,19 +33,28 @@ from fusionstitching.graph import reference
 
 
 def library_function(call: Mapping, target: Callable[..., Any], operands: int, index: int = -1,
-                     siblings: Sequence[int] = (), fill: Any = None) -> Callable[..., Any]:
+                     siblings: Sequence[int] = (), fill: Any = None,
+                     transposed: Mapping[int, tuple[int, ...]] | None = None) -> Callable[..., Any]:
     """The call of ``target`` that ``call`` (a library node's ``attrs["call"]``) describes, as a
     function of the node's ``operands`` operands. ``index``: the node's ``out_index`` (-1: the whole
     result); ``siblings``: the output indices a multi-output step returns (a list); ``fill``: a scalar
-    whose new filled tensor replaces operand 0, passed as it is (``executor._filled_destination``)."""
-    return _written(call, target, operands, index, siblings, fill)[0]
+    whose new filled tensor replaces operand 0, passed as it is (``executor._filled_destination``).
+
+    ``transposed``: operands the caller would pass as ``x.permute(p)`` of a tensor ``x`` it has.
+    Where the call permutes such an operand back (every place of it in the template permutes by the
+    inverse of ``p``: a channels-last convolution's operand held NCHW by its parameter), the function
+    takes ``x`` itself and permutes nothing; its ``undone`` attribute names those operands."""
+    return _written(call, target, operands, index, siblings, fill, transposed)[0]
 
 
 def _written(call: Mapping, target: Callable[..., Any], operands: int, index: int, siblings: Sequence[int],
-             fill: Any) -> tuple[Callable[..., Any], str]:
+             fill: Any, transposed: Mapping[int, tuple[int, ...]] | None = None) -> tuple[Callable[..., Any], str]:
     import torch
 
-    writer = _Writer(raw=(0,) if fill is not None else ())
+    raw = (0,) if fill is not None else ()
+    undone = frozenset(k for k, permutation in (transposed or {}).items()
+                       if k not in raw and _permuted_back(call, k, permutation))
+    writer = _Writer(raw=raw, undone=undone)
     positional = [writer.expression(part) for part in call.get("args", [])]
     keywords = {key: writer.expression(part) for key, part in call.get("kwargs", {}).items()}
     lines = list(writer.lines)
@@ -80,15 +89,40 @@ def _written(call: Mapping, target: Callable[..., Any], operands: int, index: in
                  "_grad_enabled": torch.is_grad_enabled, "_no_grad": torch.no_grad, "_full": torch.full,
                  "_restride": _restride, "_result": reference.library_result}
     exec(compile(source, "<fusionstitching library call>", "exec"), namespace)  # noqa: S102 (written above)
-    return namespace["library_op"], source
+    function = namespace["library_op"]
+    function.undone = undone
+    return function, source
+
+
+def _permuted_back(call: Mapping, k: int, permutation: tuple[int, ...]) -> bool:
+    """Whether every place of operand ``k`` in ``call``'s template permutes it by the inverse of
+    ``permutation`` (``x.permute(permutation).permute(back)`` is ``x``)."""
+    places = list(_places(call, k))
+    return bool(places) and all(
+        "permute" in place and len(place["permute"]) == len(permutation)
+        and all(permutation[back] == i for i, back in enumerate(place["permute"])) for place in places)
+
+
+def _places(template: Any, k: int) -> Any:
+    """The operand templates of operand ``k`` in ``template``."""
+    if isinstance(template, Mapping):
+        if template.get("operand") == k and "operand" in template:
+            yield template
+        elif "operand" not in template:
+            for value in template.values():
+                yield from _places(value, k)
+    elif isinstance(template, (list, tuple)):
+        for value in template:
+            yield from _places(value, k)
 
 
 class _Writer:
     """Expressions for a template's parts: operands as locals made by ``lines``, constant parts as
     names bound to values built once (``constants``)."""
 
-    def __init__(self, raw: Sequence[int]) -> None:
+    def __init__(self, raw: Sequence[int], undone: frozenset[int] = frozenset()) -> None:
         self.raw = set(raw)
+        self.undone = undone  # operands passed untransposed: no permute back (``_permuted_back``)
         self.lines: list[str] = []
         self.constants: dict[str, Any] = {}
         self._names = itertools.count()
@@ -140,7 +174,7 @@ class _Writer:
         if template.get("host"):  # traced on the host: passed there (reference.library_operand)
             self.lines.append(f"    if {name}.device.type != 'cpu':")
             self.lines.append(f"        {name} = {name}.cpu()")
-        if "permute" in template:  # held permuted by the graph (graph/layout.py): a view
+        if "permute" in template and k not in self.undone:  # held permuted by the graph (graph/layout.py): a view
             self.lines.append(f"    {name} = {name}.permute({tuple(template['permute'])!r})")
         if template.get("strides") is not None:
             strides = self.constant(tuple(template["strides"]))

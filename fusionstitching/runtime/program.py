@@ -253,20 +253,31 @@ class GpuProgram:
                                          checked, device, kept_slots, reshaped, options))
             elif step.nodes[0] not in self.folded and step.nodes[0] not in self.reshapes:
                 node = step.nodes[0]
-                if step.kind == "view":
-                    fn = view_function(node)
-                elif len(step.nodes) > 1:  # one call of a multi-output op
-                    fn = library(node, [n.attrs["out_index"] for n in step.nodes])
-                else:
-                    fn = library(node)
-                sources, views = [], []
+                sources, chains = [], []
                 for x in node.operands:
                     chain = []
                     while x in self.folded:
-                        chain.append(view_function(x))
+                        chain.append(x)
                         x = x.operands[0]
                     sources.append(x)
-                    views.append(_chained(chain[::-1]) if chain else None)
+                    chains.append(chain[::-1])
+                # An operand folded from one transpose that the library call permutes back (a
+                # channels-last convolution's NHWC weight or saved activation, held NCHW by its
+                # parameter): the call takes the transpose's operand as it is (``library_call``).
+                transposed = {k: tuple(chain[0].attrs["permutation"]) for k, chain in enumerate(chains)
+                              if len(chain) == 1 and chain[0].op == "transpose"} if node.op == "library" else {}
+                siblings = [n.attrs["out_index"] for n in step.nodes] if len(step.nodes) > 1 else []
+                if step.kind == "view":
+                    fn = view_function(node)
+                elif transposed:
+                    fn = library(node, siblings, transposed=transposed)
+                elif siblings:  # one call of a multi-output op
+                    fn = library(node, siblings)
+                else:
+                    fn = library(node)
+                undone = getattr(fn, "undone", frozenset())  # the transposes the call permutes back
+                views = [None if k in undone or not chain else _chained([view_function(v) for v in chain])
+                         for k, chain in enumerate(chains)]
                 out = slot[node] if len(step.nodes) == 1 else [slot[n] for n in step.nodes]
                 label = f"{step.kind} {node.name} ({node.attrs.get('target', node.op)})"
                 self.ops.append(CallOp(fn, [slot[x] for x in sources], out, views, [x in kept for x in sources], label))

@@ -150,3 +150,51 @@ def test_every_library_node_of_a_workload_gives_the_references_value(workload):
             np.testing.assert_allclose(_to_numpy(got, node).astype(np.float64), np.asarray(want, np.float64),
                                        rtol=1e-5, atol=1e-5, err_msg=node.name)
     assert seen
+
+
+def test_an_operand_the_call_permutes_back_is_taken_untransposed():
+    """A channels-last convolution's weight and saved activation reach its call as transposes of
+    parameters held NCHW; the call's template permutes them back. The program passes the parameter
+    itself: no view step, no permute, the same values."""
+    from fusionstitching.fusion import explore
+    from fusionstitching.runtime.executor import _library_function
+    from fusionstitching.runtime.program import GpuProgram
+
+    captured = _channels_last_convolutions()
+    undone_anywhere = 0
+    generator = torch.Generator().manual_seed(0)
+    for graph in (captured.forward, captured.backward):
+        plan = explore(graph)
+        program = GpuProgram(plan.graph, _steps(plan), torch.device("cpu"), lambda node, device: None,
+                             _library_function)
+        for op in program.ops:
+            if op.kind != "call" or not getattr(op.fn, "undone", None):
+                continue
+            undone_anywhere += len(op.fn.undone)
+            node = next(n for n in plan.graph.nodes if op.label.startswith(f"library {n.name} "))
+            for k in op.fn.undone:
+                assert op.views is None or op.views[k] is None
+                assert node.operands[k].op == "transpose" and plan.graph.parameters.count(node.operands[k].operands[0])
+            held = [torch.randn(x.shape, generator=generator) for x in node.operands]  # as the graph holds them
+            given = [x.operands[0] if k in op.fn.undone else x for k, x in enumerate(node.operands)]
+            untransposed = [t.permute(*_inverse(x.attrs["permutation"])) if k in op.fn.undone else t
+                            for k, (t, x) in enumerate(zip(held, node.operands))]
+            assert [tuple(t.shape) for t in untransposed] == [tuple(x.shape) for x in given]
+            want = _library_function(node)(*held)
+            got = op.fn(*untransposed)
+            for w, g in zip(want if isinstance(want, list) else [want], got if isinstance(got, list) else [got]):
+                torch.testing.assert_close(g, w)
+    assert undone_anywhere >= 3  # the forward's weights, the backward's weights and saved inputs
+
+
+def _inverse(permutation):
+    inverse = [0] * len(permutation)
+    for i, p in enumerate(permutation):
+        inverse[p] = i
+    return inverse
+
+
+def _steps(plan):
+    from fusionstitching.pipeline import ordered_steps
+
+    return ordered_steps(plan)
