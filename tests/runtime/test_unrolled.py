@@ -14,6 +14,8 @@ import ctypes
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fusionstitching.cli import capture_workload
 from fusionstitching.fusion import explore
@@ -131,6 +133,61 @@ def test_the_unrolled_function_launches_what_the_loop_launches(name):
         got = run(tensors, ctypes.c_void_p(None), alloc)
         assert _canonical(recorder.launches, got, _known(program, tensors)) == loop
         assert len(recorder.launches) == source.count("_launch(")
+
+
+SQUARE = (64, 64)
+
+
+@st.composite
+def _programs(draw):
+    """1-3 parameters of SQUARE, then 2-9 steps: exp, a binary op, a row sum broadcast back, a
+    transpose or a reshape round trip (views), a GEMM (a library call); outputs: the last value,
+    and up to three others (views among them: outputs that are views of kernel outputs)."""
+    b = GraphBuilder("random_program")
+    values = [b.parameter(SQUARE, DType.F32, f"p{i}") for i in range(draw(st.integers(1, 3)))]
+    for _ in range(draw(st.integers(2, 9))):
+        kind = draw(st.sampled_from(["exp", "binary", "reduce", "transpose", "reshape", "dot"]))
+        x = draw(st.sampled_from(values))
+        if kind == "exp":
+            values.append(b.unary("exp", b.unary("neg", x)))
+        elif kind == "binary":
+            values.append(b.binary(draw(st.sampled_from(["add", "mul", "max"])), x, draw(st.sampled_from(values))))
+        elif kind == "reduce":
+            values.append(b.broadcast(b.reduce(x, (1,), "sum"), SQUARE, (0,)))
+        elif kind == "transpose":
+            values.append(b.transpose(x, (1, 0)))
+        elif kind == "reshape":
+            values.append(b.reshape(b.reshape(x, (32, 128)), SQUARE))
+        else:
+            y = draw(st.sampled_from(values))
+            values.append(b.node("dot_general", [x, y], lhs_batch=(), rhs_batch=(), lhs_contract=(1,),
+                                 rhs_contract=(0,)))
+    computed = [v for v in values if v.op != "parameter"]
+    outputs = [computed[-1]] + [v for v in draw(st.lists(st.sampled_from(computed), max_size=3, unique_by=id))
+                                if v is not computed[-1]]
+    return b.build(outputs)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=_programs())
+def test_random_programs_launch_the_same_unrolled_as_looped(graph):
+    recorder = Recorder()
+    program = _program(graph, recorder)
+    rng = np.random.default_rng(0)
+    tensors = [torch.from_numpy(rng.random(p.shape, dtype=np.float32)) for p in graph.parameters]
+    program.run(tensors)
+    assert unrolled.ready(program)
+    run, _ = unrolled.unroll(program, recorder)
+    alloc = lambda shape, strides, dtype: torch.empty_strided(shape, strides, dtype=dtype)
+    for fresh in (False, True):
+        if fresh:
+            tensors = [t.clone() for t in tensors]
+        recorder.launches.clear()
+        looped = program.run(tensors)
+        loop = _canonical(recorder.launches, looped, _known(program, tensors))
+        recorder.launches.clear()
+        got = run(tensors, ctypes.c_void_p(None), alloc)
+        assert _canonical(recorder.launches, got, _known(program, tensors)) == loop, str(graph)
 
 
 def test_a_misaligned_pointer_runs_the_scalar_variant():
