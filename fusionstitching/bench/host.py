@@ -4,7 +4,8 @@ Measures, in one process, with tiny kernels so that the GPU never holds the host
 
 - the bare prepacked launch: ``LoadedKernel.launch_tensors`` of one generated kernel;
 - per kernel inside a CompiledGraph: a chain of ``N`` exps planned by the baseline (an expensive
-  op is never fused as a producer there, so the plan is ``N`` kernels), wall time per call / N;
+  op is never fused as a producer there, so the plan is ``N`` kernels), wall time per call / N, run
+  as the unrolled program (``runtime/unrolled.py``) and by the loop over its steps;
 - the same with ``mode="reduce-overhead"`` (CUDA-graph replay);
 - the fixed cost per call: a one-kernel CompiledGraph, and ``torch.compile`` of ``x * 2 + 1``
   through this backend, Inductor and eager (guards, AOTAutograd wrappers, output allocation).
@@ -43,6 +44,7 @@ def main() -> int:
         return 2
     import fusionstitching  # registers the backend
     from fusionstitching.fusion import baseline, explore
+    from fusionstitching.options import Options
     from fusionstitching.pipeline import compile_plan
     from fusionstitching.runtime.kernel_call import loaded
     from fusionstitching.runtime.launch import host_overhead_us
@@ -57,6 +59,8 @@ def main() -> int:
     chain = compile_plan(baseline(_chain_graph(CHAIN)))
     kernels = chain.plan.kernel_count
     per_kernel = _per_call_us(functools.partial(chain.run, [x], True)) / kernels
+    looped = compile_plan(baseline(_chain_graph(CHAIN)), options=Options(unroll=False))
+    per_kernel_looped = _per_call_us(functools.partial(looped.run, [x], True)) / kernels
     graphed = compile_plan(baseline(_chain_graph(CHAIN)), mode="reduce-overhead")
     per_kernel_graphed = _per_call_us(functools.partial(graphed.run, [x], True)) / kernels
     one = _per_call_us(functools.partial(single.run, [x], True))
@@ -66,6 +70,7 @@ def main() -> int:
 
     rows = [("bare prepacked launch (per kernel)", bare),
             (f"CompiledGraph, {kernels} kernels (per kernel)", per_kernel),
+            (f"CompiledGraph, {kernels} kernels, Options(unroll=False) (per kernel)", per_kernel_looped),
             (f"CompiledGraph reduce-overhead, {kernels} kernels (per kernel)", per_kernel_graphed),
             ("CompiledGraph, one kernel (per call)", one)]
     for backend in ("fusionstitching", "inductor", "eager"):
