@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,7 +85,11 @@ def compile_graph(graph: Graph, options: Options | None = None, mode: str | None
         if kept and not plan.transferred:
             plan = keep_templates(plan, kept, options)
     with timed("code generation"):
-        compiled = compile_plan(plan, mode=mode, options=options, device=device, output_devices=output_devices)
+        # NVRTC compiles each kernel as soon as it is generated, in threads, while the next ones are
+        # generated; not where kernels may yet be adopted into a family's parametric kernels.
+        compiling = _compile_ahead(device, options) if families is None else None
+        compiled = compile_plan(plan, mode=mode, options=options, device=device, output_devices=output_devices,
+                                compile_ahead=compiling)
         if families is not None:
             compiled.shared_kernels = families.adopt(compiled.kernels)
     # The graph's compile work (the tuning budget is a multiple of it): a plan explored ahead
@@ -130,28 +134,43 @@ def _transferred(like: Sequence[FusionPlan], graph: Graph, options: Options,
 
 
 def compile_plan(plan: FusionPlan, mode: str | None = None, options: Options | None = None, device: Any = None,
-                 output_devices: Sequence[Any] | None = None) -> CompiledGraph:
-    """The generate and order stages for ``plan``, handed to the ``CompiledGraph`` that runs them."""
-    return CompiledGraph(plan, ordered_steps(plan), mode=mode, options=options, device=device,
-                         output_devices=output_devices)
+                 output_devices: Sequence[Any] | None = None, compile_ahead: Any = None) -> CompiledGraph:
+    """The generate and order stages for ``plan``, handed to the ``CompiledGraph`` that runs them.
+    ``compile_ahead``: a ``kernel_call.CompileAhead`` that gets each kernel as it is generated; the
+    program waits for it before compiling what is left (``CompiledGraph.prepare``)."""
+    generated = compile_ahead.submit_one if compile_ahead is not None else None
+    compiled = CompiledGraph(plan, ordered_steps(plan, generated), mode=mode, options=options, device=device,
+                             output_devices=output_devices)
+    compiled.compiling = compile_ahead
+    return compiled
 
 
-def ordered_steps(plan: FusionPlan) -> list[Step]:
+def _compile_ahead(device: Any, options: Options) -> Any:
+    """A ``CompileAhead`` for CUDA ``device``'s arch; None elsewhere (CPU: kernels are simulated)."""
+    if device is None or getattr(device, "type", None) != "cuda":
+        return None
+    from fusionstitching.runtime.kernel_call import CompileAhead, device_arch
+
+    return CompileAhead(device_arch(device), cache_dir=options.cache_dir, cache_max_bytes=options.cache_max_bytes)
+
+
+def ordered_steps(plan: FusionPlan, generated: Callable[[GeneratedKernel], None] | None = None) -> list[Step]:
     """The plan's steps, generated (``generate_steps``) and in dependence order (``order_steps``).
     A kernel whose in-place update no order allows (a reader of the input's old value would have to
     run after it) is generated again to write a new buffer, which the runtime copies into the input
-    after the call."""
+    after the call. ``generated``: called with each kernel generated (not with its twins)."""
     not_in_place: frozenset[str] = frozenset()
     while True:
         try:
-            return order_steps(plan.graph, generate_steps(plan, not_in_place))
+            return order_steps(plan.graph, generate_steps(plan, not_in_place, generated))
         except InPlaceCycle as refused:
             if refused.writers <= not_in_place:
                 raise RuntimeError(f"plan for {plan.graph.name}: {refused}") from None
             not_in_place |= refused.writers
 
 
-def generate_steps(plan: FusionPlan, not_in_place: frozenset[str] = frozenset()) -> list[Step]:
+def generate_steps(plan: FusionPlan, not_in_place: frozenset[str] = frozenset(),
+                   generated: Callable[[GeneratedKernel], None] | None = None) -> list[Step]:
     """A step per pattern, library call and view. A pattern with the structure and template of an
     earlier one (up to names) gets that kernel's twin: one lowering, one compile, one module, one
     name; kernels generated apart have names of their own. The patterns whose first node is in
@@ -176,6 +195,8 @@ def generate_steps(plan: FusionPlan, not_in_place: frozenset[str] = frozenset())
                 raise RuntimeError(f"plan for {graph.name}: the kernels of patterns at {named[kernel.name]} "
                                    f"and {nodes[0].name} are both named {kernel.name}")
             named[kernel.name] = nodes[0].name
+            if generated is not None:
+                generated(kernel)
         steps.append(Step("kernel", tuple(nodes), kernel))
     steps += _library_steps([graph.node(n) for n in plan.library])
     steps += [Step("view", (graph.node(n),)) for n in plan.views]

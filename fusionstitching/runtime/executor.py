@@ -110,6 +110,9 @@ class CompiledGraph:
         # The first GPU call reads the performance library and measures nothing, not even a
         # survey: the call that takes over from a background compile (``Options.async_compile``).
         self.library_only = False
+        # Kernels handed to NVRTC as they were generated (``pipeline.compile_plan``): waited for by
+        # the first ``prepare``.
+        self.compiling: Any = None
 
     @property
     def counts(self) -> Counter[str]:
@@ -243,6 +246,10 @@ class CompiledGraph:
         if program is None:
             start = time.perf_counter()
             with timed("nvrtc"):
+                if self.compiling is not None:  # the kernels compiled while they were generated
+                    self.compiling.wait(self.kernels)
+                    self.compiling.close()
+                    self.compiling = None
                 program = GpuProgram(self.graph, self.steps, device, self._constant, _library_function, self.options)
             self.compile_seconds += time.perf_counter() - start  # NVRTC (``precompile``)
             if self.mode == "reduce-overhead":

@@ -141,6 +141,9 @@ class CompileAhead:
                 continue
             self._futures[id(kernel)] = (kernel, self._pool.submit(self._compile, kernel))
 
+    def submit_one(self, kernel: Any) -> None:
+        self.submit([kernel])
+
     def _compile(self, kernel: Any) -> None:
         import contextlib
 

@@ -687,3 +687,62 @@ def test_a_0d_cpu_input_moved_to_the_gpu_is_reused_while_its_value_stays():
         got = compiled(x, torch.tensor(value, dtype=torch.float64))[0]
         torch.testing.assert_close(got, x * value, equal_nan=True)
         assert torch.equal(torch.signbit(got), torch.signbit(x * value))
+
+
+def test_kernels_compile_while_the_next_are_generated_and_the_first_prepare_waits_for_them(monkeypatch, tmp_path):
+    """``compile_plan`` with a ``CompileAhead`` hands it each kernel as it is generated (twins
+    not again); the first ``prepare`` waits for those compiles and closes the pool, and the
+    program then compiles nothing. Off a GPU nothing compiles ahead."""
+    import threading
+
+    from fusionstitching.codegen import nvrtc
+    from fusionstitching.pipeline import _compile_ahead
+    from fusionstitching.runtime import executor, kernel_call
+
+    _, captured = capture_workload("bert", train=True)
+    plan = explore(captured.backward)
+    seen, threads = [], set()
+    real = nvrtc.compile_cuda
+
+    def counting(source, arch, **kwargs):
+        seen.append(source)
+        threads.add(threading.current_thread().name)
+        return real(source, arch, **kwargs)
+
+    monkeypatch.setattr(nvrtc, "compile_cuda", counting)
+    ahead = kernel_call.CompileAhead("sm_90", workers=2, cache_dir=tmp_path)
+    compiled = compile_plan(plan, compile_ahead=ahead)
+    assert compiled.compiling is ahead
+    kernels = compiled.kernels
+    assert any(k._twin is not None for k in kernels)  # BERT's layers: twins of one kernel
+    made = []
+
+    class Program:
+        def __init__(self, graph, steps, device, constant, library, options):
+            made.append(device)
+            kernel_call.precompile([s.kernel for s in steps if s.kernel is not None], "sm_90", cache_dir=tmp_path)
+
+    monkeypatch.setattr(executor, "GpuProgram", Program)
+    compiled.prepare(torch.device("cuda", 0))
+    assert made and compiled.compiling is None and ahead.in_flight() == 0
+    assert all(name.startswith("fusionstitching-compile") for name in threads)
+    assert len(seen) == len(set(seen)) == len({k.cuda_source for k in kernels})
+    assert all("sm_90" in kernel_call.loaded(k).modules for k in kernels if k._twin is None)
+    assert _compile_ahead(None, compiled.options) is None
+    assert _compile_ahead(torch.device("cpu"), compiled.options) is None
+
+
+def test_compile_graph_for_a_gpu_compiles_its_kernels_ahead(monkeypatch, tmp_path):
+    from fusionstitching import pipeline
+    from fusionstitching.options import Options
+    from fusionstitching.runtime import kernel_call
+
+    _, captured = capture_workload("layernorm", train=True)
+    monkeypatch.setattr(kernel_call, "device_arch", lambda device=None: "sm_90")
+    monkeypatch.setattr(pipeline, "with_gemm_timings", lambda graph, options, device: options)
+    options = Options(strict=True, cache_dir=str(tmp_path), cache_plans=False)
+    compiled = pipeline.compile_graph(captured.backward, options, device=torch.device("cuda", 0))
+    assert isinstance(compiled.compiling, kernel_call.CompileAhead) and compiled.compile_seconds > 0
+    compiled.compiling.wait(compiled.kernels)
+    assert all("sm_90" in kernel_call.loaded(k).modules for k in compiled.kernels if k._twin is None)
+    compiled.compiling.close()
