@@ -461,22 +461,12 @@ def test_compile_ahead_compiles_in_the_background_each_source_once_and_precompil
     """``CompileAhead`` (the tuner's background compiles): each distinct source once, twins with
     their original; after ``wait`` the kernels hold their modules and ``precompile`` compiles
     nothing; after ``close`` nothing is left in flight."""
-    import threading
 
-    from fusionstitching.codegen import nvrtc
     from fusionstitching.runtime import kernel_call
 
     _, captured = capture_workload("layernorm", train=True)
     compiled = compile_plan(explore(captured.backward))
-    seen, threads = [], set()
-    real = nvrtc.compile_cuda
-
-    def counting(source, arch, **kwargs):
-        seen.append(source)
-        threads.add(threading.current_thread().name)
-        return real(source, arch, **kwargs)
-
-    monkeypatch.setattr(nvrtc, "compile_cuda", counting)
+    seen, threads = _counted_compiles(monkeypatch)
     ahead = kernel_call.CompileAhead("sm_90", workers=2, cache_dir=tmp_path)
     ahead.submit(compiled.kernels)
     ahead.submit(compiled.kernels)  # handed again: not compiled again
@@ -693,23 +683,13 @@ def test_kernels_compile_while_the_next_are_generated_and_the_first_prepare_wait
     """``compile_plan`` with a ``CompileAhead`` hands it each kernel as it is generated (twins
     not again); the first ``prepare`` waits for those compiles and closes the pool, and the
     program then compiles nothing. Off a GPU nothing compiles ahead."""
-    import threading
 
-    from fusionstitching.codegen import nvrtc
     from fusionstitching.pipeline import _compile_ahead
     from fusionstitching.runtime import executor, kernel_call
 
     _, captured = capture_workload("bert", train=True)
     plan = explore(captured.backward)
-    seen, threads = [], set()
-    real = nvrtc.compile_cuda
-
-    def counting(source, arch, **kwargs):
-        seen.append(source)
-        threads.add(threading.current_thread().name)
-        return real(source, arch, **kwargs)
-
-    monkeypatch.setattr(nvrtc, "compile_cuda", counting)
+    seen, threads = _counted_compiles(monkeypatch)
     ahead = kernel_call.CompileAhead("sm_90", workers=2, cache_dir=tmp_path)
     compiled = compile_plan(plan, compile_ahead=ahead)
     assert compiled.compiling is ahead
@@ -746,3 +726,21 @@ def test_compile_graph_for_a_gpu_compiles_its_kernels_ahead(monkeypatch, tmp_pat
     compiled.compiling.wait(compiled.kernels)
     assert all("sm_90" in kernel_call.loaded(k).modules for k in compiled.kernels if k._twin is None)
     compiled.compiling.close()
+
+
+def _counted_compiles(monkeypatch) -> tuple[list[str], set[str]]:
+    """NVRTC compiles counted from here on: the sources compiled and the threads that compiled them."""
+    import threading
+
+    from fusionstitching.codegen import nvrtc
+
+    seen, threads = [], set()
+    real = nvrtc.compile_cuda
+
+    def counting(source, arch, **kwargs):
+        seen.append(source)
+        threads.add(threading.current_thread().name)
+        return real(source, arch, **kwargs)
+
+    monkeypatch.setattr(nvrtc, "compile_cuda", counting)
+    return seen, threads
