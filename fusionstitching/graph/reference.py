@@ -541,12 +541,20 @@ def operand_function(template: Mapping) -> Any:
             tensor = tensor.cpu()
         if permutation is not None:  # an operand the graph holds permuted (``graph/layout.py``): a view
             tensor = tensor.permute(permutation)
-        if strides is None or tensor.stride() == strides or tensor.dim() != len(strides) or all(
-                size <= 1 or have == want for size, have, want in zip(tensor.shape, tensor.stride(), strides)):
+        if strides is None or tensor.stride() == strides:
             return tensor
-        return with_strides(tensor, strides)
+        return traced_layout(tensor, strides)
 
     return operand
+
+
+def traced_layout(tensor: Any, strides: tuple[int, ...]) -> Any:
+    """``tensor`` laid out with the ``strides`` it was traced with, where its strides differ in a dim
+    of more than one element (a copy then; ``tensor`` itself otherwise)."""
+    if tensor.dim() != len(strides) or all(
+            size <= 1 or have == want for size, have, want in zip(tensor.shape, tensor.stride(), strides)):
+        return tensor
+    return with_strides(tensor, strides)
 
 
 def library_result(call: Mapping, result: Any) -> Any:

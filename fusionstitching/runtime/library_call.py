@@ -87,7 +87,7 @@ def _written(call: Mapping, target: Callable[..., Any], operands: int, index: in
     source = f"def library_op({parameters}):\n" + "\n".join(lines) + "\n"
     namespace = {**writer.constants, "_target": _direct(target), "_call": call,
                  "_grad_enabled": torch.is_grad_enabled, "_no_grad": torch.no_grad, "_full": torch.full,
-                 "_restride": _restride, "_result": reference.library_result}
+                 "_restride": reference.traced_layout, "_result": reference.library_result}
     exec(compile(source, "<fusionstitching library call>", "exec"), namespace)  # noqa: S102 (written above)
     function = namespace["library_op"]
     function.undone = undone
@@ -193,12 +193,3 @@ def _direct(target: Callable[..., Any]) -> Callable[..., Any]:
             and type(target).__call__ is overload.__call__ and callable(getattr(target, "_op", None)):
         return target._op
     return target
-
-
-def _restride(tensor: Any, strides: tuple[int, ...]) -> Any:
-    """``tensor`` laid out with ``strides`` as traced, where its strides differ in a dim of more than
-    one element (``reference.operand_function``'s rule)."""
-    if tensor.dim() != len(strides) or all(
-            size <= 1 or have == want for size, have, want in zip(tensor.shape, tensor.stride(), strides)):
-        return tensor
-    return reference.with_strides(tensor, strides)
