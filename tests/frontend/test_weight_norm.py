@@ -49,6 +49,7 @@ def test_values_and_gradients_match_eager(dim, dtype):
 
 
 def test_a_weight_normed_convolution_trains_without_library_calls_but_the_convolution():
+    torch.manual_seed(0)  # the weights do not depend on the tests run before this one
     conv = torch.nn.utils.weight_norm(torch.nn.Conv1d(4, 4, 3, padding=1, groups=2), name="weight", dim=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -62,8 +63,10 @@ def test_a_weight_normed_convolution_trains_without_library_calls_but_the_convol
     got = [p.grad.clone() for p in conv.parameters()]
     conv.zero_grad()
     conv(x).square().sum().backward()
+    # f32 gradients through the norm's sums, summed in another order than eager's: the f32 tolerance
+    # of the model checks (``bench/correctness.py``)
     for a, b in zip(got, (p.grad for p in conv.parameters())):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_the_fused_op_over_a_middle_dim_is_rejected_as_eager_rejects_it():
